@@ -1,0 +1,1 @@
+"""KV cache: per-layer specs, block pools, storage tensors."""

@@ -1,0 +1,51 @@
+"""Cache storage tensors allocated from a CacheLayout, and row addressing by absolute position."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from deepinfer.kv.spec import FLOAT32, POOLS, CacheLayout, TensorSpec
+
+
+class KVStorage:
+    """One flat tensor [num_blocks(pool) * rows_per_block, width] per (layer, cache tensor)."""
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        num_blocks: Mapping[str, int],
+        model_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        missing = [p for p in POOLS if p not in num_blocks]
+        if missing:
+            raise ValueError(f"num_blocks: missing pools {missing}")
+        self.layout = layout
+        self.num_blocks = dict(num_blocks)
+        self.model_dtype = model_dtype
+        self.tensors: dict[tuple[str, str], torch.Tensor] = {}
+        for spec in layout.layers:
+            for t in spec.tensors:
+                rows = self.num_blocks[t.pool] * layout.rows_per_block(t)
+                dtype = torch.float32 if t.dtype == FLOAT32 else model_dtype
+                self.tensors[(spec.key, t.name)] = torch.zeros(rows, t.width, dtype=dtype, device=device)
+
+    def get(self, layer_key: str, name: str) -> torch.Tensor:
+        return self.tensors[(layer_key, name)]
+
+
+def rows_for(
+    block_table: Sequence[int], indices: torch.Tensor, layout: CacheLayout, spec: TensorSpec
+) -> torch.Tensor:
+    """Flat storage rows of ``indices`` (positions for stride-1 tensors, entry numbers otherwise)."""
+    per_block = layout.rows_per_block(spec)
+    table = torch.as_tensor(block_table, dtype=torch.long)
+    block_idx = indices // per_block
+    if indices.numel() and int(block_idx.max()) >= len(table):
+        raise IndexError(f"{spec.name}: row {int(indices.max())} is past the sequence's block table")
+    blocks = table[block_idx]
+    if indices.numel() and int(blocks.min()) < 0:
+        raise IndexError(f"{spec.name}: a needed block of pool {spec.pool!r} was released")
+    return blocks * per_block + indices % per_block

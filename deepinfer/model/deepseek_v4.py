@@ -1,0 +1,147 @@
+"""DeepSeek-V4 as pure math in plain PyTorch (the CPU reference path).
+
+Parameter names equal the DeepSeek-native checkpoint names (``embed.weight``, ``layers.N.attn.wq_a.weight``,
+``layers.N.ffn.experts.E.w1.weight``, ``mtp.0.*`` ...), so loading is a name-for-name copy after the
+loader has dequantized and renamed whatever it read.
+
+``forward`` takes a flat batch of new tokens from several sequences plus explicit metadata and the cache
+storage, and returns the final residual streams (before ``hc_head``); ``logits`` finishes the head. The
+MTP block (``mtp``) reuses the same decoder block and shares the embedding and LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.config.model import ModelConfig
+from deepinfer.kv.storage import KVStorage
+from deepinfer.model.attention import Attention
+from deepinfer.model.batch import ForwardBatch
+from deepinfer.model.context import StepContext
+from deepinfer.model.moe import MoE
+from deepinfer.model.norm import RMSNorm
+from deepinfer.model.rope import RopeTables
+from deepinfer.ops.ref.mhc import hc_head, hc_post, hc_pre
+
+
+class HyperConnection(nn.Module):
+    """The (fn, base, scale) triple of one mHC site; stored on the block as ``hc_{site}_{fn,base,scale}``."""
+
+
+def _hc_params(module: nn.Module, prefix: str, rows: int, cols: int, scales: int) -> None:
+    setattr(module, f"{prefix}_fn", nn.Parameter(torch.zeros(rows, cols, dtype=torch.float32)))
+    setattr(module, f"{prefix}_base", nn.Parameter(torch.zeros(rows, dtype=torch.float32)))
+    setattr(module, f"{prefix}_scale", nn.Parameter(torch.ones(scales, dtype=torch.float32)))
+
+
+class Block(nn.Module):
+    """One decoder layer: mHC-wrapped attention and MoE. Names: attn_norm, ffn_norm, hc_attn_*, hc_ffn_*,
+    attn.*, ffn.*."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, kind: str, ratio: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n, h = cfg.hc_mult, cfg.hidden_size
+        self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        _hc_params(self, "hc_attn", (2 + n) * n, n * h, 3)
+        _hc_params(self, "hc_ffn", (2 + n) * n, n * h, 3)
+        self.attn = Attention(cfg, kind, ratio, dtype)
+        self.ffn = MoE(cfg, layer, dtype)
+
+    def _pre(self, site: str, streams: torch.Tensor):
+        c = self.cfg
+        fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
+        return hc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, streams: torch.Tensor, ctx: StepContext, key: str, ropes: RopeTables) -> torch.Tensor:
+        collapsed, post, comb = self._pre("attn", streams)
+        out = self.attn(self.attn_norm(collapsed), ctx, key, ropes)
+        streams = hc_post(streams, out, post, comb)
+        collapsed, post, comb = self._pre("ffn", streams)
+        out = self.ffn(self.ffn_norm(collapsed), ctx.input_ids)
+        return hc_post(streams, out, post, comb)
+
+
+class MTPBlock(Block):
+    """The multi-token-prediction layer ``mtp.0``: a sliding-window decoder block fed with the target's
+    final streams at position p and the embedding of token p+1; predicts token p+2.
+    Extra names: enorm, hnorm, e_proj, h_proj, norm, hc_head_{fn,base,scale}."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        from deepinfer.config.model import SWA
+
+        super().__init__(cfg, cfg.num_hidden_layers, SWA, 0, dtype)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.e_proj = nn.Linear(h, h, bias=False, dtype=dtype)
+        self.h_proj = nn.Linear(h, h, bias=False, dtype=dtype)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        _hc_params(self, "hc_head", cfg.hc_mult, cfg.hc_mult * h, 1)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        h = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, h, dtype=dtype)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, kind, cfg.layer_compress_ratios[i], dtype) for i, kind in enumerate(cfg.layer_types)
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.head = nn.Linear(h, cfg.vocab_size, bias=False, dtype=dtype)
+        _hc_params(self, "hc_head", cfg.hc_mult, cfg.hc_mult * h, 1)
+        self.mtp = nn.ModuleList(MTPBlock(cfg, dtype) for _ in range(cfg.num_nextn_predict_layers))
+        self.ropes = RopeTables(cfg)
+
+    def context(self, input_ids: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> StepContext:
+        batch.check()
+        if len(input_ids) != batch.num_tokens:
+            raise ValueError(f"input_ids: {len(input_ids)} tokens but the batch describes {batch.num_tokens}")
+        positions = batch.positions(input_ids.device)
+        rope = {t: self.ropes.cos_sin(t, positions, self.dtype) for t in ("main", "compress")}
+        return StepContext(input_ids, positions, batch, storage, rope)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
+        """New tokens [T] -> final residual streams [T, hc_mult, H] (before hc_head)."""
+        ctx = self.context(input_ids, batch, storage)
+        x = self.embed(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, ctx, f"layers.{i}", self.ropes)
+        return streams
+
+    def _head(self, streams: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
+        c = self.cfg
+        x = hc_head(streams, owner.hc_head_fn, owner.hc_head_base, owner.hc_head_scale, c.hc_eps, c.rms_norm_eps)
+        return self.head(norm(x))
+
+    @torch.no_grad()
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Final streams [T, N, H] -> logits [T, V] (in the model dtype, as the reference returns them)."""
+        return self._head(streams, self, self.norm)
+
+    @torch.no_grad()
+    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, storage: KVStorage,
+                    depth: int = 0) -> torch.Tensor:
+        """Draft pass. ``streams`` [T, N, H]: target final streams at positions p (from ``batch``);
+        ``next_ids`` [T]: token p+1. Returns the MTP block's output streams (feed them back for chained
+        drafts); ``mtp_logits`` turns them into logits for token p+2.
+
+        Conventions (as vLLM's V4 MTP): the RoPE/cache position is the target position p, and the token
+        embedding is zeroed at p == 0.
+        """
+        mtp = self.mtp[depth]
+        ctx = self.context(next_ids, batch, storage)
+        emb = self.embed(next_ids).masked_fill((ctx.positions == 0).unsqueeze(-1), 0)
+        z = mtp.h_proj(mtp.hnorm(streams)) + mtp.e_proj(mtp.enorm(emb)).unsqueeze(1)
+        return mtp(z, ctx, f"mtp.{depth}", self.ropes)
+
+    @torch.no_grad()
+    def mtp_logits(self, mtp_streams: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        mtp = self.mtp[depth]
+        return self._head(mtp_streams, mtp, mtp.norm)

@@ -1,0 +1,74 @@
+"""MoE FFN: hash-routed (layers < num_hash_layers) or bias-corrected top-k routed experts, plus a shared
+expert. Every layer of V4 is MoE; expert SwiGLU clamps the gate from above and the up projection on both
+sides (the shared expert too, as the reference implementation does)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.config.model import HASH_MOE, ModelConfig
+from deepinfer.ops.ref.moe import route
+
+
+class Expert(nn.Module):
+    """Checkpoint names: ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Gate(nn.Module):
+    """Router. ``weight`` [E, H]; ``bias`` [E] fp32 (routed layers) or ``tid2eid`` [V, k] int64 (hash layers)."""
+
+    def __init__(self, cfg: ModelConfig, is_hash: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.is_hash = is_hash
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        is_hash = layer < cfg.num_hidden_layers and cfg.mlp_layer_types[layer] == HASH_MOE
+        self.gate = Gate(cfg, is_hash, dtype)
+        inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit, dtype) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(cfg.hidden_size, inter, limit, dtype) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        logits = F.linear(x, self.gate.weight)
+        weights, indices = route(
+            logits,
+            c.scoring_func,
+            c.num_experts_per_tok,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+            bias=None if self.gate.is_hash else self.gate.bias,
+            hash_indices=self.gate.tid2eid[input_ids] if self.gate.is_hash else None,
+        )
+        routed = torch.zeros_like(x)
+        # Ascending expert order, accumulating in the activation dtype (the reference's order).
+        for e in torch.unique(indices).tolist():
+            tok, slot = torch.where(indices == e)
+            out = self.experts[e](x[tok]) * weights[tok, slot, None]
+            routed.index_add_(0, tok, out.to(x.dtype))
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed

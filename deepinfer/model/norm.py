@@ -1,0 +1,18 @@
+"""Weighted RMSNorm module; its weight is kept in fp32 (checkpoints store bf16, upcast exactly)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.ops.ref.norm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

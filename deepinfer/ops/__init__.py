@@ -1,0 +1,1 @@
+"""Ops: ``ref`` holds the plain-PyTorch specification; accelerated twins share its signatures."""

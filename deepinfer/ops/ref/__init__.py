@@ -1,0 +1,1 @@
+"""Plain-PyTorch reference of every op: the specification, runnable on CPU."""
