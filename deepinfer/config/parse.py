@@ -237,9 +237,9 @@ def _ropes(d: dict, rope_dim: int) -> tuple[RopeConfig, RopeConfig]:
 def _quant(d: dict) -> QuantConfig | None:
     q = d.get("quantization_config")
     expert_dtype = d.get("expert_dtype")
-    if q is None:
-        if expert_dtype not in (None, "bf16"):
-            raise _err("expert_dtype", f"{expert_dtype!r} given without a quantization_config")
+    if expert_dtype not in (None, "fp4", "fp8", "bf16"):
+        raise _err("expert_dtype", f"{expert_dtype!r} is not supported; allowed: fp4, fp8, bf16")
+    if q is None:  # a dequantized checkpoint may still carry the original expert_dtype: weights are floats
         return None
     if not isinstance(q, dict):
         raise _err("quantization_config", f"expected a dict, got {q!r}")
