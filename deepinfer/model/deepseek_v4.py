@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.config.model import ModelConfig
+from deepinfer.config.model import SWA, ModelConfig
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.attention import Attention
 from deepinfer.model.batch import ForwardBatch
@@ -25,11 +25,8 @@ from deepinfer.model.rope import RopeTables
 from deepinfer.ops.ref.mhc import hc_head, hc_post, hc_pre
 
 
-class HyperConnection(nn.Module):
-    """The (fn, base, scale) triple of one mHC site; stored on the block as ``hc_{site}_{fn,base,scale}``."""
-
-
 def _hc_params(module: nn.Module, prefix: str, rows: int, cols: int, scales: int) -> None:
+    """One mHC site's (fn, base, scale), stored flat as ``{prefix}_fn`` etc. like the checkpoint names."""
     setattr(module, f"{prefix}_fn", nn.Parameter(torch.zeros(rows, cols, dtype=torch.float32)))
     setattr(module, f"{prefix}_base", nn.Parameter(torch.zeros(rows, dtype=torch.float32)))
     setattr(module, f"{prefix}_scale", nn.Parameter(torch.ones(scales, dtype=torch.float32)))
@@ -70,8 +67,6 @@ class MTPBlock(Block):
     Extra names: enorm, hnorm, e_proj, h_proj, norm, hc_head_{fn,base,scale}."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
-        from deepinfer.config.model import SWA
-
         super().__init__(cfg, cfg.num_hidden_layers, SWA, 0, dtype)
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
