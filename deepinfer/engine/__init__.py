@@ -1,0 +1,1 @@
+"""Request lifecycle, step loop and outputs (see shared/docs/design.md §2)."""

@@ -1,0 +1,303 @@
+"""CacheManager: per-request block tables over the three pools of the hybrid paged cache. Pure Python.
+
+Every pool is paged by the same logical block of ``block_size`` positions, so a request's three tables
+always have the same length (block i of every pool covers positions [i*bs, (i+1)*bs)). What differs is
+how long a block must live (architecture note §3.4):
+
+  * ``history`` blocks cover [0, n) for as long as the request lives;
+  * ``window`` and ``state`` blocks are read only for the last ``tail(pool)`` positions behind the write
+    head. Blocks entirely before [n - tail - spec_slack, n) are released at ``commit`` and their table
+    entries become -1. ``spec_slack`` keeps enough extra positions that rolling back up to that many
+    tokens (rejected drafts) still finds its window/state rows resident.
+
+A request's life: ``allocate(r, k)`` reserves blocks for [n, n+k) in every pool (all or nothing, so a
+request never holds a partial step), the model writes rows, ``commit(r, n')`` records the new length and
+releases tail blocks, ``truncate(r, n')`` rolls back (position-addressed state makes that "set n" plus
+returning the blocks past n), ``free(r)`` drops everything. Requests are identified by any hashable id.
+
+The manager is torch-free on purpose: it deals in block ids; storage tensors are sized from
+``num_blocks`` elsewhere, and ``blocks_for_budget`` computes those sizes from a byte budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+from deepinfer.kv.block_pool import BlockPool, OutOfBlocks
+from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW, CacheLayout
+
+TAIL_POOLS = (WINDOW, STATE)  # pools whose old blocks are released as the sequence grows
+RELEASED = -1  # table entry of a released window/state block (what SeqRun.block_tables expects)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class _Request:
+    length: int = 0  # n: positions whose state is in the cache
+    tables: dict[str, list[int]] = field(default_factory=lambda: {p: [] for p in POOLS})
+    # Per tail pool, the index of the first block not yet released; entries before it are all -1.
+    # Releases only ever happen at the front and truncation only at the back, so -1s form a prefix.
+    first_live: dict[str, int] = field(default_factory=lambda: {p: 0 for p in TAIL_POOLS})
+
+
+class CacheManager:
+    def __init__(self, layout: CacheLayout, num_blocks: Mapping[str, int], spec_slack: int = 0) -> None:
+        missing = [p for p in POOLS if p not in num_blocks]
+        if missing:
+            raise ValueError(f"num_blocks: missing pools {missing}")
+        if spec_slack < 0:
+            raise ValueError(f"spec_slack: must be >= 0, got {spec_slack}")
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.spec_slack = spec_slack
+        self.pools = {p: BlockPool(num_blocks[p], p) for p in POOLS}
+        self._tail = {p: layout.tail(p) for p in TAIL_POOLS}
+        # Tail pools that hold rows at all: a layout without compressed layers has an empty state pool,
+        # whose (zero-byte) blocks are still tracked for uniform tables but never limit a rollback.
+        self._holds_rows = {p: any(t.pool == p for s in layout.layers for t in s.tensors) for p in TAIL_POOLS}
+        self._reqs: dict[Hashable, _Request] = {}
+
+    # ------------------------------------------------------------------------------------------ queries
+    def blocks_for_count(self, n: int) -> int:
+        """Blocks needed to cover ``n`` positions."""
+        return cdiv(n, self.block_size)
+
+    def __contains__(self, req_id: Hashable) -> bool:
+        return req_id in self._reqs
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
+    def length(self, req_id: Hashable) -> int:
+        return self._get(req_id).length
+
+    def capacity(self, req_id: Hashable) -> int:
+        """Positions the request's blocks cover (>= its length; more after an uncommitted allocate)."""
+        return len(self._get(req_id).tables[HISTORY]) * self.block_size
+
+    def block_tables(self, req_id: Hashable) -> dict[str, tuple[int, ...]]:
+        return {p: tuple(t) for p, t in self._get(req_id).tables.items()}
+
+    def num_free_blocks(self, pool: str) -> int:
+        return self.pools[pool].num_free
+
+    def usage(self) -> dict[str, float]:
+        return {p: (bp.num_used / bp.num_blocks if bp.num_blocks else 0.0) for p, bp in self.pools.items()}
+
+    def blocks_needed(self, req_id: Hashable, num_new_tokens: int) -> dict[str, int]:
+        """New blocks per pool that ``allocate(req_id, num_new_tokens)`` would take (unknown id: n = 0).
+
+        The same in every pool today (tables share one length and block indices >= n // bs are always
+        resident); per pool so that prefix hits, which will share history blocks only, fit the same API.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens: must be >= 0, got {num_new_tokens}")
+        r = self._reqs.get(req_id)
+        n, have = (r.length, len(r.tables[HISTORY])) if r else (0, 0)
+        need = max(0, self.blocks_for_count(n + num_new_tokens) - have)
+        return {p: need for p in POOLS}
+
+    def can_allocate(self, req_id: Hashable, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(req_id, num_new_tokens)
+        return all(need[p] <= self.pools[p].num_free for p in POOLS)
+
+    # -------------------------------------------------------------------------------------- mutations
+    def allocate(self, req_id: Hashable, num_new_tokens: int) -> None:
+        """Make blocks for positions [n, n + num_new_tokens) resident in every pool.
+
+        Admission checks every pool before taking anything, so on OutOfBlocks no pool and no table has
+        changed (and an unknown request is not registered). Idempotent for the same range: blocks
+        allocated earlier but not yet committed are reused.
+        """
+        need = self.blocks_needed(req_id, num_new_tokens)
+        for p in POOLS:
+            if need[p] > self.pools[p].num_free:
+                raise OutOfBlocks(p, need[p], self.pools[p].num_free)
+        r = self._reqs.get(req_id)
+        if r is None:
+            r = self._reqs[req_id] = _Request()
+        for p in POOLS:
+            r.tables[p].extend(self.pools[p].allocate(need[p]))
+
+    def commit(self, req_id: Hashable, num_computed: int) -> None:
+        """Set the request's cached length to ``num_computed`` after a step; release stale tail blocks.
+
+        Length only moves forward here (rollback is ``truncate``) and cannot pass the allocated blocks.
+        """
+        r = self._get(req_id)
+        cap = len(r.tables[HISTORY]) * self.block_size
+        if not r.length <= num_computed <= cap:
+            raise ValueError(
+                f"num_computed: must be in [{r.length}, {cap}] for request {req_id!r} "
+                f"(current length, allocated capacity; roll back with truncate), got {num_computed}"
+            )
+        r.length = num_computed
+        for p in TAIL_POOLS:
+            # Block i is entirely before the keep range iff (i+1)*bs <= start, i.e. i < start // bs.
+            start = max(0, num_computed - self._tail[p] - self.spec_slack)
+            keep_from = start // self.block_size
+            lo = r.first_live[p]
+            if keep_from > lo:
+                table = r.tables[p]
+                stale = table[lo:keep_from]
+                table[lo:keep_from] = [RELEASED] * len(stale)
+                self.pools[p].free(stale)  # oldest first: they become the first evicted later
+                r.first_live[p] = keep_from
+
+    def truncate(self, req_id: Hashable, n: int) -> None:
+        """Roll the request back to its first ``n`` positions, returning every block past them.
+
+        Position-addressed state makes this O(blocks returned): rows at positions >= n are simply
+        overwritten later. Raises ValueError (changing nothing) if the window/state rows that position
+        n needs were already released, i.e. the rollback is deeper than ``spec_slack`` allowed for;
+        such a request must be freed and recomputed instead.
+        """
+        r = self._get(req_id)
+        if not 0 <= n <= r.length:
+            raise ValueError(f"n: must be in [0, {r.length}] for request {req_id!r}, got {n}")
+        if n > 0:
+            for p in (p for p in TAIL_POOLS if self._holds_rows[p]):
+                need_from = max(0, n - self._tail[p]) // self.block_size
+                if need_from < r.first_live[p]:
+                    raise ValueError(
+                        f"truncate({req_id!r}, {n}): {p} rows from position {need_from * self.block_size} "
+                        f"were released (length {r.length}, spec_slack {self.spec_slack}); free and recompute"
+                    )
+        keep = self.blocks_for_count(n)
+        for p in POOLS:
+            table = r.tables[p]
+            dropped = [b for b in reversed(table[keep:]) if b != RELEASED]  # tail first
+            del table[keep:]
+            self.pools[p].free(dropped)
+        for p in TAIL_POOLS:  # a no-op unless n == 0 or the pool holds no rows: -1s stay a prefix
+            r.first_live[p] = min(r.first_live[p], keep)
+        r.length = n
+
+    def free(self, req_id: Hashable) -> None:
+        """Release all of the request's blocks now (finish, abort, preemption) and forget it."""
+        r = self._reqs.pop(req_id, None)
+        if r is None:
+            raise KeyError(f"unknown request {req_id!r}")
+        for p in POOLS:
+            # Tail first, so that a later LRU prefix cache evicts the least reusable blocks first.
+            self.pools[p].free([b for b in reversed(r.tables[p]) if b != RELEASED])
+
+    # ---------------------------------------------------------------------------------------- checking
+    def check_integrity(self) -> None:
+        """Every pool is consistent, and each block's ref count equals the number of tables holding it."""
+        for bp in self.pools.values():
+            bp.check_integrity()
+        refs = {p: [0] * bp.num_blocks for p, bp in self.pools.items()}
+        for rid, r in self._reqs.items():
+            self._check_request(rid, r)
+            for p in POOLS:
+                counts = refs[p]
+                for b in r.tables[p]:
+                    if b != RELEASED:
+                        if not 0 <= b < len(counts):
+                            raise AssertionError(f"request {rid!r}: {p} block id {b} out of range")
+                        counts[b] += 1
+        for p, bp in self.pools.items():
+            actual = bp.ref_counts()
+            if actual != refs[p]:
+                b = next(i for i, (x, y) in enumerate(zip(actual, refs[p])) if x != y)
+                raise AssertionError(f"pool {p!r}: block {b} has ref {actual[b]} but {refs[p][b]} table references")
+
+    def _check_request(self, rid: Hashable, r: _Request) -> None:
+        lengths = {p: len(t) for p, t in r.tables.items()}
+        if len(set(lengths.values())) != 1:
+            raise AssertionError(f"request {rid!r}: tables differ in length {lengths}")
+        nblocks = lengths[HISTORY]
+        if nblocks < self.blocks_for_count(r.length):
+            raise AssertionError(f"request {rid!r}: length {r.length} but only {nblocks} blocks")
+        if RELEASED in r.tables[HISTORY]:
+            raise AssertionError(f"request {rid!r}: released entry in the history table")
+        for p in TAIL_POOLS:
+            lo, table = r.first_live[p], r.tables[p]
+            if any(b != RELEASED for b in table[:lo]) or RELEASED in table[lo:]:
+                raise AssertionError(f"request {rid!r}: {p} table {table} is not -1s up to index {lo} then ids")
+            if lo > len(table):
+                raise AssertionError(f"request {rid!r}: {p} released {lo} blocks of a {len(table)}-block table")
+            # Rows the next token reads (n - tail .. n) must be resident.
+            limit = max(0, r.length - self._tail[p]) // self.block_size
+            if self._holds_rows[p] and lo > limit:
+                raise AssertionError(f"request {rid!r}: {p} released up to block {lo}, needed from {limit}")
+
+    def _get(self, req_id: Hashable) -> _Request:
+        r = self._reqs.get(req_id)
+        if r is None:
+            raise KeyError(f"unknown request {req_id!r}")
+        return r
+
+
+# -------------------------------------------------------------------------------------------- sizing
+def tail_blocks_per_seq(layout: CacheLayout, pool: str, spec_slack: int = 0) -> int:
+    """Most blocks of a tail pool one running sequence holds while steps add at most ``block_size`` tokens.
+
+    Between steps it holds [n - tail - slack, n) plus leftovers of the last allocation; a step adds up to
+    one block of new positions. A span of tail + slack + bs positions touches at most
+    ceil((tail + slack + bs) / bs) + 1 blocks when it does not start on a block boundary.
+    """
+    bs = layout.block_size
+    return cdiv(layout.tail(pool) + spec_slack + bs, bs) + 1
+
+
+def blocks_for_budget(
+    layout: CacheLayout,
+    memory_bytes: int,
+    model_dtype_bytes: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    *,
+    spec_slack: int = 0,
+    max_num_batched_tokens: int | None = None,
+) -> dict[str, int]:
+    """Split ``memory_bytes`` of cache storage into block counts per pool.
+
+    Window and state pools are sized for the worst case, not a fraction of memory, because their need is
+    bounded: ``max_num_seqs * tail_blocks_per_seq`` covers every running sequence taking a step of up to
+    one block, plus ``ceil(max_num_batched_tokens / bs)`` for the extra blocks of longer (prefill) steps:
+    a sequence adding k > bs tokens needs at most ceil(k / bs) - 1 more blocks than one adding bs, and
+    the step's k's add up to at most ``max_num_batched_tokens``. ``None`` means unchunked prefill of a
+    ``max_model_len`` prompt (safe but large: engines pass their scheduler's token budget).
+
+    Everything left goes to history, whose need grows with every sequence's length; it must hold at
+    least one ``max_model_len`` sequence or a ValueError names the shortfall. A pool whose blocks take
+    no bytes (e.g. no compressed layers: an empty state pool) costs nothing and gets enough blocks for
+    ``max_num_seqs`` sequences of ``max_model_len`` so that it never limits admission.
+    """
+    step_tokens = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+    lows = {"memory_bytes": (memory_bytes, 0), "model_dtype_bytes": (model_dtype_bytes, 1),
+            "max_num_seqs": (max_num_seqs, 1), "max_model_len": (max_model_len, 1),
+            "spec_slack": (spec_slack, 0), "max_num_batched_tokens": (step_tokens, 0)}
+    for name, (v, low) in lows.items():
+        if v < low:
+            raise ValueError(f"{name}: must be >= {low}, got {v}")
+    bs = layout.block_size
+    full = max_num_seqs * cdiv(max_model_len, bs)  # enough for any mix of running sequences
+    counts: dict[str, int] = {}
+    spent = 0
+    for p in TAIL_POOLS:
+        per_block = layout.bytes_per_block(p, model_dtype_bytes)
+        need = max_num_seqs * tail_blocks_per_seq(layout, p, spec_slack) + cdiv(step_tokens, bs)
+        counts[p] = min(need, full) if per_block else full
+        spent += counts[p] * per_block
+    per_block = layout.bytes_per_block(HISTORY, model_dtype_bytes)
+    min_history = cdiv(max_model_len, bs)
+    if per_block == 0:
+        counts[HISTORY] = full
+    else:
+        counts[HISTORY] = max(0, memory_bytes - spent) // per_block
+        if counts[HISTORY] < min_history:
+            short = spent + min_history * per_block - memory_bytes
+            raise ValueError(
+                f"memory_bytes: {memory_bytes} B cannot hold the window/state pools ({spent} B for "
+                f"{max_num_seqs} sequences) plus one {max_model_len}-token history ({min_history} blocks of "
+                f"{per_block} B); {short} B short"
+            )
+    return {p: counts[p] for p in POOLS}
