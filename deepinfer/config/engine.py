@@ -1,0 +1,139 @@
+"""Engine configuration: the frozen tree every component takes its own branch of.
+
+``EngineArgs`` is what users pass (``LLM(model=..., **engine_args)``, CLI flags); ``EngineConfig.create``
+validates it against the model and the machine and freezes the result. Facts discovered at start-up
+(the number of cache blocks after sizing) live in ``RuntimeFacts``, separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepinfer.config.model import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """User-facing engine arguments (vLLM-style names)."""
+
+    model: str | None = None  # None -> the bundled demo model
+    tokenizer: str | None = None  # default: the model directory
+    dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # None -> DEEPINFER_ACCELERATOR (default cuda if available else cpu)
+    block_size: int = 256
+    num_cache_blocks: int | None = None  # explicit history-pool block count (overrides the memory budget)
+    cache_memory_gb: float | None = None  # memory budget for all cache pools
+    gpu_memory_utilization: float = 0.9  # fraction of device memory (CUDA) when no explicit budget is set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: min(model's max positions, 8192)
+    seed: int = 0
+    load_progress: bool = True
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown engine argument; allowed: {', '.join(cls.field_names())}")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int
+    num_cache_blocks: int | None
+    cache_memory_gb: float | None
+    gpu_memory_utilization: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_dir: str
+    tokenizer_dir: str
+    model: ModelConfig
+    dtype: torch.dtype
+    device: str
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    seed: int
+    load_progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, args: EngineArgs) -> "EngineConfig":
+        from deepinfer import env
+        from deepinfer.assets import demo_model_dir
+
+        model_dir = args.model or str(demo_model_dir())
+        model = ModelConfig.from_model_dir(model_dir)
+        device = args.device or env.accelerator()
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device: {device!r} is not supported; allowed: cpu, cuda")
+        dtype = _resolve_dtype(args.dtype, device)
+        max_len = args.max_model_len or min(model.max_position_embeddings, 8192)
+        _check_positive(args)
+        if max_len > model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {max_len} exceeds the model's max_position_embeddings {model.max_position_embeddings}"
+            )
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
+        return cls(
+            model_dir=model_dir,
+            tokenizer_dir=args.tokenizer or model_dir,
+            model=model,
+            dtype=dtype,
+            device=device,
+            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
+            cache=CacheConfig(args.block_size, args.num_cache_blocks, args.cache_memory_gb,
+                              args.gpu_memory_utilization),
+            seed=args.seed,
+            load_progress=args.load_progress,
+        )
+
+
+def _resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: {name!r} is not supported; allowed: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _check_positive(args: EngineArgs) -> None:
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    if args.block_size % 128:
+        raise ValueError(f"block_size: must be a multiple of 128, got {args.block_size}")
+    if args.num_cache_blocks is not None and (not isinstance(args.num_cache_blocks, int) or args.num_cache_blocks < 1):
+        raise ValueError(f"num_cache_blocks: must be a positive integer, got {args.num_cache_blocks!r}")
+    if args.cache_memory_gb is not None and not args.cache_memory_gb > 0:
+        raise ValueError(f"cache_memory_gb: must be > 0, got {args.cache_memory_gb!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeFacts:
+    """Discovered at start-up; read-only afterwards."""
+
+    num_blocks: dict
+    bytes_per_block: dict
+    device_name: str

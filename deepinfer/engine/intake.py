@@ -1,0 +1,81 @@
+"""Request intake: validate what a user submitted and turn it into a RequestState with its sequences.
+
+Everything a user controls is checked here, at the edge, with a ValueError that names the field; nothing
+that fails here ever reaches the scheduler, so one bad request cannot disturb the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.sequence import RequestState, Sequence
+from deepinfer.sampling import SamplingParams, child_seed, resolve_seed
+from deepinfer.tokenizer import Tokenizer
+
+PromptInput = str | dict | list
+
+
+class Intake:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, max_cached_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_cached_tokens = max_cached_tokens
+        self._arrivals = itertools.count()
+
+    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"prompt: unknown key {sorted(unknown)[0]!r}; allowed: prompt, prompt_token_ids")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt: expected a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids: expected a list of ints, got {type(ids).__name__}")
+        if not ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids[{i}]: must be an int in [0, {self.vocab_size}), got {t!r}")
+        return [int(t) for t in ids]
+
+    def build(self, request_id: str, prompt: Any, params: Any) -> RequestState:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        if len(ids) + 1 > self.max_cached_tokens:
+            raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache ({self.max_cached_tokens} tokens)")
+        req = RequestState(request_id, text, ids, params)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        seed = resolve_seed(params, request_id)
+        for i in range(params.n):
+            s = seed if i == 0 else child_seed(seed, i)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                           params.include_stop_str_in_output, min_tokens=params.min_tokens)
+            req.seqs.append(Sequence(f"{request_id}#{i}", i, req, list(ids), len(ids), s, next(self._arrivals),
+                                     detok))
+        return req

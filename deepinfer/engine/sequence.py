@@ -1,0 +1,77 @@
+"""Internal request state. One ``Sequence`` per sample stream (a request with n=3 owns three).
+
+There is no prefill/decode mode: a sequence has ``num_tokens`` known tokens (prompt + generated) and
+``num_computed`` of them in the cache; a step advances ``num_computed``. A sample is drawn when a step
+brings ``num_computed`` up to ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from deepinfer.engine.outputs import PositionLogprobs
+from deepinfer.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    index: int
+    request: "RequestState"
+    token_ids: list[int]
+    num_prompt: int
+    seed: int
+    arrival: int
+    detok: object  # IncrementalDetokenizer
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # Streaming bookkeeping: what the last emitted RequestOutput already covered.
+    emitted_text: int = 0
+    emitted_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_done: int = 0  # prompt positions whose logprobs are computed
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
