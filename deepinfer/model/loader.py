@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -79,12 +80,12 @@ class _Files:
 
     def __init__(self, model_dir: Path) -> None:
         self.dir = model_dir
-        self.handles: dict[str, object] = {}
+        self.handles: dict[str, Any] = {}
 
     def keys(self, rel: str) -> list[str]:
         return list(self._open(rel).keys())
 
-    def _open(self, rel: str):
+    def _open(self, rel: str) -> Any:
         if rel not in self.handles:
             path = self.dir / rel
             if not path.is_file():
@@ -111,6 +112,8 @@ def _discover(model_dir: Path, files: _Files) -> dict[str, tuple[str, str]]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map must map tensor names to file names")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map'): {e}") from e
         by_file: dict[str, list[str]] = {}

@@ -52,6 +52,7 @@ class Scheduler:
         self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # lifetime counter (metrics, tests)
 
     # ---- membership -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -121,6 +122,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.num_computed = 0

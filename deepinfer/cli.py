@@ -1,0 +1,150 @@
+"""The ``deepinfer`` command: ``generate``, ``chat``, ``info``.
+
+    deepinfer generate "def fibonacci(n):" --max-tokens 64 --temperature 0
+    deepinfer chat --thinking
+    deepinfer info --model /path/to/DeepSeek-V4-Flash
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from deepinfer.config.engine import EngineArgs
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="device (default: DEEPINFER_ACCELERATOR, else cuda when available, else cpu)")
+    g.add_argument("--block-size", type=int, default=256, help="cache block size in tokens (multiple of 128)")
+    g.add_argument("--num-cache-blocks", type=int, default=None, help="history-pool blocks (overrides memory)")
+    g.add_argument("--cache-memory-gb", type=float, default=None, help="memory budget for the KV cache pools")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per sequence")
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64, help="max tokens to generate per prompt")
+    g.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p(best)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty [-2, 2]")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None, help="per-request seed (seq_seed) for reproducible sampling")
+    g.add_argument("-n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="return top-N logprobs per token")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sentence token")
+
+
+def _engine_args(a: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, block_size=a.block_size,
+        num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+    )
+
+
+def _sampling_params(a: argparse.Namespace):
+    from deepinfer.sampling import SamplingParams
+
+    return SamplingParams(
+        n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, max_tokens=a.max_tokens, min_tokens=a.min_tokens, stop=a.stop,
+        seq_seed=a.seed, logprobs=a.logprobs, ignore_eos=a.ignore_eos,
+    )
+
+
+def _read_prompts(a: argparse.Namespace) -> list[str]:
+    prompts = list(a.prompts)
+    if a.prompt_file:
+        with open(a.prompt_file, encoding="utf-8") as f:
+            for line in f:
+                line = line.rstrip("\n")
+                if not line:
+                    continue
+                prompts.append(json.loads(line)["prompt"] if a.prompt_file.endswith(".jsonl") else line)
+    if not prompts:
+        prompts = ["def fibonacci(n):"]
+    return prompts
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from deepinfer.llm import LLM
+
+    llm = LLM(**{k: getattr(_engine_args(a), k) for k in EngineArgs.field_names()})
+    outputs = llm.generate(_read_prompts(a), _sampling_params(a), use_tqdm=not a.quiet)
+    sink = open(a.output, "w", encoding="utf-8") if a.output else None
+    for out in outputs:
+        for c in out.outputs:
+            record = {"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                      "finish_reason": c.finish_reason}
+            if sink:
+                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                print(f"--- prompt: {out.prompt!r} [sample {c.index}, {c.finish_reason}]")
+                print(out.prompt + c.text)
+    if sink:
+        sink.close()
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from deepinfer.chat_repl import run_chat
+
+    return run_chat(_engine_args(a), _sampling_params(a), thinking=a.thinking, system=a.system)
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from deepinfer.model.summary import summarize
+
+    print(json.dumps(summarize(a.model), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 inference engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts (offline batch)")
+    g.add_argument("prompts", nargs="*", help="prompt strings (default: a demo prompt)")
+    g.add_argument("--prompt-file", default=None, help="file with one prompt per line, or .jsonl with 'prompt'")
+    g.add_argument("--output", default=None, help="write JSONL results here instead of printing")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    _engine_flags(g)
+    _sampling_flags(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat, streaming tokens as they come")
+    c.add_argument("--thinking", action="store_true", help="thinking mode: show the model's reasoning")
+    c.add_argument("--system", default=None, help="system prompt")
+    _engine_flags(c)
+    _sampling_flags(c)
+    c.set_defaults(func=cmd_chat)
+    i = sub.add_parser("info", help="model summary: layers, parameters, cache bytes per token")
+    i.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Scheduling: token budget, admission, running set, preemption."""
