@@ -84,8 +84,9 @@ def _read_prompts(a: argparse.Namespace) -> list[str]:
 def cmd_generate(a: argparse.Namespace) -> int:
     from deepinfer.llm import LLM
 
+    params, prompts = _sampling_params(a), _read_prompts(a)  # validate input before loading weights
     llm = LLM(**{k: getattr(_engine_args(a), k) for k in EngineArgs.field_names()})
-    outputs = llm.generate(_read_prompts(a), _sampling_params(a), use_tqdm=not a.quiet)
+    outputs = llm.generate(prompts, params, use_tqdm=not a.quiet)
     sink = open(a.output, "w", encoding="utf-8") if a.output else None
     for out in outputs:
         for c in out.outputs:

@@ -114,3 +114,21 @@ def test_greedy_decode_matches_hf_cache_decode(case: Case) -> None:
     assert cache.length(sid) == PROMPT + DECODE
     assert our_tokens == hf_tokens
     assert worst <= TOL
+
+
+def test_save_pretrained_checkpoint_loads_and_matches_hf_logits(tmp_path) -> None:
+    """The HF-named checkpoint written by save_pretrained goes through deepinfer's loader unchanged."""
+    from deepinfer.model.loader import load_model
+
+    native = CONFIGS["flash_order"]
+    hf = build_hf(native, seed=21)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32, strict_mtp=False, progress=False)
+    ids = torch.randint(3, native["vocab_size"], (150,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    cache = SequenceCache(build_layout(ours.cfg, 128), 4, torch.float32)
+    sid = cache.new_sequence()
+    tok, batch = cache.plan({sid: ids.tolist()})
+    got = ours.logits(ours(tok, batch, cache.storage))
+    assert (got - ref).abs().max().item() <= TOL

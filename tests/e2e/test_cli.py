@@ -1,0 +1,46 @@
+"""The command line: generate (args, prompt file, JSONL output), info, and the chat turn streamer."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from deepinfer.cli import main
+from deepinfer.chat_repl import stream_turn
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.sampling import SamplingParams
+
+
+def test_generate_writes_jsonl(tmp_path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nimport sys\n")
+    out = tmp_path / "o.jsonl"
+    rc = main(["generate", "class A:", "--prompt-file", str(prompts), "--max-tokens", "4", "--ignore-eos",
+               "--output", str(out), "--quiet", "--device", "cpu", "--block-size", "128"])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["class A:", "def f(x):", "import sys"]
+    assert all(len(r["token_ids"]) == 4 and r["finish_reason"] == "length" for r in rows)
+
+
+def test_generate_bad_flag_value_is_a_clear_error(capsys) -> None:
+    rc = main(["generate", "x", "--temperature", "-1", "--quiet", "--device", "cpu"])
+    assert rc == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_info_reports_layers_and_cache_bytes(capsys) -> None:
+    assert main(["info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layers"] >= 3 and info["cache_bf16"]["history_bytes_per_token"] > 0
+    assert set(info["layer_kinds"]) == {"sliding_attention", "compressed_sparse_attention",
+                                        "heavily_compressed_attention"}
+
+
+def test_chat_turn_streams_the_answer() -> None:
+    engine = LLMEngine.from_engine_args(device="cpu", block_size=128, load_progress=False)
+    sink = io.StringIO()
+    answer = stream_turn(engine, "t0", [{"role": "user", "content": "hi"}],
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), thinking=False, out=sink)
+    assert answer and answer in sink.getvalue()
+    assert not engine.has_unfinished_requests() and engine.cache.num_requests == 0
