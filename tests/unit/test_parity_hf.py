@@ -132,3 +132,23 @@ def test_save_pretrained_checkpoint_loads_and_matches_hf_logits(tmp_path) -> Non
     tok, batch = cache.plan({sid: ids.tolist()})
     got = ours.logits(ours(tok, batch, cache.storage))
     assert (got - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bf16_full_prompt_is_bitwise_equal_to_hf(name: str, tmp_path) -> None:
+    """In bf16, with HF loaded the usual way (norms, mHC, sinks, biases kept in fp32), the reference path
+    reproduces HF's rounding steps exactly: identical logits, not merely close ones."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from deepinfer.model.loader import load_model
+
+    build_hf(CONFIGS[name], seed=1).save_pretrained(tmp_path)
+    hf = DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ours = load_model(tmp_path, dtype=torch.bfloat16, strict_mtp=False, progress=False)
+    ids = torch.randint(3, CONFIGS[name]["vocab_size"], (200,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    cache = SequenceCache(build_layout(ours.cfg, 128), 4, torch.bfloat16)
+    sid = cache.new_sequence()
+    tok, batch = cache.plan({sid: ids.tolist()})
+    assert torch.equal(ours.logits(ours(tok, batch, cache.storage)), ref)

@@ -1,0 +1,102 @@
+"""FP8 block-scaled linear in Triton (the DeepGEMM role); twin of ``ops/ref/fp8_linear.py``.
+
+y[M, N] = x[M, K] @ (w_e4m3[N, K] * scale[n // 128, k // 128]).T with bf16/fp32 activations.
+
+Why this shape: activations are not quantized (the reference path does not quantize them either), so
+each K-block of 128 is one MMA over bf16 operands (e4m3 -> bf16 is exact) followed by one multiply of the
+fp32 partial product by that block's scale — the DeepGEMM "promote per K-block" scheme. Decode (tiny M)
+is bound by the weight bytes, so small M uses narrow N tiles plus a split over K to put enough programs on
+132 SMs; the partial sums go to an fp32 buffer and are added in a fixed order (no atomics), so results are
+run-to-run deterministic. Tile and split choices are a function of (M bucket, N, K) only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SCALE_BLOCK = 128
+# Triton's CPU interpreter mis-converts fp32 -> bf16 inside kernels, so interpreted runs use fp32 dots.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+NUM_SMS = 132
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_osplit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for i in range(0, k_per_split, BLOCK_K):
+        k0 = k_start + i
+        k_idx = k0 + offs_k
+        k_mask = k_idx < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_idx[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k_idx[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if IEEE:
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        # One scale per 128x128 weight block: BLOCK_K == 128 keeps one k-block per iteration.
+        s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask & (k0 < K), other=0.0)
+        acc += part * s[None, :]
+    out = out_ptr + pid_k * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, split_k, num_warps, num_stages) from the M bucket and (N, K)."""
+    if m <= 16:
+        bm, bn, warps, stages = 16, 32, 4, 4
+    elif m <= 64:
+        bm, bn, warps, stages = 64, 64, 4, 3
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 3
+    programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_blocks = triton.cdiv(k, 128)
+    split = 1
+    if m <= 64:
+        while programs * split < 2 * NUM_SMS and split * 2 <= k_blocks and split < 16:
+            split *= 2
+    return bm, bn, split, warps, stages
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """x [M, K] (bf16/fp32) @ dequant(weight [N, K] e4m3, scale fp32 [ceil(N/128), ceil(K/128)]).T -> x.dtype."""
+    assert block == (SCALE_BLOCK, SCALE_BLOCK), f"only 128x128 weight blocks are supported, got {block}"
+    assert weight.dtype == torch.float8_e4m3fn, f"weight must be float8_e4m3fn, got {weight.dtype}"
+    assert scale.dtype == torch.float32, f"scale must be decoded fp32, got {scale.dtype}"
+    assert x.dim() == 2 and x.shape[1] == weight.shape[1], f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and scale.stride(1) == 1, "inner dims must be contiguous"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert scale.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128)), f"scale shape {tuple(scale.shape)}"
+    bm, bn, split, warps, stages = _config(m, n, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
+    split = triton.cdiv(k, k_per_split)
+    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    _fp8_linear_kernel[grid](
+        x, weight, scale, partial, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), scale.stride(0), partial.stride(1), partial.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, num_warps=warps, num_stages=stages,
+    )
+    out = partial[0] if split == 1 else partial.sum(dim=0)
+    return out.to(x.dtype)

@@ -1,0 +1,226 @@
+"""Index-list sparse attention with a per-head sink, in Triton; twin of ``ops/ref/sparse_attention.py``.
+
+One program owns (head group of BLOCK_H heads, one query, one key split). It gathers BLOCK_N key rows per
+step through the query's index list, loads each row once and uses it for both products of all its heads
+(K = V): logits = q·kᵀ for BLOCK_H heads at once (an [BLOCK_H, D] x [D, BLOCK_N] MMA), an fp32 online
+softmax, then P·V with the same tile. The sink is folded in once, at the end, never per split.
+
+Key splits (determinism.md §2.3, §7 item 8). The split axis is the last source's columns
+(``indices_extra`` when given, else ``indices``); split s holds its columns [s*SPLIT, (s+1)*SPLIT), and
+split 0 also holds every column of the first source when there are two. SPLIT is a module constant,
+not a function of the batch, so with entry j in column j of ``indices_extra`` the boundaries sit at
+fixed absolute entry numbers. With SPLIT = 1024, CSA (<= 512 entries) and HCA up to 128K tokens of
+context never split. More splits than a query needs (a batch padded wider) add splits with no valid key,
+whose merge weight is exactly 0, and a single-split query's fused epilogue is the merge epilogue with
+weight 1: the output bits do not depend on the padding width, the batch or the split count.
+Partials (m, l, acc in fp32) are merged in split order by a second kernel; no atomics anywhere.
+
+Within a program the reduction runs over key blocks in column order. All-invalid blocks (padding) leave
+the state bit-identical (alpha = 1, p = 0), so trailing padding never changes a result.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Keys per split along the split axis (see module docstring). Changing it changes bits; fixed per build.
+SPLIT = 1024
+LOG2E = 1.4426950408889634
+# Running max starts finite: a block with no valid key then gives alpha = exp2(0) = 1, p = 0 (no NaN).
+NEG_INIT: tl.constexpr = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _attend_range(q, acc, m_i, l_i, kv_ptr, idx_row_ptr, start, end, stride_kv, qk_scale,
+                  offs_d, d_mask, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax over index-list columns [start, end) of one source; returns (acc, m_i, l_i)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + offs_n
+        rows = tl.load(idx_row_ptr + cols, mask=cols < end, other=-1)
+        valid = rows >= 0
+        # The one read of these key rows: 16-byte vectors along D, masked rows fetch nothing.
+        k = tl.load(kv_ptr + rows.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
+                    mask=valid[:, None] & d_mask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 domain, fp32
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Exactly 1 when the max did not move (ex2.approx need not return 1.0 for 0): padding is bit-neutral.
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = tl.dot(p, k, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _finalize(acc, m_i, l_i, sink2):
+    """Fold the sink (log2 domain) into the denominator once: out = acc·2^(m-mf) / (l·2^(m-mf) + 2^(sink-mf))."""
+    mf = tl.maximum(m_i, sink2)
+    alpha = tl.where(mf == m_i, 1.0, tl.exp2(m_i - mf))
+    denom = l_i * alpha + tl.exp2(sink2 - mf)
+    return acc * (alpha / denom)[:, None]
+
+
+@triton.jit
+def _sparse_attn_kernel(
+    q_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, mpart_ptr, lpart_ptr, apart_ptr,
+    H, N, N2, D, qk_scale, split,
+    stride_ql, stride_qh, stride_kv, stride_il, stride_kv2, stride_i2l, stride_ol, stride_oh,
+    HAS_EXTRA: tl.constexpr, FUSED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    # Head group fastest: the H/BLOCK_H programs that read the same key rows run side by side (L2 reuse).
+    hg = tl.program_id(0)
+    lq = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < H
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + lq * stride_ql + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    if HAS_EXTRA:
+        if sp == 0:
+            acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, 0, N, stride_kv,
+                                          qk_scale, offs_d, d_mask, BLOCK_N, IEEE)
+        lo = sp * split
+        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv2_ptr, idx2_ptr + lq * stride_i2l, lo,
+                                      tl.minimum(lo + split, N2), stride_kv2, qk_scale, offs_d, d_mask,
+                                      BLOCK_N, IEEE)
+    else:
+        lo = sp * split
+        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, lo,
+                                      tl.minimum(lo + split, N), stride_kv, qk_scale, offs_d, d_mask,
+                                      BLOCK_N, IEEE)
+    if FUSED:
+        sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+        out = _finalize(acc, m_i, l_i, sink2)
+        tl.store(out_ptr + lq * stride_ol + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        # Partials laid out [L, H, S] and [L, H, S, BLOCK_D], all fp32.
+        base = (lq * H + offs_h) * num_splits + sp
+        tl.store(mpart_ptr + base, m_i, mask=h_mask)
+        tl.store(lpart_ptr + base, l_i, mask=h_mask)
+        tl.store(apart_ptr + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=h_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_splits,
+                  stride_ol, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge split partials in split order (fixed), then the same epilogue as the fused path."""
+    hg = tl.program_id(0)
+    lq = tl.program_id(1).to(tl.int64)
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < H
+    base = (lq * H + offs_h) * num_splits
+    m = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(mpart_ptr + base + s, mask=h_mask, other=NEG_INIT))
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in range(0, num_splits):
+        # A split with no valid key has m_s = NEG_INIT, l_s = 0, acc_s = 0: weight 0, adds exact zeros.
+        m_s = tl.load(mpart_ptr + base + s, mask=h_mask, other=NEG_INIT)
+        w = tl.where(m_s == m, 1.0, tl.exp2(m_s - m))
+        l_i += tl.load(lpart_ptr + base + s, mask=h_mask, other=0.0) * w
+        a = tl.load(apart_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+        acc += a * w[:, None]
+    sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+    out = _finalize(acc, m, l_i, sink2)
+    tl.store(out_ptr + lq * stride_ol + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < D)[None, :])
+
+
+def config(dtype: torch.dtype, d: int) -> dict[str, int]:
+    """Tiles by (dtype, D) only -- never by batch or length, which would change the reduction order.
+
+    bf16 at D=512: 16 heads x 512 q tile (16 KB) and an fp32 accumulator of 32 KB per program, key tile
+    [64, 512] bf16 = 64 KB per pipeline stage. fp32 (tests only) uses IEEE dots, smaller key tiles.
+    """
+    if dtype == torch.float32:
+        return {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    return dict(CONFIG_BF16)
+
+
+CONFIG_BF16: dict[str, int] = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def sparse_attention_indexed(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    kv_extra: torch.Tensor | None = None,
+    indices_extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [L, H, D], kv [R, D], indices [L, N] int32 (-1 invalid), sinks [H] fp32 -> out [L, H, D] in q.dtype.
+
+    Optional second source kv_extra [R2, D] with indices_extra [L, N2] (the split axis; see module doc).
+    """
+    if (kv_extra is None) != (indices_extra is None):
+        raise ValueError("kv_extra and indices_extra go together")
+    assert q.dim() == 3 and kv.dim() == 2 and kv.shape[1] == q.shape[2], f"q {tuple(q.shape)} kv {tuple(kv.shape)}"
+    assert kv.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float16, torch.float32), (q.dtype, kv.dtype)
+    L, H, D = q.shape
+    assert indices.shape[0] == L and sinks.shape == (H,)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    kv = kv if kv.stride(1) == 1 else kv.contiguous()
+    indices = indices.to(torch.int32).contiguous()
+    sinks = sinks.float().contiguous()
+    has_extra = kv_extra is not None
+    if has_extra:
+        assert kv_extra.dtype == q.dtype and kv_extra.shape[1] == D and indices_extra.shape[0] == L
+        kv2 = kv_extra if kv_extra.stride(1) == 1 else kv_extra.contiguous()
+        idx2 = indices_extra.to(torch.int32).contiguous()
+    else:
+        kv2, idx2 = kv, indices  # unused placeholders
+    n, n2 = indices.shape[1], idx2.shape[1] if has_extra else 0
+    split = SPLIT
+    num_splits = max(1, triton.cdiv(n2 if has_extra else n, split))
+    cfg = config(q.dtype, D)
+    block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    block_d = max(16, triton.next_power_of_2(D))
+    out = torch.empty((L, H, D), dtype=q.dtype, device=q.device)
+    if L == 0:
+        return out
+    fused = num_splits == 1
+    if fused:
+        mpart = lpart = apart = out  # unused placeholders
+    else:
+        mpart = torch.empty((L, H, num_splits), dtype=torch.float32, device=q.device)
+        lpart = torch.empty_like(mpart)
+        apart = torch.empty((L, H, num_splits, block_d), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(H, block_h), L, num_splits)
+    _sparse_attn_kernel[grid](
+        q, kv, indices, kv2, idx2, sinks, out, mpart, lpart, apart,
+        H, n, n2, D, float(scale) * LOG2E, split,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), kv2.stride(0), idx2.stride(0),
+        out.stride(0), out.stride(1),
+        HAS_EXTRA=has_extra, FUSED=fused, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not fused:
+        _merge_kernel[(triton.cdiv(H, block_h), L)](
+            mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
