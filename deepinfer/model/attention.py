@@ -18,6 +18,7 @@ from deepinfer.kv.storage import rows_for
 from deepinfer.model.batch import SeqRun
 from deepinfer.model.compressor import Compressor, Indexer
 from deepinfer.model.context import StepContext
+from deepinfer.model.linear import Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.rope import RopeTables
 from deepinfer.ops.ref.attention import sparse_attention
@@ -37,13 +38,13 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.table = "main" if kind == SWA else "compress"
         h, d = cfg.hidden_size, cfg.head_dim
-        self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False, dtype=dtype)
+        self.wq_a = Linear(h, cfg.q_lora_rank, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * d, bias=False, dtype=dtype)
-        self.wkv = nn.Linear(h, d, bias=False, dtype=dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * d, bias=False, dtype=dtype)
+        self.wkv = Linear(h, d, bias=False, dtype=dtype)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(self.n_heads * d // self.groups, self.groups * cfg.o_lora_rank, bias=False, dtype=dtype)
-        self.wo_b = nn.Linear(self.groups * cfg.o_lora_rank, h, bias=False, dtype=dtype)
+        self.wo_a = Linear(self.n_heads * d // self.groups, self.groups * cfg.o_lora_rank, bias=False, dtype=dtype)
+        self.wo_b = Linear(self.groups * cfg.o_lora_rank, h, bias=False, dtype=dtype)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         if kind in (CSA, HCA):
             self.compressor = Compressor(h, d, ratio, overlap=kind == CSA, eps=cfg.rms_norm_eps, dtype=dtype)

@@ -15,6 +15,7 @@ from deepinfer.kv.spec import HISTORY, STATE
 from deepinfer.kv.storage import rows_for
 from deepinfer.model.batch import SeqRun
 from deepinfer.model.context import StepContext
+from deepinfer.model.linear import Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.ops.ref.compressor import pool_windows
 from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
@@ -28,8 +29,8 @@ class Compressor(nn.Module):
         self.width, self.ratio, self.overlap = width, ratio, overlap
         coff = 2 if overlap else 1
         self.series = coff * width  # kv (and gate) columns per position
-        self.wkv = nn.Linear(hidden, self.series, bias=False, dtype=dtype)
-        self.wgate = nn.Linear(hidden, self.series, bias=False, dtype=dtype)
+        self.wkv = Linear(hidden, self.series, bias=False, dtype=dtype)
+        self.wgate = Linear(hidden, self.series, bias=False, dtype=dtype)
         self.ape = nn.Parameter(torch.zeros(ratio, self.series, dtype=torch.float32))
         self.norm = RMSNorm(width, eps)
 
@@ -92,8 +93,8 @@ class Indexer(nn.Module):
                  eps: float, dtype: torch.dtype):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype)
-        self.weights_proj = nn.Linear(hidden, n_heads, bias=False, dtype=dtype)
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype)
+        self.weights_proj = Linear(hidden, n_heads, bias=False, dtype=dtype)
         self.compressor = Compressor(hidden, head_dim, ratio, overlap=True, eps=eps, dtype=dtype)
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,

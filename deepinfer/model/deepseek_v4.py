@@ -20,6 +20,7 @@ from deepinfer.model.attention import Attention
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.context import StepContext
 from deepinfer.model.moe import MoE
+from deepinfer.model.linear import Embedding, Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.rope import RopeTables
 from deepinfer.ops.ref.mhc import hc_head, hc_post, hc_pre
@@ -71,8 +72,8 @@ class MTPBlock(Block):
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.e_proj = nn.Linear(h, h, bias=False, dtype=dtype)
-        self.h_proj = nn.Linear(h, h, bias=False, dtype=dtype)
+        self.e_proj = Linear(h, h, bias=False, dtype=dtype)
+        self.h_proj = Linear(h, h, bias=False, dtype=dtype)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         _hc_params(self, "hc_head", cfg.hc_mult, cfg.hc_mult * h, 1)
 
@@ -82,12 +83,12 @@ class DeepseekV4(nn.Module):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         h = cfg.hidden_size
-        self.embed = nn.Embedding(cfg.vocab_size, h, dtype=dtype)
+        self.embed = Embedding(cfg.vocab_size, h, dtype=dtype)
         self.layers = nn.ModuleList(
             Block(cfg, i, kind, cfg.layer_compress_ratios[i], dtype) for i, kind in enumerate(cfg.layer_types)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.head = nn.Linear(h, cfg.vocab_size, bias=False, dtype=dtype)
+        self.head = Linear(h, cfg.vocab_size, bias=False, dtype=dtype)
         _hc_params(self, "hc_head", cfg.hc_mult, cfg.hc_mult * h, 1)
         self.mtp = nn.ModuleList(MTPBlock(cfg, dtype) for _ in range(cfg.num_nextn_predict_layers))
         self.ropes = RopeTables(cfg)

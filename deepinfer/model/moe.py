@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config.model import HASH_MOE, ModelConfig
+from deepinfer.model.linear import Linear
 from deepinfer.ops.ref.moe import route
 
 
@@ -18,9 +19,9 @@ class Expert(nn.Module):
     def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(hidden, inter, bias=False, dtype=dtype)
-        self.w2 = nn.Linear(inter, hidden, bias=False, dtype=dtype)
-        self.w3 = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+        self.w1 = Linear(hidden, inter, bias=False, dtype=dtype)
+        self.w2 = Linear(inter, hidden, bias=False, dtype=dtype)
+        self.w3 = Linear(hidden, inter, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x).clamp(max=self.limit)

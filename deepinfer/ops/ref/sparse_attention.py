@@ -41,11 +41,13 @@ def sparse_attention_indexed(
     scale: float,
     kv_extra: torch.Tensor | None = None,
     indices_extra: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [L, H, D], kv [R, D], indices [L, N] int (-1 invalid), sinks [H] fp32 -> out [L, H, D] in q.dtype.
 
     Optional second source: kv_extra [R2, D] with indices_extra [L, N2]. A query with no valid key
-    returns zeros (all probability mass on the sink).
+    returns zeros (all probability mass on the sink). ``out`` (optional) receives the result.
     """
     keys, valid = gather_keys(kv, indices, kv_extra, indices_extra)  # [L, N, D], [L, N]
     keys = keys.to(q.dtype)
@@ -56,4 +58,5 @@ def sparse_attention_indexed(
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
-    return torch.matmul(probs, keys)  # [L, H, D]
+    result = torch.matmul(probs, keys)  # [L, H, D]
+    return result if out is None else out.copy_(result)

@@ -21,13 +21,18 @@ the state bit-identical (alpha = 1, p = 0), so trailing padding never changes a 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+# Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Keys per split along the split axis (see module docstring). Changing it changes bits; fixed per build.
 SPLIT = 1024
 LOG2E = 1.4426950408889634
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
 # Running max starts finite: a block with no valid key then gives alpha = exp2(0) = 1, p = 0 (no NaN).
 NEG_INIT: tl.constexpr = tl.constexpr(-1.0e30)
 
@@ -45,7 +50,7 @@ def _attend_range(q, acc, m_i, l_i, kv_ptr, idx_row_ptr, start, end, stride_kv, 
         k = tl.load(kv_ptr + rows.to(tl.int64)[:, None] * stride_kv + offs_d[None, :],
                     mask=valid[:, None] & d_mask[None, :], other=0.0)
         if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 domain, fp32
@@ -55,7 +60,9 @@ def _attend_range(q, acc, m_i, l_i, kv_ptr, idx_row_ptr, start, end, stride_kv, 
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IEEE:
-            acc = tl.dot(p, k, acc * alpha[:, None], input_precision="ieee")
+            # p rounded to the key dtype first, as on the MMA path (a no-op for fp32).
+            acc = tl.dot(p.to(k.dtype).to(tl.float32), k.to(tl.float32), acc * alpha[:, None],
+                         input_precision="ieee")
         else:
             acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
         m_i = m_new
@@ -79,11 +86,13 @@ def _sparse_attn_kernel(
     HAS_EXTRA: tl.constexpr, FUSED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):
-    # Head group fastest: the H/BLOCK_H programs that read the same key rows run side by side (L2 reuse).
-    hg = tl.program_id(0)
-    lq = tl.program_id(1).to(tl.int64)
-    sp = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    # Axis 0 = query * head groups + head group (axis 0 has no 65535 limit, prefill needs that), head group
+    # fastest: the programs that read the same key rows run side by side and share them through L2.
+    n_hg = tl.cdiv(H, BLOCK_H)
+    hg = tl.program_id(0) % n_hg
+    lq = (tl.program_id(0) // n_hg).to(tl.int64)
+    sp = tl.program_id(1)
+    num_splits = tl.num_programs(1)
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < H
@@ -107,7 +116,7 @@ def _sparse_attn_kernel(
                                       tl.minimum(lo + split, N), stride_kv, qk_scale, offs_d, d_mask,
                                       BLOCK_N, IEEE)
     if FUSED:
-        sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+        sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * LOG2E_C
         out = _finalize(acc, m_i, l_i, sink2)
         tl.store(out_ptr + lq * stride_ol + offs_h[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
@@ -123,8 +132,9 @@ def _sparse_attn_kernel(
 def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_splits,
                   stride_ol, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merge split partials in split order (fixed), then the same epilogue as the fused path."""
-    hg = tl.program_id(0)
-    lq = tl.program_id(1).to(tl.int64)
+    n_hg = tl.cdiv(H, BLOCK_H)
+    hg = tl.program_id(0) % n_hg
+    lq = (tl.program_id(0) // n_hg).to(tl.int64)
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < H
@@ -141,7 +151,7 @@ def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_
         l_i += tl.load(lpart_ptr + base + s, mask=h_mask, other=0.0) * w
         a = tl.load(apart_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :], mask=h_mask[:, None], other=0.0)
         acc += a * w[:, None]
-    sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
+    sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * LOG2E_C
     out = _finalize(acc, m, l_i, sink2)
     tl.store(out_ptr + lq * stride_ol + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < D)[None, :])
@@ -150,15 +160,17 @@ def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_
 def config(dtype: torch.dtype, d: int) -> dict[str, int]:
     """Tiles by (dtype, D) only -- never by batch or length, which would change the reduction order.
 
-    bf16 at D=512: 16 heads x 512 q tile (16 KB) and an fp32 accumulator of 32 KB per program, key tile
-    [64, 512] bf16 = 64 KB per pipeline stage. fp32 (tests only) uses IEEE dots, smaller key tiles.
+    bf16 at D=512: a 16-head x 512 q tile (16 KB, MMA operand) and a 32 KB fp32 accumulator per program;
+    a [32, 512] bf16 key tile is 32 KB per pipeline stage, so two stages leave room for 3 programs per SM.
+    fp32 (tests only) uses IEEE FMA dots: small key tiles and 8 warps to keep registers in check.
     """
     if dtype == torch.float32:
-        return {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1}
     return dict(CONFIG_BF16)
 
 
-CONFIG_BF16: dict[str, int] = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# The bf16 tiles; bench/kernels/bench_attention.py sweeps alternatives (pick one, keep it fixed).
+CONFIG_BF16: dict[str, int] = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
 def sparse_attention_indexed(
@@ -169,10 +181,13 @@ def sparse_attention_indexed(
     scale: float,
     kv_extra: torch.Tensor | None = None,
     indices_extra: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [L, H, D], kv [R, D], indices [L, N] int32 (-1 invalid), sinks [H] fp32 -> out [L, H, D] in q.dtype.
 
     Optional second source kv_extra [R2, D] with indices_extra [L, N2] (the split axis; see module doc).
+    ``out`` (optional, [L, H, D] with unit stride along D) is written in place and returned.
     """
     if (kv_extra is None) != (indices_extra is None):
         raise ValueError("kv_extra and indices_extra go together")
@@ -197,7 +212,9 @@ def sparse_attention_indexed(
     cfg = config(q.dtype, D)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
     block_d = max(16, triton.next_power_of_2(D))
-    out = torch.empty((L, H, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((L, H, D), dtype=q.dtype, device=q.device)
+    assert out.shape == (L, H, D) and out.dtype == q.dtype and out.stride(2) == 1, "bad out tensor"
     if L == 0:
         return out
     fused = num_splits == 1
@@ -207,17 +224,17 @@ def sparse_attention_indexed(
         mpart = torch.empty((L, H, num_splits), dtype=torch.float32, device=q.device)
         lpart = torch.empty_like(mpart)
         apart = torch.empty((L, H, num_splits, block_d), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(H, block_h), L, num_splits)
+    grid = (triton.cdiv(H, block_h) * L, num_splits)
     _sparse_attn_kernel[grid](
         q, kv, indices, kv2, idx2, sinks, out, mpart, lpart, apart,
         H, n, n2, D, float(scale) * LOG2E, split,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
         HAS_EXTRA=has_extra, FUSED=fused, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not fused:
-        _merge_kernel[(triton.cdiv(H, block_h), L)](
+        _merge_kernel[(triton.cdiv(H, block_h) * L,)](
             mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
             BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
         )

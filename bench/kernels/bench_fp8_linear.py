@@ -1,0 +1,64 @@
+"""Triton FP8 block-scaled linear vs the card's limits and vs torch peers, on V4-Flash shapes.
+
+    python bench/kernels/bench_fp8_linear.py      (on the GPU; JSON to $OUT/fp8_linear.json if set)
+
+Per (shape, M): median µs (triton.testing.do_bench), bytes = weight e4m3 + fp32 scales + x + y (each once),
+achieved TB/s and % of the measured copy bandwidth, TFLOP/s and % of the measured bf16 GEMM rate; peers:
+torch bf16 matmul on pre-dequantized weights (what HF with dequantized weights runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.kernels.ceilings import measure  # noqa: E402
+from deepinfer.model.quant import quant_fp8_block, ue8m0_to_float  # noqa: E402
+from deepinfer.ops.ref.fp8_linear import dequant_weight  # noqa: E402
+from deepinfer.ops.triton.fp8_linear import fp8_linear  # noqa: E402
+
+SHAPES = {  # name: (N, K) of one V4-Flash layer's FP8 linears
+    "wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a(group)": (1024, 4096),
+    "wo_b": (4096, 8192), "shared_w13": (4096, 4096), "shared_w2": (4096, 2048), "indexer_wq_b": (8192, 1024),
+}
+MS = (1, 8, 32, 128, 4096)
+
+
+def main() -> None:
+    ceil = measure()
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w32 = torch.randn(n, k) * 0.05
+        q, s = quant_fp8_block(w32, (128, 128))
+        w, sc = q.cuda(), ue8m0_to_float(s).float().cuda()
+        wbf = dequant_weight(w, sc).to(torch.bfloat16)
+        for m in MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t = triton.testing.do_bench(lambda: fp8_linear(x, w, sc), warmup=25, rep=200, return_mode="median")
+            tp = triton.testing.do_bench(lambda: x @ wbf.t(), warmup=25, rep=200, return_mode="median")
+            nbytes = n * k + sc.numel() * 4 + m * k * 2 + m * n * 2
+            flops = 2 * m * n * k
+            rows.append({"name": name, "N": n, "K": k, "M": m, "us": t * 1e3, "peer_bf16_us": tp * 1e3,
+                         "tb_s": nbytes / (t * 1e-3) / 1e12, "pct_bw": 100 * nbytes / (t * 1e-3) / ceil["copy_bytes_per_s"],
+                         "tflops": flops / (t * 1e-3) / 1e12,
+                         "pct_mma": 100 * flops / (t * 1e-3) / ceil["bf16_flops_per_s"], "speedup_vs_bf16": tp / t})
+    out = {"ceilings": ceil, "rows": rows}
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "fp8_linear.json").write_text(json.dumps(out, indent=2))
+    print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    print("| linear | N x K | M | µs | TB/s | % bw | TFLOP/s | % mma | bf16 peer µs | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['N']}x{r['K']} | {r['M']} | {r['us']:.1f} | {r['tb_s']:.2f} | {r['pct_bw']:.0f} | "
+              f"{r['tflops']:.0f} | {r['pct_mma']:.0f} | {r['peer_bf16_us']:.1f} | {r['speedup_vs_bf16']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Triton kernels; each beside its reference in ops/ref with the same signature; imported only on CUDA."""

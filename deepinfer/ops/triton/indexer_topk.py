@@ -1,0 +1,128 @@
+"""Lightning-indexer scoring + deterministic top-k, in Triton; twin of ``ops/ref/indexer_topk.py``.
+
+Scoring: one program per (block of BLOCK_E entries, query). It gathers the entries' index-key rows once,
+computes all Hi heads' q·k as one [Hi, Di] x [Di, BLOCK_E] MMA with fp32 accumulation, then
+relu(.) * softmax_scale * w_h summed over heads, in fp32, in the reference's op order. Blocks wholly at or
+past the query's limit read nothing. Each score is written as an int64 *sort key*, not as a float:
+
+    key = sortable32(score) << 32 | (E - 1 - entry)
+
+where sortable32 maps fp32 bits to an int32 with the same order (negative floats: flip the 31 low bits;
+-0.0 is first made +0.0, because the reference's sort treats them as equal). Masked entries carry -inf.
+Keys are all distinct, and a larger key means (higher score) or (equal score and lower entry number) --
+exactly the reference's tie rule. ``torch.topk`` over distinct keys has one right answer, so the result is
+the same on every backend, for every batch, and for any E beyond the limit (the extra entries are -inf
+with larger entry numbers, so they rank last).
+
+Short-context shortcut (limits[l] <= topk): the *set* is then all visible entries, but this op returns
+them best first like the reference, which needs the scores, so every row is scored.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _index_score_kernel(
+    q_ptr, w_ptr, k_ptr, rows_ptr, lim_ptr, key_ptr,
+    E, Hi, Di, softmax_scale,
+    stride_ql, stride_qh, stride_wl, stride_k, stride_rl, stride_ol,
+    BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    # One flat axis (no 65535 limit on the number of queries); a query's entry blocks are adjacent.
+    n_eb = tl.cdiv(E, BLOCK_E)
+    eb = tl.program_id(0) % n_eb
+    lq = (tl.program_id(0) // n_eb).to(tl.int64)
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    in_range = offs_e < E
+    limit = tl.load(lim_ptr + lq)
+    score = tl.full((BLOCK_E,), float("-inf"), dtype=tl.float32)
+    if eb * BLOCK_E < limit:
+        visible = in_range & (offs_e < limit)
+        rows = tl.load(rows_ptr + lq * stride_rl + offs_e, mask=visible, other=-1)
+        present = rows >= 0
+        offs_h = tl.arange(0, BLOCK_HI)
+        offs_d = tl.arange(0, BLOCK_D)
+        h_mask = offs_h < Hi
+        d_mask = offs_d < Di
+        q = tl.load(q_ptr + lq * stride_ql + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        k = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
+                    mask=present[:, None] & d_mask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [BLOCK_HI, BLOCK_E], fp32 accumulation
+        w = tl.load(w_ptr + lq * stride_wl + offs_h, mask=h_mask, other=0.0)
+        # Padded heads have q = 0 and w = 0: they add +0.0 to every score.
+        s = tl.maximum(s, 0.0) * softmax_scale * w[:, None]
+        score = tl.where(present, tl.sum(s, axis=0), float("-inf"))
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0 (the reference ranks them equal)
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = (ordered.to(tl.int64) << 32) | (E - 1 - offs_e).to(tl.int64)
+    tl.store(key_ptr + lq * stride_ol + offs_e, key, mask=in_range)
+
+
+def config(dtype: torch.dtype, hi: int, di: int) -> dict[str, int]:
+    """Tiles by (dtype, Hi, Di) only. Flash (64 heads x 128): q tile 16 KB, key tile [64, 128] bf16 16 KB."""
+    if dtype == torch.float32:
+        return {"BLOCK_E": 32, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_E": 64, "num_warps": 4, "num_stages": 2}
+
+
+def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
+                      limits: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Scores of every entry as int64 sort keys [L, E] (see module docstring)."""
+    L, hi, di = q.shape
+    e = key_rows.shape[1]
+    assert weights.shape == (L, hi) and keys.shape[1] == di and key_rows.shape[0] == L and limits.shape == (L,)
+    assert keys.dtype == q.dtype, (q.dtype, keys.dtype)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    keys = keys if keys.stride(1) == 1 else keys.contiguous()
+    weights = weights.float().contiguous()
+    rows = key_rows.to(torch.int32).contiguous()
+    lims = limits.to(device=q.device, dtype=torch.int32).contiguous()
+    out = torch.empty((L, e), dtype=torch.int64, device=q.device)
+    if L == 0 or e == 0:
+        return out
+    cfg = config(q.dtype, hi, di)
+    block_e = cfg["BLOCK_E"]
+    grid = (triton.cdiv(e, block_e) * L,)
+    _index_score_kernel[grid](
+        q, weights, keys, rows, lims, out, e, hi, di, float(softmax_scale),
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), rows.stride(0), out.stride(0),
+        BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(di)),
+        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def scores_from_keys(sort_keys: torch.Tensor) -> torch.Tensor:
+    """Decode the fp32 scores back from sort keys (for tests and debugging)."""
+    ordered = (sort_keys >> 32).to(torch.int32)
+    bits = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return bits.view(torch.float32)
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
+                 limits: torch.Tensor, topk: int, softmax_scale: float) -> torch.Tensor:
+    """q [L, Hi, Di], weights [L, Hi] fp32, keys [R, Di], key_rows [L, E] int32 (-1 absent), limits [L]
+    -> [L, min(topk, E)] int64 entry numbers, best first, -1 where fewer than that are visible."""
+    L, e = key_rows.shape
+    k = min(topk, e)
+    if k <= 0:
+        return torch.empty((L, 0), dtype=torch.long, device=q.device)
+    sort_keys = indexer_sort_keys(q, weights, keys, key_rows, limits, softmax_scale)
+    best = torch.topk(sort_keys, k, dim=1, largest=True, sorted=True).values
+    entry = (e - 1) - (best & 0xFFFFFFFF)
+    lims = limits.to(device=q.device, dtype=torch.long).unsqueeze(1)
+    return torch.where(entry >= lims, torch.full_like(entry, -1), entry)
