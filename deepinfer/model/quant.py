@@ -155,8 +155,10 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"FP4 weight: expected an int8 container, got {packed.dtype}")
     u8 = packed.contiguous().view(torch.uint8)
     table = _e2m1_table(packed.device)
-    low, high = (u8 & 0x0F).long(), (u8 >> 4).long()
-    return torch.stack([table[low], table[high]], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    # One gather from a 256-entry table of (low, high) value pairs instead of two nibble lookups.
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=-1)  # [256, 2]
+    return pairs[u8.long()].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
