@@ -57,17 +57,19 @@ def _fp8_linear_kernel(
         s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask & (k0 < K), other=0.0)
         acc += part * s[None, :]
     out = out_ptr + pid_k * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+    # Without a K split the tile is final: store it in the output dtype (no fp32 round trip through memory).
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per M bucket; the bench sweeps alternatives (CONFIG_OVERRIDE).
+CONFIGS = {16: (16, 32, 4, 4), 64: (64, 64, 4, 3), None: (128, 128, 8, 3)}
+CONFIG_OVERRIDE: dict = {}
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, split_k, num_warps, num_stages) from the M bucket and (N, K)."""
-    if m <= 16:
-        bm, bn, warps, stages = 16, 32, 4, 4
-    elif m <= 64:
-        bm, bn, warps, stages = 64, 64, 4, 3
-    else:
-        bm, bn, warps, stages = 128, 128, 8, 3
+    bucket = 16 if m <= 16 else 64 if m <= 64 else None
+    bm, bn, warps, stages = CONFIG_OVERRIDE.get(bucket, CONFIGS[bucket])
     programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, 128)
     split = 1
@@ -91,12 +93,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     bm, bn, split, warps, stages = _config(m, n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
     split = triton.cdiv(k, k_per_split)
-    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    out_dtype = x.dtype if split == 1 else torch.float32
+    partial = torch.empty((split, m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
     _fp8_linear_kernel[grid](
         x, weight, scale, partial, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), scale.stride(0), partial.stride(1), partial.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET,
+        num_warps=warps, num_stages=stages,
     )
-    out = partial[0] if split == 1 else partial.sum(dim=0)
-    return out.to(x.dtype)
+    if split == 1:
+        return partial[0]
+    return partial.sum(dim=0).to(x.dtype)  # fixed-order reduction over the K splits
