@@ -1,7 +1,8 @@
-"""The ``deepinfer`` command: ``generate``, ``chat``, ``info``.
+"""The ``deepinfer`` command: ``generate``, ``chat``, ``serve``, ``info``.
 
     deepinfer generate "def fibonacci(n):" --max-tokens 64 --temperature 0
     deepinfer chat --thinking
+    deepinfer serve --port 8000 --api-key sk-local
     deepinfer info --model /path/to/DeepSeek-V4-Flash
 """
 
@@ -108,6 +109,25 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return run_chat(_engine_args(a), _sampling_params(a), thinking=a.thinking, system=a.system)
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        from deepinfer.server.app import build_app, serve
+    except ImportError as e:
+        print(f"error: {e.name} is missing; install the server extra: pip install 'deepinfer[serve]'", file=sys.stderr)
+        return 2
+    from deepinfer.engine.llm_engine import LLMEngine
+
+    if a.max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes: must be >= 1, got {a.max_request_bytes}")
+    engine = LLMEngine.from_engine_args(_engine_args(a))
+    app = build_app(engine, served_model_name=a.served_model_name, api_key=a.api_key,
+                    max_request_bytes=a.max_request_bytes)
+    # SIGINT/SIGTERM: stop accepting, let in-flight requests run for --graceful-shutdown-timeout seconds,
+    # abort what is left (clients get finish_reason "abort"), stop the engine thread, exit 0.
+    serve(app, host=a.host, port=a.port, log_level=a.log_level, graceful_timeout=a.graceful_shutdown_timeout)
+    return 0
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     from deepinfer.model.summary import summarize
 
@@ -132,6 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(c)
     _sampling_flags(c)
     c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model directory's name, deepinfer-demo for the demo)")
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted (413 above)")
+    s.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run on after SIGTERM before they are aborted")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _engine_flags(s)
+    s.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="model summary: layers, parameters, cache bytes per token")
     i.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
     i.set_defaults(func=cmd_info)

@@ -21,14 +21,16 @@ from deepinfer.model.context import StepContext
 from deepinfer.model.linear import Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.rope import RopeTables
-from deepinfer.ops.ref.attention import sparse_attention
 from deepinfer.ops.ref.norm import unweighted_rms_norm
 from deepinfer.ops.ref.rope import apply_rope
+from deepinfer.ops.table import REF, OpTable
 
 
 class Attention(nn.Module):
     """Checkpoint names under ``layers.N.attn.``: wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink,
     compressor.*, indexer.*."""
+
+    ops: OpTable = REF  # replaced by model/device.py for accelerated runs
 
     def __init__(self, cfg: ModelConfig, kind: str, ratio: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -97,7 +99,7 @@ class Attention(nn.Module):
             entry_visible = self._entry_visibility(run, qpos, x, q_res, ctx, layer_key, len(entries), rope_at)
             keys = torch.cat([keys, entries], dim=0)
             visible = torch.cat([visible, entry_visible], dim=1)
-        return sparse_attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
+        return self.ops.attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
 
     def _entry_visibility(self, run, qpos, x, q_res, ctx, layer_key, count, rope_at) -> torch.Tensor:
         causal = torch.arange(count)[None, :] < ((qpos + 1) // self.ratio)[:, None]
@@ -113,6 +115,5 @@ class Attention(nn.Module):
         """Grouped low-rank output: heads in G groups, each projected by its own block of wo_a, then wo_b."""
         t = len(out)
         grouped = out.reshape(t, self.groups, -1).transpose(0, 1)  # [G, T, nh*D/G]
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)  # [G, nh*D/G, rank]
-        y = torch.bmm(grouped, w).transpose(0, 1).reshape(t, -1)
+        y = self.wo_a.grouped(grouped).transpose(0, 1).reshape(t, -1)
         return self.wo_b(y)

@@ -18,7 +18,7 @@ from deepinfer.model.context import StepContext
 from deepinfer.model.linear import Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.ops.ref.compressor import pool_windows
-from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
+from deepinfer.ops.table import REF, OpTable
 
 
 class Compressor(nn.Module):
@@ -89,6 +89,8 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer. Checkpoint names: ``attn.indexer.{wq_b,weights_proj,compressor}``."""
 
+    ops: OpTable = REF  # replaced by model/device.py for accelerated runs
+
     def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, ratio: int, topk: int,
                  eps: float, dtype: torch.dtype):
         super().__init__()
@@ -103,6 +105,5 @@ class Indexer(nn.Module):
         q = self.wq_b(q_res).view(len(x), self.n_heads, self.head_dim)
         q = rope(q, positions)
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = indexer_scores(q, weights, keys, self.head_dim**-0.5)
         limits = (positions + 1) // self.compressor.ratio
-        return topk_with_tiebreak(scores, limits, self.topk)
+        return self.ops.indexer_select(q, weights, keys, limits.to(q.device), self.topk, self.head_dim**-0.5)

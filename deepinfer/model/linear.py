@@ -21,6 +21,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal use: x [G, T, in] -> [G, T, out/G], group g through weight rows [g*r, (g+1)*r)."""
+        g = x.shape[0]
+        w = self.weight.view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, r]
+        return torch.bmm(x, w)
+
 
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None):

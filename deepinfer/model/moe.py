@@ -51,6 +51,7 @@ class MoE(nn.Module):
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit, dtype) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, inter, limit, dtype) if cfg.n_shared_experts else None
+        self.fused: nn.Module | None = None  # stacked quantized experts (model/device.py)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -64,12 +65,19 @@ class MoE(nn.Module):
             bias=None if self.gate.is_hash else self.gate.bias,
             hash_indices=self.gate.tid2eid[input_ids] if self.gate.is_hash else None,
         )
+        if self.fused is not None:
+            routed = self.fused(x, indices, weights)
+        else:
+            routed = self._experts_loop(x, indices, weights)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed
+
+    def _experts_loop(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         routed = torch.zeros_like(x)
         # Ascending expert order, accumulating in the activation dtype (the reference's order).
         for e in torch.unique(indices).tolist():
             tok, slot = torch.where(indices == e)
             out = self.experts[e](x[tok]) * weights[tok, slot, None]
             routed.index_add_(0, tok, out.to(x.dtype))
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
         return routed

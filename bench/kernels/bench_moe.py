@@ -1,0 +1,227 @@
+"""Routed FP4 experts on the GPU: the Triton grouped GEMM vs the bytes floor and vs a torch peer.
+
+    python bench/kernels/bench_moe.py [--tokens 1 8 32 128 4096] [--scales e8m0 fp32] [--no-sweep]
+
+V4-Flash shapes: H=4096, I=2048, E=256, k=6, bf16 activations, uniform random top-k routing.
+Per T it reports, for each scale format (fp32 multipliers as the op's signature documents, or the raw
+UE8M0 bytes the checkpoint ships):
+  floor   the fewest bytes a call must move: each *hit* expert's packed w13 + w2 and their scales, plus x
+          and out (bf16), divided by 4.25 TB/s (the H200's measured copy bandwidth);
+  graph   median µs of the whole op (align + 3 kernels) replayed from a CUDA graph (what a graph-captured
+          decode step pays); eager: the same without a graph (adds launch gaps); align: the torch sort/pad
+          step alone, in a graph;
+  TB/s    floor bytes / graph time, and the fraction of 4.25 TB/s; TFLOP/s = 6*T*k*H*I / graph time;
+  peer    torch with all experts pre-dequantized to bf16, a per-expert loop (model/moe.py's scheme):
+          eager µs (it syncs to the host for its expert list, so no graph).
+Each timed call cycles through --rotate routing sets, so the 78-94 MB a decode step touches is not served
+from the 50 MB L2 on repeat. A short sweep of tile configs at T = 1, 32, 4096 follows (--no-sweep skips it).
+Prints markdown tables last; writes $OUT/bench_moe.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from deepinfer.model.quant import dequant_fp4, ue8m0_to_float
+from deepinfer.ops.triton import moe_experts as tri
+
+H, I, E, K = 4096, 2048, 256, 6
+LIMIT = 10.0
+COPY_BW = 4.25e12  # bytes/s, measured device-to-device copy (shared/docs/h200-facts.md)
+DEVICE = "cuda"  # a dry run of the script's logic under TRITON_INTERPRET swaps in "cpu" and tiny shapes
+
+
+def make_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def rand(shape: tuple[int, ...], lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g, device=DEVICE, dtype=dtype)
+
+    w13 = rand((E, 2 * I, H // 2), -128, 128, torch.int8)
+    w2 = rand((E, H, I // 2), -128, 128, torch.int8)
+    e13 = rand((E, 2 * I, H // 32), 120, 123, torch.uint8)  # scales 2^-7..2^-5: gate/up rms of a few units
+    e2 = rand((E, H, I // 32), 118, 121, torch.uint8)
+    return {"w13": w13, "w2": w2, "e13": e13, "e2": e2}
+
+
+def routing(n_tok: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(n_tok, H, generator=g, device=DEVICE).to(torch.bfloat16)
+    ids = torch.rand(n_tok, E, generator=g, device=DEVICE).argsort(dim=1)[:, :K].contiguous()
+    w = torch.rand(n_tok, K, generator=g, device=DEVICE) + 0.1
+    return x, ids, (w / w.sum(dim=1, keepdim=True) * 1.5).contiguous()
+
+
+def expert_bytes(scale_bytes: int) -> int:
+    packed = 2 * I * H // 2 + H * I // 2
+    scales = (2 * I * H // 32 + H * I // 32) * scale_bytes
+    return packed + scales
+
+
+def torch_peer(x, ids, w, w13_bf16, w2_bf16) -> torch.Tensor:
+    """The per-expert loop of model/moe.py on pre-dequantized bf16 weights."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        gate, up = (x[tok] @ w13_bf16[e].t()).split(I, dim=-1)
+        hid = F.silu(gate.float().clamp(max=LIMIT)) * up.float().clamp(min=-LIMIT, max=LIMIT)
+        y = (hid.to(x.dtype) @ w2_bf16[e].t()).float() * w[tok, slot, None]
+        out.index_add_(0, tok, y.to(x.dtype))
+    return out
+
+
+def time_op(fn, rotate: int, graph: bool) -> float:
+    """Median µs per call of fn(r) over r in range(rotate)."""
+    def run() -> None:
+        for r in range(rotate):
+            fn(r)
+    if graph:
+        ms = do_bench_cudagraph(run, rep=200, return_mode="median")
+    else:
+        ms = do_bench(run, warmup=25, rep=200, return_mode="median")
+    return ms * 1e3 / rotate
+
+
+def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, rotate: int) -> dict:
+    s13 = ue8m0_to_float(wts["e13"]) if scale_fmt == "fp32" else wts["e13"].view(torch.float8_e8m0fnu)
+    s2 = ue8m0_to_float(wts["e2"]) if scale_fmt == "fp32" else wts["e2"].view(torch.float8_e8m0fnu)
+    sets = [routing(n_tok, 1000 * n_tok + r) for r in range(rotate)]
+    hit = sum(torch.unique(ids).numel() for _, ids, _ in sets) / rotate
+    floor_bytes = hit * expert_bytes(4 if scale_fmt == "fp32" else 1) + 2 * n_tok * H * 2
+    flops = 6.0 * n_tok * K * H * I
+    cfg = tri.pick_config(n_tok * K, E)
+
+    def op(r: int) -> torch.Tensor:
+        x, ids, w = sets[r]
+        return tri.moe_experts_fp4(x, ids, w, wts["w13"], s13, wts["w2"], s2, LIMIT)
+
+    row = {"T": n_tok, "scales": scale_fmt, "pairs": n_tok * K, "experts_hit": hit, "config": vars(cfg),
+           "floor_MB": floor_bytes / 1e6, "floor_us": floor_bytes / COPY_BW * 1e6}
+    got = op(0)
+    row["nan"] = bool(torch.isnan(got).any())
+    row["graph_us"] = time_op(op, rotate, graph=True)
+    row["eager_us"] = time_op(op, rotate, graph=False)
+    row["align_us"] = time_op(lambda r: tri.align_pairs(sets[r][1], E, cfg.block_m), rotate, graph=True)
+    row["TBps"] = floor_bytes / (row["graph_us"] * 1e-6) / 1e12
+    row["of_floor"] = row["floor_us"] / row["graph_us"]
+    row["TFLOPs"] = flops / (row["graph_us"] * 1e-6) / 1e12
+    if peer_w is not None:
+        x, ids, w = sets[0]
+        ref = torch_peer(x, ids, w, *peer_w)
+        row["rel_err_vs_peer"] = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        row["peer_us"] = time_op(lambda r: torch_peer(*sets[r], *peer_w), rotate, graph=False)
+        peer_bytes = hit * 2 * (3 * H * I) + 2 * n_tok * H * 2
+        row["peer_TBps"] = peer_bytes / (row["peer_us"] * 1e-6) / 1e12
+    return row
+
+
+SWEEP = {  # (block_m, block_n1, block_n2, num_warps, num_stages); the table's pick is timed as well
+    1: [(16, 64, 64, 4, 3), (16, 64, 64, 4, 5), (16, 64, 64, 4, 6), (16, 128, 64, 8, 4), (16, 64, 128, 4, 4),
+        (16, 128, 128, 8, 4), (32, 64, 64, 4, 4)],
+    32: [(16, 64, 64, 4, 3), (16, 64, 64, 4, 5), (16, 128, 128, 8, 4), (32, 64, 64, 4, 4)],
+    4096: [(64, 64, 64, 4, 3), (64, 64, 128, 8, 3), (128, 64, 128, 8, 2), (128, 128, 128, 8, 3),
+           (128, 64, 64, 8, 3), (64, 128, 128, 8, 3)],
+}
+
+
+def sweep(wts: dict, rotate: int) -> list[dict]:
+    rows = []
+    s13, s2 = wts["e13"].view(torch.float8_e8m0fnu), wts["e2"].view(torch.float8_e8m0fnu)
+    for n_tok, cands in SWEEP.items():
+        sets = [routing(n_tok, 1000 * n_tok + r) for r in range(rotate)]
+        hit = sum(torch.unique(ids).numel() for _, ids, _ in sets) / rotate
+        floor_bytes = hit * expert_bytes(1) + 2 * n_tok * H * 2
+        base = tri.pick_config(n_tok * K, E)
+        cfgs = [base] + [tri.TileConfig(*c) for c in cands if tri.TileConfig(*c) != base]
+        ref = None
+        for cfg in cfgs:
+            def op(r: int, cfg=cfg) -> torch.Tensor:
+                x, ids, w = sets[r]
+                return tri.moe_experts_fp4_with_config(x, ids, w, wts["w13"], s13, wts["w2"], s2, LIMIT, cfg)
+            try:
+                out = op(0)
+                same = ref is None or torch.equal(out, ref)  # every config must give the same bits
+                ref = out if ref is None else ref
+                us = time_op(op, rotate, graph=True)
+                rows.append({"T": n_tok, "config": vars(cfg), "graph_us": us, "bitwise_same": same,
+                             "of_floor": floor_bytes / COPY_BW * 1e6 / us, "table_pick": cfg == base})
+            except Exception as exc:  # a config that fails to compile or launch is reported, not fatal
+                rows.append({"T": n_tok, "config": vars(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
+    return rows
+
+
+def cfg_str(c: dict) -> str:
+    return f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 4096])
+    ap.add_argument("--scales", nargs="+", default=["e8m0", "fp32"], choices=["e8m0", "fp32"])
+    ap.add_argument("--rotate", type=int, default=8, help="routing sets cycled per timed call")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-peer", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    wts = make_weights(0)
+    peer_w = None
+    if not args.no_peer:  # 12.9 GB of bf16 experts
+        w13_bf16 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=DEVICE)
+        w2_bf16 = torch.empty(E, H, I, dtype=torch.bfloat16, device=DEVICE)
+        for e in range(E):
+            w13_bf16[e] = dequant_fp4(wts["w13"][e], wts["e13"][e]).to(torch.bfloat16)
+            w2_bf16[e] = dequant_fp4(wts["w2"][e], wts["e2"][e]).to(torch.bfloat16)
+        peer_w = (w13_bf16, w2_bf16)
+    rows = []
+    for n_tok in args.tokens:
+        for fmt in args.scales:
+            rotate = 2 if n_tok >= 1024 else args.rotate
+            rows.append(bench_tokens(n_tok, fmt, wts, peer_w, rotate))
+            print(json.dumps(rows[-1]), flush=True)
+    sweep_rows = [] if args.no_sweep else sweep(wts, args.rotate)
+    for r in sweep_rows:
+        print(json.dumps(r), flush=True)
+    meta = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__,
+            "triton": triton.__version__, "H": H, "I": I, "E": E, "k": K, "copy_bw_TBps": COPY_BW / 1e12,
+            "wall_s": time.time() - t0}
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        Path(os.environ["OUT"], "bench_moe.json").write_text(json.dumps(
+            {"meta": meta, "rows": rows, "sweep": sweep_rows}, indent=2))
+
+    print(f"\n{meta['device']}, V4-Flash experts H={H} I={I} E={E} k={K}, bf16 x, floor at {COPY_BW / 1e12} TB/s\n")
+    print("| T | scales | hit | MB | floor µs | graph µs | eager µs | align µs | TB/s | of floor | TFLOP/s "
+          "| peer µs | peer TB/s | vs peer | err vs peer | config |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        peer = (f"{r['peer_us']:.1f} | {r['peer_TBps']:.2f} | {r['peer_us'] / r['graph_us']:.2f}x | "
+                f"{r['rel_err_vs_peer']:.1e}") if "peer_us" in r else "- | - | - | -"
+        nan = " NaN!" if r["nan"] else ""
+        print(f"| {r['T']} | {r['scales']} | {r['experts_hit']:.0f} | {r['floor_MB']:.1f} | {r['floor_us']:.1f} | "
+              f"{r['graph_us']:.1f}{nan} | {r['eager_us']:.1f} | {r['align_us']:.1f} | {r['TBps']:.2f} | "
+              f"{r['of_floor']:.0%} | {r['TFLOPs']:.1f} | {peer} | {cfg_str(r['config'])} |")
+    if sweep_rows:
+        print("\n| T | config (e8m0 scales) | graph µs | of floor | same bits | table pick |")
+        print("|---|---|---|---|---|---|")
+        for r in sweep_rows:
+            if "error" in r:
+                print(f"| {r['T']} | {cfg_str(r['config'])} | {r['error']} | | | |")
+            else:
+                print(f"| {r['T']} | {cfg_str(r['config'])} | {r['graph_us']:.1f} | {r['of_floor']:.0%} | "
+                      f"{r['bitwise_same']} | {'*' if r['table_pick'] else ''} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Device transformation: run the loaded model with its weights in checkpoint formats and the chosen op table.
+
+Applied after loading (gpt-fast style), never inside the model math:
+  * every dense FP8 linear becomes ``FP8Linear`` (e4m3 weight + fp32 block scales, ``ops.fp8_linear``);
+  * each MoE layer's FP4 routed experts become one stacked ``FusedFP4Experts`` (``ops.moe_experts_fp4``),
+    and the dequantized per-expert copies are released;
+  * attention and the indexer call ``ops.attention`` / ``ops.indexer_select``.
+With ``ops=REF`` on the CPU this is the specification of what the GPU path computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.moe import MoE
+from deepinfer.model.quant import QuantizedWeight, scale_to_float
+from deepinfer.ops.table import OpTable
+
+
+class FP8Linear(nn.Module):
+    def __init__(self, qw: QuantizedWeight, ops: OpTable) -> None:
+        super().__init__()
+        assert qw.format == "fp8" and qw.block == (128, 128), f"FP8Linear needs 128x128 blocks, got {qw.block}"
+        self.register_buffer("weight_fp8", qw.data.contiguous())
+        self.register_buffer("weight_scale", scale_to_float(qw.scale).float().contiguous())
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.ops.fp8_linear(x.reshape(-1, shape[-1]).contiguous(), self.weight_fp8, self.weight_scale)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [G, T, in] -> [G, T, out/G]: group g uses weight rows [g*r, (g+1)*r)."""
+        g = x.shape[0]
+        r = self.weight_fp8.shape[0] // g
+        outs = []
+        for i in range(g):
+            if r % 128 == 0:
+                w, s = self.weight_fp8[i * r : (i + 1) * r], self.weight_scale[i * r // 128 : (i + 1) * r // 128]
+                outs.append(self.ops.fp8_linear(x[i].contiguous(), w, s))
+            else:  # group rows straddle a scale block: dequantize this group's rows (small models only)
+                w = self.weight_fp8[i * r : (i + 1) * r].float() * self.weight_scale.repeat_interleave(128, 0)[
+                    i * r : (i + 1) * r].repeat_interleave(128, 1)[:, : x.shape[-1]]
+                outs.append((x[i].float() @ w.t()).to(x.dtype))
+        return torch.stack(outs)
+
+
+class FusedFP4Experts(nn.Module):
+    def __init__(self, prefix: str, n_experts: int, quantized: dict[str, QuantizedWeight], limit: float,
+                 ops: OpTable) -> None:
+        super().__init__()
+        w13, s13, w2, s2 = [], [], [], []
+        for e in range(n_experts):
+            q1, q3, q2 = (quantized[f"{prefix}.experts.{e}.{w}.weight"] for w in ("w1", "w3", "w2"))
+            w13.append(torch.cat([q1.data, q3.data]))
+            s13.append(torch.cat([scale_to_float(q1.scale), scale_to_float(q3.scale)]).float())
+            w2.append(q2.data)
+            s2.append(scale_to_float(q2.scale).float())
+        for name, parts in (("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2)):
+            self.register_buffer(name, torch.stack(parts).contiguous())
+        self.limit, self.ops = limit, ops
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.ops.moe_experts_fp4(x.contiguous(), ids.long(), weights.float(), self.w13, self.s13, self.w2,
+                                        self.s2, self.limit)
+
+
+def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, leaf = dotted.split(".")
+    module = model
+    for p in path:
+        module = getattr(module, p) if not p.isdigit() else module[int(p)]
+    return module, leaf
+
+
+def prepare_for_device(model: DeepseekV4, ops: OpTable) -> DeepseekV4:
+    quantized: dict[str, QuantizedWeight] = getattr(model, "quantized", {}) or {}
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
+    for name, qw in quantized.items():
+        if qw.format == "fp8" and ".experts." not in name and name.endswith(".weight"):
+            parent, leaf = _parent(model, name[: -len(".weight")])
+            setattr(parent, leaf, FP8Linear(qw, ops))
+    for name, module in model.named_modules():
+        if isinstance(module, MoE) and f"{name}.experts.0.w1.weight" in quantized:
+            if quantized[f"{name}.experts.0.w1.weight"].format == "fp4":
+                module.fused = FusedFP4Experts(name, len(module.experts), quantized, module.cfg.swiglu_limit, ops)
+                module.experts = nn.ModuleList()  # the dequantized copies are no longer read
+    model.quantized = {}
+    model.ops = ops
+    return model

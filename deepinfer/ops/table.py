@@ -1,0 +1,63 @@
+"""The op table: which implementation of each hot op the model calls, chosen once at start-up.
+
+``REF`` is the plain-PyTorch specification (the CPU path; it never imports Triton). ``triton_ops()`` returns
+the Triton kernels, imported lazily so that only a CUDA process loads Triton. Entries share signatures:
+
+  attention(q [L,H,D], keys [N,D], visible [L,N] bool, sinks [H], scale) -> [L,H,D]
+  indexer_select(q [L,Hi,Di], weights [L,Hi] fp32, keys [E,Di], limits [L], topk, scale) -> [L,k] int64
+  fp8_linear(x [M,K], weight e4m3 [N,K], scale fp32 [N/128,K/128]) -> [M,N]
+  moe_experts_fp4(x, topk_ids, topk_weights, w13, s13, w2, s2, limit) -> [T,H]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.ops.ref import fp8_linear as ref_fp8
+from deepinfer.ops.ref import moe_experts as ref_moe
+from deepinfer.ops.ref.attention import sparse_attention
+from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
+
+
+@dataclass(frozen=True, slots=True)
+class OpTable:
+    name: str
+    attention: Callable
+    indexer_select: Callable
+    fp8_linear: Callable
+    moe_experts_fp4: Callable
+
+
+def _ref_indexer_select(q, weights, keys, limits, topk, scale):
+    return topk_with_tiebreak(indexer_scores(q, weights, keys, scale), limits, topk)
+
+
+REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, ref_moe.moe_experts_fp4)
+
+
+def triton_ops() -> OpTable:
+    from deepinfer.ops.triton import fp8_linear as tri_fp8
+    from deepinfer.ops.triton import indexer_topk as tri_index
+    from deepinfer.ops.triton import moe_experts as tri_moe
+    from deepinfer.ops.triton import sparse_attention as tri_attn
+
+    def attention(q, keys, visible, sinks, scale):
+        # The kernel reads keys through index lists (-1 = not visible); here the keys are already gathered.
+        n = keys.shape[0]
+        cols = torch.arange(n, device=keys.device, dtype=torch.int32).expand(len(q), n)
+        indices = torch.where(visible, cols, torch.full_like(cols, -1))
+        return tri_attn.sparse_attention_indexed(q, keys.to(q.dtype), indices, sinks.float(), scale)
+
+    def indexer_select(q, weights, keys, limits, topk, scale):
+        e = keys.shape[0]
+        rows = torch.arange(e, device=keys.device, dtype=torch.int32).expand(len(q), e).contiguous()
+        return tri_index.indexer_topk(q, weights.float(), keys, rows, limits, topk, scale)
+
+    return OpTable("triton", attention, indexer_select, tri_fp8.fp8_linear, tri_moe.moe_experts_fp4)
+
+
+def select(device: str) -> OpTable:
+    return triton_ops() if device == "cuda" else REF

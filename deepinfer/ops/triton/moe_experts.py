@@ -1,0 +1,375 @@
+"""Routed FP4 experts as a grouped GEMM in Triton; twin of ``ops/ref/moe_experts.py`` (same signature).
+
+Plan (all on the device, no host sync, so the whole call can be captured in a CUDA graph):
+  align (torch)  sort the T*k (token, slot) pairs by expert (stable), pad each expert's group to a multiple of
+                 BLOCK_M -> ``pair_of_row`` (-1 = padding) and ``expert_of_block`` (-1 = unused block).
+  kernel 1       per (m-block, n-block of I): gate and up tiles over the full H in fixed BLOCK_K steps, clamped
+                 SwiGLU in fp32, h[pair, n] stored in bf16 (fp32 when x is fp32).
+  kernel 2       per (m-block, n-block of H): y[pair, n] = W2 h, fp32.
+  combine        per token: out[t] = sum_j w[t, j] * y[t*k + j] in slot order, fp32, one cast to x.dtype.
+
+Why these choices:
+* No FP4 tensor cores on Hopper. Packed bytes stream from HBM into shared memory (cp.async, num_stages
+  deep), each tile is dequantized in registers right before its MMA and fed to ``tl.dot`` as bf16: the
+  packed bytes are the only weight traffic (4.25 bits/weight with UE8M0 scales) and dequantized weights
+  never touch global memory. e2m1 times a power of two is exact in bf16, so dequantization rounds nothing
+  (scales must be powers of two, as UE8M0 ones are, and at most 2; see ``_dequant_fp4``).
+* Swap-AB: the weight tile is the MMA's M side (64-row multiples, what Hopper's wgmma wants) and the
+  tokens are its N side (16..128). Decode then wastes no MMA rows on padding tokens, and every tile
+  config uses the same instruction family (wgmma m64nNk16, bf16 -> fp32), differing only in N.
+* Batch invariance (determinism.md §2.2): a pair's row is one column of a tile; its value depends on its
+  own activations, the expert's weights and BLOCK_K only. BLOCK_K is a function of (H, I) alone; BLOCK_M
+  and the rest vary with the shape bucket. No split-K, no atomics; the combine is a fixed slot-order sum.
+* fp32 activations are split into three bf16 parts (hi + mid + lo == x exactly), so fp32 inputs get
+  fp32-grade results from bf16 MMAs (3x the MMA work; only when x is fp32).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.ops.ref.moe_experts import FP4_GROUP, check_moe_experts_args
+
+# Triton 3.6's CPU interpreter multiplies bf16 tensors as their raw uint16 bits, truncates fp32 -> bf16 and
+# mis-converts bf16 subnormals, so interpreted runs take fp32 detours with the same exact values
+# (see ``_mma``, ``_to_out`` and ``_dequant_fp4``); the GPU code path is the other branch of each.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Tests set this: scratch buffers (h, y) start as NaN so an element no program wrote cannot pass unnoticed.
+POISON_SCRATCH = False
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # pairs per program: the MMA N side (swap-AB)
+    block_n1: int  # rows of W1 and of W3 per program (kernel 1); a multiple of 64 (one warpgroup's wgmma M)
+    block_n2: int  # rows of W2 per program (kernel 2)
+    num_warps: int
+    num_stages: int
+
+
+# Keyed on the mean number of pairs per expert (T*k / E), i.e. on shapes only, never on routing data.
+# Decode (a few pairs per hit expert) reads every weight once and is bound by bytes: narrow token tiles.
+# Prefill (many pairs per expert) reuses each dequantized tile across BLOCK_M tokens: wide token tiles.
+CONFIG_TABLE: tuple[tuple[float, TileConfig], ...] = (
+    (8.0, TileConfig(block_m=16, block_n1=64, block_n2=64, num_warps=4, num_stages=4)),
+    (24.0, TileConfig(block_m=32, block_n1=64, block_n2=64, num_warps=4, num_stages=4)),
+    (64.0, TileConfig(block_m=64, block_n1=64, block_n2=64, num_warps=4, num_stages=3)),
+    (math.inf, TileConfig(block_m=128, block_n1=64, block_n2=128, num_warps=8, num_stages=3)),
+)
+# fp32 activations triple the MMA operands (three bf16 parts); wider token tiles spill registers, and the
+# fp32 path exists for parity checks, not speed, so it always runs the narrowest config.
+FP32_CONFIG = CONFIG_TABLE[0][1]
+
+
+def pick_config(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    if dtype == torch.float32:
+        return FP32_CONFIG
+    per_expert = num_pairs / max(num_experts, 1)
+    return next(cfg for bound, cfg in CONFIG_TABLE if per_expert <= bound)
+
+
+def block_k(dim: int) -> int:
+    """The reduction step over ``dim``: depends on the model shape only (fixed reduction order)."""
+    return next(bk for bk in (128, 64, 32) if dim % bk == 0)
+
+
+def _check_config(cfg: TileConfig) -> None:
+    for n in (cfg.block_n1, cfg.block_n2):
+        if n % 64:
+            raise ValueError(f"{cfg}: weight tiles must be multiples of 64 rows (wgmma M per warpgroup)")
+    if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
+        raise ValueError(f"{cfg}: block_m must be a power of two >= 16 (MMA N side)")
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (pair_of_row int32 [num_blocks * block_m], expert_of_block int32 [num_blocks]).
+
+    Pairs are flattened row-major (pair = t * k + j), sorted by expert (stable: ascending pair within an
+    expert), and each expert's group starts a fresh block. num_blocks is an upper bound computed from
+    shapes (cdiv(P, block_m) + min(E, P)) so nothing syncs; blocks past the real count get expert -1.
+    Only integer ops: the result is exact and deterministic.
+    """
+    flat = topk_ids.reshape(-1)
+    n_pairs = flat.numel()
+    dev = flat.device
+    num_blocks = triton.cdiv(n_pairs, block_m) + min(num_experts, n_pairs)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    group_start = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=dev))  # [E+1]
+    blocks = (group_start[1:] - group_start[:-1] + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    block_start = block_end - blocks
+    rank = torch.arange(n_pairs, device=dev) - group_start[sorted_ids]
+    dest = block_start[sorted_ids] * block_m + rank
+    pair_of_row = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=dev)
+    pair_of_row[dest] = order.to(torch.int32)  # unique destinations: a permutation, no accumulation
+    expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=dev), right=True)
+    expert_of_block = torch.where(expert < num_experts, expert, -1).to(torch.int32)
+    return pair_of_row, expert_of_block
+
+
+@triton.jit
+def _dequant_fp4(packed, scale, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """int8 [BN, BK/2] (two e2m1 codes per byte, low nibble first) and scales [BN, BK/32] -> bf16 [BN, BK].
+
+    Dequantization is the decode bottleneck (every weight byte needs it, and the bytes stream at
+    4.25 TB/s), so it is done by bit placement, a handful of integer ops per byte, no table:
+    * bf16 bits (sign << 15) | (magnitude << 6) put the e2m1 exponent in bf16's exponent field and its
+      mantissa bit in bf16's top mantissa bit; that bf16 is the e2m1 value times 2^-126 for all 16 codes
+      (0.5 becomes the bf16 subnormal 2^-127, which Hopper's bf16 multiply keeps).
+    * Both nibbles of a byte b at once: v = b * 0x1001 holds copies of b at bits 0 and 12, so
+      (v << 6) & 0x01C001C0 puts both magnitudes and (v << 12) & 0x80008000 both signs where a bf16 pair
+      (low half = element 2k, high half = element 2k+1) wants them. The shifts are folded into the
+      multipliers (b * 0x40040 == v << 6, b * 0x1001000 == v << 12).
+    * One bf16 multiply by 2^126 * scale = 2^(e-1) then gives the exact weight. That factor must fit in
+      bf16: scales <= 2 (UE8M0 bytes <= 128), far above any real expert weight's scale.
+    """
+    b = packed.to(tl.uint8, bitcast=True).to(tl.uint32)
+    pair = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
+    if SCALE_U8:  # 2^(e-1) as bf16 bits: exponent field e - 1 + 127
+        e = scale.to(tl.uint8, bitcast=True).to(tl.uint32)
+        m = ((e + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        m = (scale * 8.507059173023462e37).to(tl.bfloat16)  # scale * 2^126, exact for powers of two
+    m = tl.reshape(tl.broadcast_to(m[:, :, None], [BN, BK // 32, 32]), [BN, BK])
+    if INTERPRET:
+        # The interpreter neither multiplies bf16 tensors nor converts bf16 subnormals; the same bits read
+        # as the upper half of an fp32 give the same (exact) values through numpy.
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+        w = tl.reshape(tl.join(lo, hi), [BN, BK])
+        return (w * m.to(tl.float32)).to(tl.bfloat16)
+    lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
+                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    w = tl.reshape(tl.join(lo, hi), [BN, BK])  # [n, j, 0] -> 2j (low nibble), [n, j, 1] -> 2j + 1
+    return w * m
+
+
+@triton.jit
+def _split_bf16(a):
+    """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == a exactly (8 + 8 + 8 significand bits)."""
+    a = a.to(tl.float32)
+    hi = a.to(tl.bfloat16)
+    r = a - hi.to(tl.float32)  # exact
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _mma(a, b, acc, INTERPRET: tl.constexpr):
+    """acc += a @ b for bf16 a, b with fp32 accumulation."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _to_out(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> dtype, round to nearest even (the interpreter truncates fp32 -> bf16: round its bits first)."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            u = v.to(tl.uint32, bitcast=True)
+            v = (u + 0x7FFF + ((u >> 16) & 1)).to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _block_rows(pair_ptr, expert_ptr, BM: tl.constexpr):
+    """This m-block's expert (-1: unused block) and its BM pair ids (-1: padding)."""
+    pid_m = tl.program_id(0)
+    e = tl.load(expert_ptr + pid_m)
+    pair = tl.load(pair_ptr + pid_m * BM + tl.arange(0, BM))
+    return e, pair
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, s13_ptr, h_ptr, pair_ptr, expert_ptr,
+    K, N,  # K = H (reduction), N = I (rows of W1; W3 follows at row N)
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    limit, topk,
+    SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    e, pair = _block_rows(pair_ptr, expert_ptr, BM)
+    if e < 0:
+        return
+    valid = pair >= 0
+    tok = tl.where(valid, pair // topk, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    w_mask = (offs_n < N)[:, None]
+    x_mask = valid[None, :]
+    # Loop-invariant offset tiles plus scalar bases: strides arrive as (16-divisible) arguments, so Triton
+    # can prove 16-byte alignment and issue vector loads; carrying 64-bit pointer tiles would cost registers.
+    w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
+    s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+    x_off = tok[None, :] * stride_x + tl.arange(0, BK)[:, None]  # x^T tile [BK, BM]: the MMA's B operand
+    g_w = w13_ptr + e.to(tl.int64) * stride_we
+    u_w = g_w + N * stride_wn
+    g_s = s13_ptr + e.to(tl.int64) * stride_se
+    u_s = g_s + N * stride_sn
+    sg = tl.load(g_s + s_off, mask=w_mask, other=0)
+    su = tl.load(u_s + s_off, mask=w_mask, other=0)
+    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):  # the full reduction, always in this order (no split-K)
+        # Weights and activations are software-pipelined by Triton (cp.async, num_stages deep). The scale
+        # tiles are too narrow for that (4 bytes per row), so the next step's scales are fetched here by
+        # hand, one step ahead, instead of stalling every step on a fresh load.
+        kn = k0 + BK
+        sg_n = tl.load(g_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
+        su_n = tl.load(u_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
+        pg = tl.load(g_w + k0 // 2 + w_off, mask=w_mask, other=0)
+        pu = tl.load(u_w + k0 // 2 + w_off, mask=w_mask, other=0)
+        wg = _dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
+        wu = _dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
+        xt = tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0)
+        if SPLIT == 1:
+            xb = xt.to(tl.bfloat16)
+            acc_g = _mma(wg, xb, acc_g, INTERPRET)
+            acc_u = _mma(wu, xb, acc_u, INTERPRET)
+        else:
+            x_hi, x_mid, x_lo = _split_bf16(xt)
+            acc_g = _mma(wg, x_hi, acc_g, INTERPRET)
+            acc_g = _mma(wg, x_mid, acc_g, INTERPRET)
+            acc_g = _mma(wg, x_lo, acc_g, INTERPRET)
+            acc_u = _mma(wu, x_hi, acc_u, INTERPRET)
+            acc_u = _mma(wu, x_mid, acc_u, INTERPRET)
+            acc_u = _mma(wu, x_lo, acc_u, INTERPRET)
+        sg, su = sg_n, su_n
+    gate = tl.minimum(acc_g, limit)
+    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    hval = gate * tl.sigmoid(gate) * up
+    h_ptrs = h_ptr + tl.where(valid, pair, 0).to(tl.int64)[None, :] * stride_h + offs_n[:, None]
+    tl.store(h_ptrs, _to_out(hval, h_ptr.dtype.element_ty, INTERPRET), mask=x_mask & w_mask)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w2_ptr, s2_ptr, y_ptr, pair_ptr, expert_ptr,
+    K, N,  # K = I (reduction), N = H
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_y,
+    SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    e, pair = _block_rows(pair_ptr, expert_ptr, BM)
+    if e < 0:
+        return
+    valid = pair >= 0
+    row = tl.where(valid, pair, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    w_mask = (offs_n < N)[:, None]
+    a_mask = valid[None, :]
+    w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
+    s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+    a_off = row[None, :] * stride_h + tl.arange(0, BK)[:, None]  # h^T tile [BK, BM]
+    w_base = w2_ptr + e.to(tl.int64) * stride_we
+    s_base = s2_ptr + e.to(tl.int64) * stride_se
+    sw = tl.load(s_base + s_off, mask=w_mask, other=0)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kn = k0 + BK
+        sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)  # one step ahead
+        pw = tl.load(w_base + k0 // 2 + w_off, mask=w_mask, other=0)
+        w = _dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
+        at = tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0)
+        if SPLIT == 1:
+            acc = _mma(w, at.to(tl.bfloat16), acc, INTERPRET)
+        else:
+            a_hi, a_mid, a_lo = _split_bf16(at)
+            acc = _mma(w, a_hi, acc, INTERPRET)
+            acc = _mma(w, a_mid, acc, INTERPRET)
+            acc = _mma(w, a_lo, acc, INTERPRET)
+        sw = sw_n
+    tl.store(y_ptr + row[None, :] * stride_y + offs_n[:, None], acc, mask=a_mask & w_mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H,
+                    TOPK: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[t*k + j], slot order, fp32 (one program per token and H block)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        wj = tl.load(w_ptr + t * TOPK + j)
+        acc += wj * tl.load(y_ptr + (t * TOPK + j) * H + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t * H + offs, _to_out(acc, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
+
+
+def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if POISON_SCRATCH:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                                w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                                limit: float, cfg: TileConfig, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_experts_fp4`` with an explicit tile config (benchmarks, invariance tests across configs)."""
+    n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13, s13, w2, s2)
+    _check_config(cfg)
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    # The router's outputs are often column slices of a sort; they are tiny, so copy rather than refuse.
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    for name, ten in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13),
+                      ("s13", s13), ("w2", w2), ("s2", s2)):
+        if not ten.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous (the kernels compute row offsets from shapes)")
+        if ten.device != x.device:
+            raise ValueError(f"{name}: on {ten.device}, x on {x.device}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out: expected contiguous {x.dtype} {tuple(x.shape)} on {x.device}")
+    if t == 0:
+        return out
+    scale_u8 = s13.dtype != torch.float32
+    if scale_u8:  # UE8M0 bytes: the kernels read the biased exponent directly
+        s13, s2 = s13.view(torch.uint8), s2.view(torch.uint8)
+    split = 3 if x.dtype == torch.float32 else 1
+    act_dtype = torch.float32 if split == 3 else torch.bfloat16  # h keeps fp32 inputs fp32-accurate
+    bk1, bk2 = block_k(h), block_k(inter)
+    assert h % bk1 == 0 and inter % bk2 == 0 and bk1 % FP4_GROUP == 0 and bk2 % FP4_GROUP == 0
+
+    pair_of_row, expert_of_block = align_pairs(topk_ids, n_exp, cfg.block_m)
+    num_blocks = expert_of_block.numel()
+    hid = _scratch((t * k, inter), act_dtype, x.device)
+    y = _scratch((t * k, h), torch.float32, x.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n1))](
+        x, w13, s13, hid, pair_of_row, expert_of_block, h, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hid.stride(0),
+        float(limit), k,
+        SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2))](
+        hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
+        hid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block_h = min(1024, triton.next_power_of_2(h))
+    _combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_weights, out, h, TOPK=k, BLOCK_H=block_h,
+                                                 INTERPRET=_INTERPRET, num_warps=4)
+    return out
+
+
+def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                    limit: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H] in x.dtype; see ``ops/ref/moe_experts.py`` for the math and layouts.
+
+    Expert ids are not range-checked here (that would need a host sync); the router guarantees them.
+    """
+    cfg = pick_config(topk_ids.numel(), w13.shape[0], x.dtype)
+    return moe_experts_fp4_with_config(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, cfg, out=out)

@@ -1,0 +1,387 @@
+"""OpenAI request models (pydantic v2, strict types) and their translation into engine inputs.
+
+Field names are OpenAI's. deepinfer extras (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, ...)
+are plain top-level fields, which is where the official client's ``extra_body`` puts them. Unknown fields
+are ignored, as OpenAI-compatible servers commonly do, so newer clients keep working; fields whose meaning
+we cannot honour (echo, suffix, logit_bias, best_of != n, tool_choice "required") are refused by name
+rather than silently ignored.
+
+Types are checked strictly (``"5"`` is not an int, ``true`` is not a number); ranges are checked by
+``SamplingParams`` and the chat encoder, whose ValueErrors name the field (see ``errors.bad_request``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deepinfer.chat import StreamingChatParser, ToolCall, parse_assistant_output
+from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from deepinfer.sampling import SamplingParams
+from deepinfer.server.errors import ApiError, bad_request
+
+SYSTEM_FINGERPRINT = "deepinfer-0.1.0"
+MAX_N = 128  # samples per prompt: a guard against one request occupying the whole batch for good
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # accepted, not implemented: usage comes in the final chunk only
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # optional: the one served model is the default
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # deepinfer extras (extra_body in the openai client)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias: not supported by this server", param="logit_bias",
+                           code="unsupported_parameter")
+        kw: dict[str, Any] = {
+            "n": self.n, "max_tokens": max_tokens, "stop": self.stop, "seed": self.seed,
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        # null means "the default" in the OpenAI API, so only forward what was given.
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                     "repetition_penalty"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        return kw
+
+
+def _prompt_count(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+    if isinstance(prompt[0], int):
+        return [prompt]  # one prompt given as token ids
+    return list(prompt)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    skip_special_tokens: bool = True
+
+    def prompts(self) -> list[Any]:
+        """Engine prompts: strings stay text (the engine adds BOS), id lists go in as given."""
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix is not None),
+                          ("best_of", self.best_of not in (None, self.n))):
+            if bad:
+                raise ApiError(400, f"{name}: not supported by this server", param=name, code="unsupported_parameter")
+        return _prompt_count(self.prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        kw = self._sampling_kwargs(16 if self.max_tokens is None else self.max_tokens)  # OpenAI's default
+        kw.update(logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens)
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise bad_request(e, {"seq_seed": "seed"}) from None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[Any]  # validated (with field paths) by the chat encoder
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def thinking(self) -> bool:
+        """Thinking mode: chat_template_kwargs.thinking (or enable_thinking) wins; otherwise on exactly when
+        a reasoning_effort other than "none" is given."""
+        kw = self.chat_template_kwargs or {}
+        unknown = sorted(set(kw) - {"thinking", "enable_thinking"})
+        if unknown:
+            raise ApiError(400, f"chat_template_kwargs.{unknown[0]}: unknown key; allowed: thinking, enable_thinking",
+                           param=f"chat_template_kwargs.{unknown[0]}", code="invalid_value")
+        for key in ("thinking", "enable_thinking"):
+            if key in kw:
+                if not isinstance(kw[key], bool):
+                    raise ApiError(400, f"chat_template_kwargs.{key}: must be a bool, got {kw[key]!r}",
+                                   param=f"chat_template_kwargs.{key}", code="invalid_type")
+                return kw[key]
+        return self.reasoning_effort is not None and self.reasoning_effort != "none"
+
+    def effort(self) -> str | None:
+        """OpenAI's effort names onto DeepSeek-V4's two thinking levels ("high" and "max")."""
+        e = self.reasoning_effort
+        if e is None or e == "none":
+            return None
+        if e in ("minimal", "low", "medium", "high"):
+            return "high"
+        if e in ("max", "xhigh"):
+            return "max"
+        raise ApiError(400, f"reasoning_effort: {e!r} is not one of none, minimal, low, medium, high, xhigh, max",
+                       param="reasoning_effort", code="invalid_value")
+
+    def active_tools(self) -> list[Any] | None:
+        """The tools to render: "auto" (the default) renders them, "none" drops them. Forcing a call
+        ("required", a named function) would need constrained decoding, which this server does not do."""
+        choice = self.tool_choice
+        if choice is None or choice == "auto":
+            return self.tools or None
+        if choice == "none":
+            return None
+        raise ApiError(400, f"tool_choice: {json.dumps(choice)} is not supported; use \"auto\" or \"none\"",
+                       param="tool_choice", code="unsupported_parameter")
+
+    def schema(self) -> dict | None:
+        """response_format rendered into the prompt (a hint to the model, not enforced)."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return {"type": "object"}
+        if rf.get("type") == "json_schema" and isinstance(rf.get("json_schema"), dict):
+            schema = rf["json_schema"].get("schema")
+            if isinstance(schema, dict):
+                return schema
+        raise ApiError(400, "response_format: expected type text, json_object or json_schema with a schema",
+                       param="response_format", code="invalid_value")
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs",
+                           code="invalid_value")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        kw = self._sampling_kwargs(limit)  # None: up to the model length, as OpenAI's chat default
+        # The parser needs </think>, EOS and the DSML markers in the text, so specials are kept.
+        kw.update(logprobs=(self.top_logprobs or 0) if self.logprobs else None, skip_special_tokens=False)
+        renames = {"seq_seed": "seed", "logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise bad_request(e, renames) from None
+
+
+# ---- responses -------------------------------------------------------------------------------------------
+# Responses are plain dicts in OpenAI's shapes. The builders are pure functions of RequestOutputs, so tests
+# drive them with hand-made outputs (a tool call or a </think> that the random demo weights never produce).
+
+def usage(finals: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finite(x: float) -> float:
+    # JSON has no -Infinity; a token the sampler masked out gets a very negative number instead.
+    return x if math.isfinite(x) else -9999.0
+
+
+def _sampled(token_id: int, pos: PositionLogprobs) -> tuple[str, float]:
+    lp = pos.get(token_id)
+    return (lp.decoded_token or "", _finite(lp.logprob)) if lp else ("", -9999.0)
+
+
+def completion_logprobs(token_ids: tuple[int, ...], positions: tuple[PositionLogprobs, ...],
+                        offset: int) -> dict[str, Any]:
+    """Legacy completions logprobs. top_logprobs holds the top N plus the sampled token (OpenAI documents
+    "up to logprobs + 1" entries); ``offset`` is the text offset of the first token."""
+    tokens, values, tops, offsets = [], [], [], []
+    for tid, pos in zip(token_ids, positions):
+        tok, value = _sampled(tid, pos)
+        tokens.append(tok)
+        values.append(value)
+        tops.append({(v.decoded_token or ""): _finite(v.logprob) for v in pos.values()})
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: tuple[int, ...], positions: tuple[PositionLogprobs, ...], top_n: int) -> dict:
+    def entry(tok: str, value: float) -> dict[str, Any]:
+        return {"token": tok, "logprob": value, "bytes": list(tok.encode("utf-8"))}
+
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        top = sorted((v for v in pos.values() if v.rank is not None and v.rank <= top_n), key=lambda v: v.rank)
+        item = entry(*_sampled(tid, pos))
+        item["top_logprobs"] = [entry(v.decoded_token or "", _finite(v.logprob)) for v in top]
+        content.append(item)
+    return {"content": content}
+
+
+def _delta_positions(c: CompletionOutput, delta_ids: tuple[int, ...]) -> tuple[tuple, tuple]:
+    start = len(c.token_ids) - len(delta_ids)
+    return c.token_ids[start:], (c.logprobs or ())[start:]
+
+
+class CompletionBuilder:
+    """/v1/completions responses. Engine request ``f"{id}-{p}"`` serves prompt p; its sample s is choice
+    ``p * n + s`` (OpenAI's numbering for several prompts with n > 1)."""
+
+    def __init__(self, request_id: str, model: str, n: int, logprobs: int | None) -> None:
+        self.id, self.model, self.n, self.logprobs = request_id, model, n, logprobs
+        self.created = int(time.time())
+        self._offsets: dict[int, int] = {}
+        self._done: set[int] = set()
+
+    def engine_id(self, prompt_index: int) -> str:
+        return f"{self.id}-{prompt_index}"
+
+    def _index(self, out: RequestOutput, c: CompletionOutput) -> int:
+        return int(out.request_id.rsplit("-", 1)[1]) * self.n + c.index
+
+    def _wrap(self, choices: list[dict], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "system_fingerprint": SYSTEM_FINGERPRINT, **extra}
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        for c, text, ids in zip(out.outputs, out.delta_text, out.delta_token_ids):
+            i = self._index(out, c)
+            if i in self._done or not (text or ids or c.finished):
+                continue  # a sibling sample moved; this one has nothing new
+            lp = None
+            if self.logprobs is not None and c.logprobs is not None:
+                lp = completion_logprobs(*_delta_positions(c, ids), self._offsets.get(i, 0))
+                self._offsets[i] = self._offsets.get(i, 0) + sum(len(t) for t in lp["tokens"])
+            if c.finished:
+                self._done.add(i)
+            chunks.append(self._wrap([{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                                       "stop_reason": c.stop_reason}]))
+        return chunks
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        return self._wrap([], usage=usage(finals))
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for out in finals:
+            for c in out.outputs:
+                lp = None
+                if self.logprobs is not None and c.logprobs is not None:
+                    lp = completion_logprobs(c.token_ids, c.logprobs, 0)
+                choices.append({"index": self._index(out, c), "text": c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices.sort(key=lambda ch: ch["index"])
+        return self._wrap(choices, usage=usage(finals))
+
+
+class ChatBuilder:
+    """/v1/chat/completions responses: the text of each sample split into reasoning_content, content and
+    tool_calls by the DeepSeek-V4 parsers (one streaming parser per choice)."""
+
+    def __init__(self, request_id: str, model: str, n: int, thinking: bool, top_logprobs: int | None) -> None:
+        self.id, self.model, self.thinking, self.top_logprobs = request_id, model, thinking, top_logprobs
+        self.created = int(time.time())
+        self._parsers = [StreamingChatParser(thinking) for _ in range(n)]
+        self._started = [False] * n
+        self._calls = [0] * n
+        self._done = [False] * n
+
+    def _wrap(self, choices: list[dict], obj: str = "chat.completion.chunk", **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "system_fingerprint": SYSTEM_FINGERPRINT, **extra}
+
+    def _chunk(self, i: int, delta: dict, logprobs: dict | None = None, finish: str | None = None,
+               stop_reason: Any = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        return self._wrap([choice])
+
+    def _tool_call(self, i: int, call: ToolCall) -> dict[str, Any]:
+        k = self._calls[i]
+        self._calls[i] += 1
+        return {"index": k, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks: list[dict[str, Any]] = []
+        for c, text, ids in zip(out.outputs, out.delta_text, out.delta_token_ids):
+            i = c.index
+            if self._done[i] or not (text or ids or c.finished):
+                continue
+            if not self._started[i]:  # OpenAI opens every choice with the role
+                self._started[i] = True
+                chunks.append(self._chunk(i, {"role": "assistant", "content": ""}))
+            deltas = self._parsers[i].feed(text) + (self._parsers[i].finish() if c.finished else [])
+            step = []
+            for d in deltas:  # one chunk per parser delta keeps reasoning / content / calls in order
+                if d.tool_call is not None:
+                    step.append({"tool_calls": [self._tool_call(i, d.tool_call)]})
+                elif d.reasoning:
+                    step.append({"reasoning_content": d.reasoning})
+                elif d.content:
+                    step.append({"content": d.content})
+            lp = chat_logprobs(*_delta_positions(c, ids), self.top_logprobs) \
+                if self.top_logprobs is not None and c.logprobs is not None and ids else None
+            if lp is not None and not step:
+                step.append({})  # the text is held back by the parser, the logprobs are not
+            for k, delta in enumerate(step):
+                chunks.append(self._chunk(i, delta, lp if k == len(step) - 1 else None))
+            if c.finished:
+                self._done[i] = True
+                reason = "tool_calls" if self._calls[i] else c.finish_reason
+                chunks.append(self._chunk(i, {}, None, reason, c.stop_reason))
+        return chunks
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        return self._wrap([], usage=usage(finals))
+
+    def response(self, final: RequestOutput) -> dict[str, Any]:
+        choices = []
+        for c in final.outputs:
+            parsed = parse_assistant_output(c.text, thinking=self.thinking)
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": parsed.content or (None if parsed.tool_calls else "")}
+            if self.thinking:
+                message["reasoning_content"] = parsed.reasoning
+            if parsed.tool_calls:
+                message["tool_calls"] = [{"id": t.id, "type": "function",
+                                          "function": {"name": t.name, "arguments": t.arguments}}
+                                         for t in parsed.tool_calls]
+            lp = None
+            if self.top_logprobs is not None and c.logprobs is not None:
+                lp = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs)
+            choices.append({"index": c.index, "message": message, "logprobs": lp,
+                            "finish_reason": "tool_calls" if parsed.tool_calls else c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        return self._wrap(choices, "chat.completion", usage=usage([final]))

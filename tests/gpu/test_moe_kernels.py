@@ -1,0 +1,291 @@
+"""Triton routed-FP4-experts kernel vs its reference (``ops/ref/moe_experts.py``), plus batch invariance.
+
+Tolerances (rel_err = ||out - ref|| / ||ref||, NaN fails):
+* bf16 x: 1e-2. The kernel rounds h = silu(gate) * up to bf16 between the two GEMMs (unit roundoff 2^-9)
+  and the output is bf16 (another 2^-9); both add up to ~3e-3 on these data, the rest is margin. The weights
+  themselves are exact in bf16 (e2m1 times a power of two), so they contribute nothing.
+* fp32 x: 1e-4. fp32 activations go through the MMAs as three exact bf16 parts and h stays fp32, so only
+  the fp32 summation order (and the GPU's exp in the sigmoid) differ from the reference: ~1e-6 expected.
+Every run writes into NaN-filled outputs and NaN-filled scratch buffers, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from deepinfer.model.quant import dequant_fp4, quant_fp4, ue8m0_to_float  # noqa: E402
+from deepinfer.ops.ref.moe_experts import moe_experts_fp4 as ref_moe  # noqa: E402
+from deepinfer.ops.triton import moe_experts as tri  # noqa: E402
+from deepinfer.ops.triton.moe_experts import _dequant_fp4  # noqa: E402
+from tests.gpu.conftest import rel_err  # noqa: E402
+
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+LIMIT = 7.0  # the gate (rms ~3 here) hits it now and then, so both clamps are exercised
+
+
+@pytest.fixture(autouse=True)
+def _poison_and_no_tf32(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(tri, "POISON_SCRATCH", True)
+    if torch.cuda.is_available():  # the fp32 reference must not run in tf32 (1e-3 error)
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    yield
+
+
+def make_weights(n_exp: int, hidden: int, inter: int, device: str, seed: int, scale_fmt: str):
+    """Random FP4 experts -> (w13, s13, w2, s2). Small shapes quantize Gaussian weights with ``quant_fp4``;
+    large ones draw random bytes (every code pair) and exponents directly on the device (fast)."""
+    if hidden * inter * n_exp <= 256 * 128 * 256:
+        g = torch.Generator().manual_seed(seed)
+        packed13, exp13, packed2, exp2 = [], [], [], []
+        for _ in range(n_exp):
+            q, s = quant_fp4(torch.randn(2 * inter, hidden, generator=g) * (3.0 / math.sqrt(hidden)))
+            packed13.append(q)
+            exp13.append(s)
+            q, s = quant_fp4(torch.randn(hidden, inter, generator=g) * (0.3 / math.sqrt(inter)))
+            packed2.append(q)
+            exp2.append(s)
+        w13, e13 = torch.stack(packed13).to(device), torch.stack(exp13).view(torch.uint8).to(device)
+        w2, e2 = torch.stack(packed2).to(device), torch.stack(exp2).view(torch.uint8).to(device)
+    else:
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def rand(shape: tuple[int, ...], lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.randint(lo, hi, shape, generator=g, device=device, dtype=dtype)
+
+        # e2m1 rms over uniform codes is ~2.9: scales 2^-(log2 sqrt(K)) +- 1 keep gate/up around rms 3
+        b13 = 127 - round(math.log2(math.sqrt(hidden))) - 1
+        b2 = 127 - round(math.log2(math.sqrt(inter))) - 4
+        w13 = rand((n_exp, 2 * inter, hidden // 2), -128, 128, torch.int8)
+        w2 = rand((n_exp, hidden, inter // 2), -128, 128, torch.int8)
+        e13 = rand((n_exp, 2 * inter, hidden // 32), b13 - 1, b13 + 2, torch.uint8)
+        e2 = rand((n_exp, hidden, inter // 32), b2 - 1, b2 + 2, torch.uint8)
+    if scale_fmt == "fp32":
+        return w13, ue8m0_to_float(e13), w2, ue8m0_to_float(e2)
+    return w13, e13.view(torch.float8_e8m0fnu), w2, e2.view(torch.float8_e8m0fnu)
+
+
+def make_tokens(n_tok: int, hidden: int, k: int, n_exp: int, device: str, seed: int, dtype: torch.dtype):
+    """-> (x, topk_ids, topk_weights). Distinct ids per row when k <= E (top-k), else repeats (hash-like)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tok, hidden, generator=g).to(dtype)
+    if k <= n_exp:
+        ids = torch.rand(n_tok, n_exp, generator=g).argsort(dim=1)[:, :k]
+    else:
+        ids = torch.randint(0, n_exp, (n_tok, k), generator=g)
+    w = torch.rand(n_tok, k, generator=g) + 0.1
+    w = w / w.sum(dim=1, keepdim=True) * 1.5
+    return x.to(device), ids.to(device), w.to(device)
+
+
+def run_both(x, ids, w, weights, cfg: tri.TileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full_like(x, float("nan"))
+    if cfg is None:
+        got = tri.moe_experts_fp4(x, ids, w, *weights, LIMIT, out=out)
+    else:
+        got = tri.moe_experts_fp4_with_config(x, ids, w, *weights, LIMIT, cfg, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    return got, ref_moe(x, ids, w, *weights, LIMIT)
+
+
+def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype == dtype
+    assert not torch.isnan(got).any(), "unwritten (NaN-poisoned) or NaN outputs"
+    err = rel_err(got, want)
+    assert err <= TOL[dtype], f"rel_err {err:.3e} > {TOL[dtype]:.0e}"
+
+
+@triton.jit
+def _dequant_probe(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    n = tl.arange(0, BN)
+    packed = tl.load(w_ptr + n[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+    scale = tl.load(s_ptr + n[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
+    w = _dequant_fp4(packed, scale, BN, BK, SCALE_U8, INTERPRET)
+    tl.store(o_ptr + n[:, None] * BK + tl.arange(0, BK)[None, :], w)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("scale_fmt", ["fp32", "e8m0"])
+def test_dequant_every_byte_and_scale_is_exact(device, scale_fmt) -> None:
+    """All 256 bytes (both nibbles, -0 and the subnormal 0.5 included) at scales 2^-27 .. 2^1, bitwise."""
+    bn, bk = 64, 64
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).repeat(8).view(bn, bk // 2)
+    exps = torch.tensor([100, 117, 120, 124, 126, 127, 128, 110], dtype=torch.uint8)
+    e8 = exps.repeat_interleave(bn * (bk // 32) // len(exps)).view(bn, bk // 32)
+    want = dequant_fp4(packed, e8.view(torch.float8_e8m0fnu))
+    scale = ue8m0_to_float(e8) if scale_fmt == "fp32" else e8
+    got = torch.full((bn, bk), float("nan"), dtype=torch.bfloat16, device=device)
+    _dequant_probe[(1,)](packed.to(device), scale.to(device), got, BN=bn, BK=bk, SCALE_U8=scale_fmt == "e8m0",
+                         INTERPRET=tri._INTERPRET)
+    assert torch.equal(got.float().cpu(), want), "FP4 dequantization is not exact"
+
+
+def _cases() -> list:
+    small = pytest.mark.interpret_ok
+    cases = []
+    for n_tok in (1, 3, 17, 64, 300):
+        for k in (2, 6):
+            for n_exp in (4, 16):
+                marks = [small] if n_tok <= 64 else []
+                cases.append(pytest.param(n_tok, k, n_exp, 64, 32, marks=marks, id=f"T{n_tok}-k{k}-E{n_exp}-H64"))
+            for n_exp in (4, 16, 256):
+                cases.append(pytest.param(n_tok, k, n_exp, 256, 128, id=f"T{n_tok}-k{k}-E{n_exp}-H256"))
+        cases.append(pytest.param(n_tok, 6, 256, 4096, 2048, id=f"T{n_tok}-k6-E256-V4Flash"))
+    cases.append(pytest.param(300, 2, 16, 4096, 2048, id="T300-k2-E16-V4Flash"))
+    return cases
+
+
+@pytest.mark.parametrize("scale_fmt", ["fp32", "e8m0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n_tok,k,n_exp,hidden,inter", _cases())
+def test_matches_reference(device, n_tok, k, n_exp, hidden, inter, dtype, scale_fmt) -> None:
+    seed = n_tok * 1000 + k * 100 + n_exp + hidden
+    weights = make_weights(n_exp, hidden, inter, device, seed, scale_fmt)
+    x, ids, w = make_tokens(n_tok, hidden, k, n_exp, device, seed + 1, dtype)
+    check(*run_both(x, ids, w, weights), dtype)
+
+
+def _edge_ids(name: str, n_tok: int, k: int, n_exp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    if name == "two_experts_only":  # every other expert gets zero pairs
+        return torch.tensor([0, 5])[torch.randint(0, 2, (n_tok, k), generator=g)]
+    if name == "one_expert_all":  # every pair (duplicates in each row too) on one expert
+        return torch.full((n_tok, k), 3)
+    if name == "duplicates_in_row":  # hash routing can repeat an expert within a row
+        base = torch.randint(0, n_exp, (n_tok, 1), generator=g)
+        ids = torch.randint(0, n_exp, (n_tok, k), generator=g)
+        ids[:, 1] = base[:, 0]
+        ids[:, 0] = base[:, 0]
+        return ids
+    if name == "last_expert":
+        return torch.full((n_tok, k), n_exp - 1)
+    raise ValueError(name)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("name", ["two_experts_only", "one_expert_all", "duplicates_in_row", "last_expert"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_routing_edge_cases(device, name, dtype) -> None:
+    n_tok, k, n_exp, hidden, inter = 19, 3, 16, 64, 32
+    weights = make_weights(n_exp, hidden, inter, device, 11, "e8m0")
+    x, _, w = make_tokens(n_tok, hidden, k, n_exp, device, 12, dtype)
+    ids = _edge_ids(name, n_tok, k, n_exp).to(device)
+    check(*run_both(x, ids, w, weights), dtype)
+
+
+@pytest.mark.interpret_ok
+def test_duplicate_slots_are_independent(device) -> None:
+    """Same expert twice in a row = that expert's output weighted by w0 + w1."""
+    weights = make_weights(4, 64, 32, device, 21, "fp32")
+    x, _, w = make_tokens(5, 64, 2, 4, device, 22, torch.float32)
+    ids = torch.full((5, 2), 2, device=device)
+    got, _ = run_both(x, ids, w, weights)
+    single, _ = run_both(x, ids[:, :1], w.sum(dim=1, keepdim=True), weights)
+    assert rel_err(got, single) <= 1e-5
+
+
+@pytest.mark.interpret_ok
+def test_reference_matches_model_expert(device) -> None:
+    """The spec agrees with ``model.moe.Expert`` on the dequantized weights (CPU, fp32)."""
+    from deepinfer.model.moe import Expert
+
+    n_exp, hidden, inter, k = 4, 64, 32, 3
+    w13, s13, w2, s2 = make_weights(n_exp, hidden, inter, "cpu", 61, "e8m0")
+    x, ids, w = make_tokens(7, hidden, k, n_exp, "cpu", 62, torch.float32)
+    experts = []
+    for e in range(n_exp):
+        mod = Expert(hidden, inter, LIMIT, torch.float32)
+        w13_e = dequant_fp4(w13[e], s13[e])
+        mod.w1.weight.data, mod.w3.weight.data = w13_e[:inter], w13_e[inter:]
+        mod.w2.weight.data = dequant_fp4(w2[e], s2[e])
+        experts.append(mod)
+    with torch.no_grad():
+        want = torch.stack([sum(w[t, j] * experts[ids[t, j]](x[t]) for j in range(k)) for t in range(7)])
+    assert rel_err(ref_moe(x, ids, w, w13, s13, w2, s2, LIMIT), want) <= 1e-5
+
+
+@pytest.mark.interpret_ok
+def test_empty_batch(device) -> None:
+    weights = make_weights(4, 64, 32, device, 31, "fp32")
+    x, ids, w = make_tokens(0, 64, 2, 4, device, 32, torch.bfloat16)
+    assert tri.moe_experts_fp4(x, ids, w, *weights, LIMIT).shape == (0, 64)
+
+
+def _invariance_setup(device: str, n_exp: int, hidden: int, inter: int, k: int, dtype: torch.dtype):
+    weights = make_weights(n_exp, hidden, inter, device, 41, "e8m0")
+    x, ids, w = make_tokens(64, hidden, k, n_exp, device, 42, dtype)
+    # Skew the batch towards row 37's experts so its pairs share tiles with many other rows.
+    g = torch.Generator().manual_seed(43)
+    take = torch.rand(64, k, generator=g).to(device) < 0.5
+    ids = torch.where(take, ids[37:38].expand(64, k), ids)
+    for row in range(64):  # keep rows duplicate-free where E allows (top-k style)
+        if len(set(ids[row].tolist())) < k <= n_exp:
+            ids[row] = ids[37]
+    return x, ids, w, weights
+
+
+INVARIANCE_SHAPES = [
+    pytest.param(16, 64, 32, 6, marks=pytest.mark.interpret_ok, id="E16-H64"),
+    pytest.param(16, 256, 128, 6, id="E16-H256"),
+    pytest.param(256, 4096, 2048, 6, id="E256-V4Flash"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n_exp,hidden,inter,k", INVARIANCE_SHAPES)
+def test_batch_invariance_alone_vs_batch_of_64(device, n_exp, hidden, inter, k, dtype) -> None:
+    """Row 37's output is bitwise the same alone (T=1) as inside a skewed batch of 64 tokens."""
+    x, ids, w, weights = _invariance_setup(device, n_exp, hidden, inter, k, dtype)
+    full, _ = run_both(x, ids, w, weights)
+    alone, ref = run_both(x[37:38], ids[37:38], w[37:38], weights)
+    check(alone, ref, dtype)
+    assert torch.equal(full[37], alone[0])
+    again, _ = run_both(x, ids, w, weights)  # run-to-run
+    assert torch.equal(full, again)
+
+
+@pytest.mark.parametrize("n_exp,hidden,inter,k", INVARIANCE_SHAPES)
+def test_every_table_config_gives_the_same_bits(device, n_exp, hidden, inter, k) -> None:
+    """The shape-bucket table may change tiles, never a row's bits: all configs agree bitwise."""
+    x, ids, w, weights = _invariance_setup(device, n_exp, hidden, inter, k, torch.bfloat16)
+    outs = [run_both(x, ids, w, weights, cfg)[0] for _, cfg in tri.CONFIG_TABLE]
+    for cfg_out, (_, cfg) in zip(outs[1:], tri.CONFIG_TABLE[1:]):
+        assert torch.equal(outs[0], cfg_out), f"{cfg} differs from {tri.CONFIG_TABLE[0][1]}"
+
+
+@pytest.mark.interpret_ok
+def test_align_pairs_groups_and_pads(device) -> None:
+    ids = torch.tensor([[3, 0], [2, 3], [1, 3], [0, 1], [0, 0]], device=device)
+    pair_of_row, expert_of_block = tri.align_pairs(ids, 4, 16)
+    assert pair_of_row.numel() == expert_of_block.numel() * 16
+    for b, e in enumerate(expert_of_block.tolist()):
+        rows = [p for p in pair_of_row[b * 16:(b + 1) * 16].tolist() if p >= 0]
+        if e < 0:
+            assert rows == []
+        else:  # ascending pair ids of exactly this expert
+            assert rows == sorted(rows) and all(ids.reshape(-1)[p].item() == e for p in rows)
+    placed = sorted(p for p in pair_of_row.tolist() if p >= 0)
+    assert placed == list(range(ids.numel()))
+
+
+@pytest.mark.interpret_ok
+def test_preconditions_fail_loudly(device) -> None:
+    weights = make_weights(4, 64, 32, device, 51, "fp32")
+    x, ids, w = make_tokens(4, 64, 2, 4, device, 52, torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        tri.moe_experts_fp4(x.t().contiguous().t(), ids, w, *weights, LIMIT)
+    with pytest.raises(ValueError, match="int64"):
+        tri.moe_experts_fp4(x, ids.int(), w, *weights, LIMIT)
+    with pytest.raises(ValueError, match="x: expected"):
+        tri.moe_experts_fp4(x.half(), ids, w, *weights, LIMIT)
+    w13, s13, w2, s2 = weights
+    with pytest.raises(ValueError, match="s2"):
+        tri.moe_experts_fp4(x, ids, w, w13, s13, w2, s2[:, :, :0], LIMIT)
