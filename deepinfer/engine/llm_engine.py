@@ -15,7 +15,9 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import append_token, build_output, finish, to_position_logprobs
 from deepinfer.engine.sequence import RequestState
 from deepinfer.engine.sizing import build_cache
+from deepinfer.model.device import prepare_for_device
 from deepinfer.model.loader import load_model
+from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.sched.scheduler import Scheduler, StepPlan
 from deepinfer.tokenizer import Tokenizer
@@ -29,6 +31,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer_dir)
         self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device,
                                 strict_mtp=False, progress=config.load_progress)
+        if config.device == "cuda":  # quantized weights + Triton kernels; the CPU path stays pure PyTorch
+            prepare_for_device(self.model, select_ops(config.device))
         self.cache, self.storage, self.facts = build_cache(config)
         self.scheduler = Scheduler(config.scheduler, self.cache)
         mc = config.model

@@ -41,7 +41,7 @@ def rows_for(
 ) -> torch.Tensor:
     """Flat storage rows of ``indices`` (positions for stride-1 tensors, entry numbers otherwise)."""
     per_block = layout.rows_per_block(spec)
-    table = torch.as_tensor(block_table, dtype=torch.long)
+    table = torch.as_tensor(block_table, dtype=torch.long, device=indices.device)
     block_idx = indices // per_block
     if indices.numel() and int(block_idx.max()) >= len(table):
         raise IndexError(f"{spec.name}: row {int(indices.max())} is past the sequence's block table")

@@ -89,8 +89,9 @@ class Attention(nn.Module):
             store[rows_for(run.block_tables[WINDOW], pos, ctx.layout, spec)] = kv[ctx.slice(run)]
 
     def _attend_run(self, run: SeqRun, q, x, q_res, ctx: StepContext, layer_key: str, rope_at) -> torch.Tensor:
-        qpos = torch.arange(run.first_pos, run.end_pos, dtype=torch.long)
-        kpos = torch.arange(max(0, run.first_pos - self.window + 1), run.end_pos, dtype=torch.long)
+        dev = q.device
+        qpos = torch.arange(run.first_pos, run.end_pos, dtype=torch.long, device=dev)
+        kpos = torch.arange(max(0, run.first_pos - self.window + 1), run.end_pos, dtype=torch.long, device=dev)
         spec = ctx.layout.layer(layer_key).tensor("window_kv")
         keys = ctx.storage.get(layer_key, "window_kv")[rows_for(run.block_tables[WINDOW], kpos, ctx.layout, spec)]
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.window)
@@ -102,12 +103,12 @@ class Attention(nn.Module):
         return self.ops.attention(q, keys, visible, self.attn_sink, self.head_dim**-0.5)
 
     def _entry_visibility(self, run, qpos, x, q_res, ctx, layer_key, count, rope_at) -> torch.Tensor:
-        causal = torch.arange(count)[None, :] < ((qpos + 1) // self.ratio)[:, None]
+        causal = torch.arange(count, device=qpos.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
         if self.kind == HCA or count == 0:
             return causal
         index_keys = self.indexer.compressor.read_entries(run, ctx, layer_key, "index_keys")
         picks = self.indexer.select(x, q_res, qpos, index_keys, rope_at)
-        chosen = torch.zeros(len(qpos), count + 1, dtype=torch.bool)
+        chosen = torch.zeros(len(qpos), count + 1, dtype=torch.bool, device=qpos.device)
         chosen.scatter_(1, torch.where(picks >= 0, picks, count), True)
         return chosen[:, :count] & causal
 

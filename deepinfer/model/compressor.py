@@ -48,7 +48,7 @@ class Compressor(nn.Module):
     def emit(self, run: SeqRun, ctx: StepContext, layer_key: str, state_name: str, entry_name: str, rope) -> None:
         """Pool every window that closes inside this run and write its entry (rotated at the window start)."""
         m = self.ratio
-        windows = torch.arange(run.first_pos // m, run.end_pos // m, dtype=torch.long)
+        windows = torch.arange(run.first_pos // m, run.end_pos // m, dtype=torch.long, device=ctx.positions.device)
         if windows.numel() == 0:
             return
         kv, gate = self._gather_slots(run, ctx, layer_key, state_name, windows)
@@ -63,7 +63,7 @@ class Compressor(nn.Module):
         spec = ctx.layout.layer(layer_key).tensor(name)
         state = ctx.storage.get(layer_key, name)
         table = run.block_tables[STATE]
-        own = windows[:, None] * m + torch.arange(m)  # [W, m] positions of each window
+        own = windows[:, None] * m + torch.arange(m, device=windows.device)  # [W, m] positions of each window
         cur = state[rows_for(table, own.flatten(), ctx.layout, spec)].view(len(windows), m, 2 * s)
         if not self.overlap:
             return cur[..., :w], cur[..., s : s + w]
@@ -82,7 +82,7 @@ class Compressor(nn.Module):
         count = run.end_pos // self.ratio
         spec = ctx.layout.layer(layer_key).tensor(entry_name)
         store = ctx.storage.get(layer_key, entry_name)
-        idx = torch.arange(count, dtype=torch.long)
+        idx = torch.arange(count, dtype=torch.long, device=ctx.positions.device)
         return store[rows_for(run.block_tables[HISTORY], idx, ctx.layout, spec)]
 
 
