@@ -2,10 +2,12 @@
 reference path (same checkpoint, dequantized, fp32).
 
 Metric: teacher-forced logits over a 300-token sequence (prefill chunks + single-token decode steps, so CSA
-and HCA windows close in both modes): relative L2 error <= 5e-2 and top-1 agreement >= 0.95. Why these:
-the GPU path rounds activations to bf16 at every layer (the reference keeps fp32), which alone gives
-per-logit errors of ~1e-2 relative on a random model; top-1 may flip only where the two best logits are
-within that noise. Bitwise equality is not expected across devices and dtypes (determinism.md §0).
+and HCA windows close in both modes), compared with the fp32 CPU reference. The bar is the CPU reference's
+own bf16 run on the same checkpoint: the GPU path may be no further from fp32 than bf16 itself is
+(relative L2 error <= 1.25x the bf16 reference's + 0.01, top-1 agreement >= the bf16 reference's - 0.03).
+Why relative to bf16: a random model amplifies bf16 rounding (measured on this checkpoint: the CPU bf16
+reference is 0.17 relative L2 from fp32, 87% top-1 agreement), so a fixed absolute bar would either fail on
+correct kernels or pass broken ones. Bitwise equality is not expected across devices (determinism.md §0).
 """
 
 from __future__ import annotations
@@ -61,15 +63,20 @@ def test_gpu_model_matches_cpu_reference(ckpt, device) -> None:
     from deepinfer.ops.table import triton_ops
 
     ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(1))
-    ref_model = load_model(ckpt, dtype=torch.float32, device="cpu", progress=False)
-    ref = _teacher_forced(ref_model, ids, torch.float32, "cpu")
+    ref = _teacher_forced(load_model(ckpt, dtype=torch.float32, progress=False), ids, torch.float32, "cpu")
+    bf16 = _teacher_forced(load_model(ckpt, dtype=torch.bfloat16, progress=False), ids, torch.bfloat16, "cpu")
     gpu = prepare_for_device(load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False), triton_ops())
     got = _teacher_forced(gpu, ids, torch.bfloat16, "cuda")
     assert torch.isfinite(got).all()
-    err = rel_err(got, ref)
-    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"device model vs CPU reference: rel_err {err:.3e}, top-1 agreement {agree:.4f}")
-    assert err <= 5e-2 and agree >= 0.95
+
+    def agree(a, b):
+        return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+    err, bar = rel_err(got, ref), rel_err(bf16, ref)
+    print(f"vs fp32 CPU reference: GPU rel_err {err:.3e} top-1 {agree(got, ref):.4f}; "
+          f"CPU bf16 reference rel_err {bar:.3e} top-1 {agree(bf16, ref):.4f}")
+    assert err <= 1.25 * bar + 0.01
+    assert agree(got, ref) >= agree(bf16, ref) - 0.03
 
 
 def test_gpu_engine_generates_like_its_model(ckpt, device) -> None:
