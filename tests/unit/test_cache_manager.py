@@ -10,23 +10,13 @@ from deepinfer.config import ModelConfig
 from deepinfer.kv.block_pool import OutOfBlocks
 from deepinfer.kv.manager import CacheManager, blocks_for_budget, cdiv, tail_blocks_per_seq
 from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW, CacheLayout, build_layout
+from tests.oracle.hf import tiny_native_config
 
 BS = 128
 
 
 def tiny_config(**overrides) -> dict:
-    # Copied from tests/oracle/hf.py tiny_native_config (no transformers import needed here).
-    d = dict(
-        model_type="deepseek_v4", vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-        head_dim=32, qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, compress_ratios=[0, 4, 128, 0],
-        num_hash_layers=1, index_n_heads=16, index_head_dim=16, index_topk=8, sliding_window=128,
-        rope_scaling={"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                      "original_max_position_embeddings": 65536},
-        num_nextn_predict_layers=1, torch_dtype="float32",
-    )
-    d.update(overrides)
-    return d
+    return tiny_native_config(**overrides)
 
 
 def layout(**overrides) -> CacheLayout:
