@@ -62,18 +62,20 @@ def _fp8_linear_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per M bucket; the bench sweeps alternatives (CONFIG_OVERRIDE).
-CONFIGS = {16: (16, 64, 4, 4), 64: (32, 64, 4, 4), None: (128, 128, 8, 3)}  # swept on H200, see bench
+# 16/64/None swept on the H200 (bench/results/NOTES.md); 256 added after run 3 showed M=128 in the prefill
+# tile leaves N/128 programs (8 for N=1024): a middle tile with split-K keeps the SMs busy.
+CONFIGS = {16: (16, 64, 4, 4), 64: (32, 64, 4, 4), 256: (64, 64, 4, 3), None: (128, 128, 8, 3)}
 CONFIG_OVERRIDE: dict = {}
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, split_k, num_warps, num_stages) from the M bucket and (N, K)."""
-    bucket = 16 if m <= 16 else 64 if m <= 64 else None
+    bucket = 16 if m <= 16 else 64 if m <= 64 else 256 if m <= 256 else None
     bm, bn, warps, stages = CONFIG_OVERRIDE.get(bucket, CONFIGS[bucket])
     programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_blocks = triton.cdiv(k, 128)
     split = 1
-    if m <= 64:
+    if m <= 256:
         while programs * split < 2 * NUM_SMS and split * 2 <= k_blocks and split < 16:
             split *= 2
     return bm, bn, split, warps, stages
