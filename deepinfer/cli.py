@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="model summary: layers, parameters, cache bytes per token")
     i.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
     i.set_defaults(func=cmd_info)
+    from deepinfer.eval.perplexity import add_eval_parser
+
+    add_eval_parser(sub)  # deepinfer eval: held-out perplexity / accuracy / MTP acceptance, deepinfer vs HF
     return p
 
 

@@ -153,7 +153,10 @@ class ModelConfig:
             "torch_dtype": self.dtype,
         }
         if set(self.layer_compress_ratios) - {0, 4, 128}:
+            # Non-default rates: also spell the layer kinds out, since readers that map compress_ratios
+            # through the default {4: CSA, 128: HCA} table (Hugging Face) cannot place other values.
             d["compress_rates"] = _rates_of(self)
+            d["layer_types"] = list(self.layer_types)
         r = self.compress_rope
         if r.yarn_factor is not None:
             d["rope_scaling"] = {

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config.model import CSA, DEFAULT_COMPRESS_RATES, HCA, ROUTED_MOE, SWA, ModelConfig, lcm_of_ratios
@@ -75,6 +74,11 @@ def heldout_windows(tokenizer, context: int, max_files: int | None = None, max_t
                     root: str | os.PathLike[str] | None = None) -> list[list[int]]:
     """Token windows of the held-out files: ``[BOS] + file + [EOS]`` cut into ``context``-token pieces; at most
     ``max_tokens`` scored predictions in total (a window of L tokens scores L-1)."""
+    return _heldout_windows(tokenizer, context, max_files, max_tokens, root)[0]
+
+
+def _heldout_windows(tokenizer, context, max_files, max_tokens, root) -> tuple[list[list[int]], int]:
+    """(windows, number of files they come from)."""
     if context < 2:
         raise ValueError(f"context: must be >= 2, got {context}")
     import sysconfig
@@ -85,7 +89,11 @@ def heldout_windows(tokenizer, context: int, max_files: int | None = None, max_t
         raise ValueError(f"no held-out files found under {base}")
     windows: list[list[int]] = []
     budget = max_tokens if max_tokens is not None else math.inf
+    used = 0
     for rel in files:
+        if budget <= 0:
+            break
+        used += 1
         text = (base / rel).read_bytes().decode("utf-8", errors="replace")
         ids = [tokenizer.bos_id] + tokenizer.encode(text) + [tokenizer.eos_id]
         for start in range(0, len(ids), context):
@@ -95,9 +103,7 @@ def heldout_windows(tokenizer, context: int, max_files: int | None = None, max_t
             w = w[: int(min(len(w), budget + 1))]
             windows.append(w)
             budget -= len(w) - 1
-        if budget <= 0:
-            break
-    return windows
+    return windows, used
 
 
 # ---- scores ---------------------------------------------------------------------------------------------------
@@ -334,7 +340,6 @@ def run_hf(hf, block: HFMTP | None, windows: list[list[int]], batch: int = 8) ->
         by_len: dict[int, list[int]] = {}
         for i, w in enumerate(windows):
             by_len.setdefault(len(w), []).append(i)
-        results: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for length, idx in by_len.items():
             for g in range(0, len(idx), batch):
                 part = idx[g : g + batch]
@@ -344,11 +349,9 @@ def run_hf(hf, block: HFMTP | None, windows: list[list[int]], batch: int = 8) ->
                 draft = None
                 if block is not None and length >= 2:
                     out = block(captured[0][:, :-1], x[:, 1:], hf.model.embed_tokens, hf.model.rotary_emb)
-                    draft = block.logits(out, hf.lm_head).argmax(-1)
-                for j, i in enumerate(part):
-                    results[i] = (logits[j].cpu(), None if draft is None else draft[j].cpu())
-        for i, w in enumerate(windows):
-            scores.add_window(w, *results[i])
+                    draft = block.logits(out, hf.lm_head).argmax(-1).cpu()
+                for j, i in enumerate(part):  # sums: the order windows are scored in does not matter
+                    scores.add_window(windows[i], logits[j].cpu(), None if draft is None else draft[j])
     finally:
         handle.remove()
     scores.seconds = time.perf_counter() - t0
@@ -380,11 +383,10 @@ def evaluate(model_dir: str | os.PathLike[str] | None = None, max_files: int | N
 
     model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
     tok = Tokenizer(tokenizer_dir or model_dir)
-    windows = heldout_windows(tok, context, max_files, max_tokens, stdlib_root)
+    windows, n_files = _heldout_windows(tok, context, max_files, max_tokens, stdlib_root)
     model = load_model(model_dir, dtype=torch.float32, device=device, strict_mtp=False, progress=False)
     has_mtp = model.cfg.num_nextn_predict_layers > 0
     ours = run_deepinfer(model, windows, chunk=chunk, batch=batch)
-    n_files = len(heldout_files(stdlib_root)[: max_files if max_files is not None else None])
     result = EvalResult(str(model_dir), n_files, len(windows), context, ours.summary())
     if not has_mtp:
         result.notes.append("no MTP layer in this checkpoint: MTP metrics skipped")
