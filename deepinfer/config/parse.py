@@ -140,7 +140,10 @@ def _layer_schedule(d: dict, n: int, rates: dict[str, int]) -> tuple[tuple[str, 
         derived = tuple(kinds)
         if types is not None and tuple(types[:n]) != derived:
             raise _err("layer_types", "disagrees with compress_ratios (layer kinds are taken from compress_ratios)")
-        mtp = ratios[n:]
+        # Entries after the MTP slots are ignored, as Hugging Face does: configs truncated to fewer layers
+        # (benchmarks) keep the full list, and later checkpoints append slots for their draft layers.
+        num_mtp = d.get("num_nextn_predict_layers", _DEFAULTS["num_nextn_predict_layers"])
+        mtp = ratios[n : n + num_mtp] if isinstance(num_mtp, int) else []
         if any(r != 0 for r in mtp):
             raise _err("compress_ratios", f"MTP slots {mtp} must be 0 (the MTP block is sliding-window only)")
         return derived, tuple(ratios[:n])

@@ -96,3 +96,10 @@ def test_boolean_switches(monkeypatch) -> None:
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "maybe")
     with pytest.raises(ValueError, match="DEEPINFER_ENABLE_MTP_VARLEN"):
         env.enable_mtp_varlen()
+
+
+def test_truncated_layer_count_ignores_the_rest_of_compress_ratios() -> None:
+    c = ModelConfig.from_dict({**FLASH, "num_hidden_layers": 4, "num_nextn_predict_layers": 0})
+    assert c.layer_types == (SWA, SWA, CSA, HCA)
+    with pytest.raises(ValueError, match="^compress_ratios: MTP slots"):
+        ModelConfig.from_dict({**FLASH, "num_hidden_layers": 4, "num_nextn_predict_layers": 1})

@@ -1,0 +1,241 @@
+"""Per-layer sweep of a V4-Flash-shaped model built directly on the device with random weights in the native
+quantized formats (FP8 e4m3 + UE8M0 128x128 dense, FP4 e2m1 + per-32 UE8M0 experts); no checkpoint needed.
+
+    python bench/layer_sweep.py [--layers 4] [--batches 1 8 32 128] [--contexts 1024 8192] [--prefill 1024 4096]
+    python bench/layer_sweep.py --tiny --device cpu      # smoke test of the script on a CPU
+
+Decode: B sequences whose caches hold C random positions (cache contents are random, never zeros), one new
+token each; prefill: one sequence, L tokens in 1024-token chunks. Times are medians of CUDA-event timed
+steps (eager: this measures the engine's current per-step cost, Python included). Reported per layer
+(step / layers) and extrapolated to 43 layers, against the weight-byte floor at the measured copy bandwidth.
+With --hf the HF transformers peer (bf16, same shapes, eager attention) runs where it fits: decode at batch
+<= 32 after an HF prefill of the smallest context, prefill at L <= 4096. JSON goes to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepinfer.config import ModelConfig  # noqa: E402
+from deepinfer.kv.spec import POOLS, build_layout  # noqa: E402
+from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from deepinfer.model.device import prepare_for_device  # noqa: E402
+from deepinfer.model.quant import QuantizedWeight, storage_format  # noqa: E402
+from deepinfer.ops.table import select  # noqa: E402
+from deepinfer.runner.sequences import SequenceCache  # noqa: E402
+
+FLASH = {"model_type": "deepseek_v4", "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0], "num_hash_layers": 3,
+         "rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                          "original_max_position_embeddings": 65536},
+         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                 "scale_fmt": "ue8m0"}, "expert_dtype": "fp4", "num_nextn_predict_layers": 0}
+TINY = {**FLASH, "vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 128,
+        "qk_rope_head_dim": 32, "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 128, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "index_n_heads": 4, "index_head_dim": 64,
+        "index_topk": 8}
+
+
+def build(native: dict, layers: int, device: str) -> DeepseekV4:
+    cfg = ModelConfig.from_dict({**native, "num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = DeepseekV4(cfg, torch.bfloat16 if device == "cuda" else torch.float32)
+    quantized: dict[str, QuantizedWeight] = {}
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.state_dict(keep_vars=True).items():
+        fmt = storage_format(name, cfg)
+        if fmt == "fp8":
+            n, k = p.shape
+            data = (torch.randn(n, k, device=device, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            scale = torch.full((-(-n // 128), -(-k // 128)), 127 - 13, dtype=torch.uint8, device=device)
+            quantized[name] = QuantizedWeight("fp8", data, scale, (128, 128))
+        elif fmt == "fp4":
+            n, k = p.shape
+            data = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8, device=device, generator=g)
+            scale = torch.full((n, -(-k // 32)), 127 - 7, dtype=torch.uint8, device=device)
+            quantized[name] = QuantizedWeight("fp4", data, scale, (1, 32))
+    # Materialize only what stays after the device transformation; quantized weights stay quantized.
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in quantized:
+                continue
+            if name.endswith("norm.weight") or "hc_" in name and name.endswith("_scale"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=g)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape, device=device, generator=g))
+    from deepinfer.model.rope import RopeTables
+
+    model.ropes = RopeTables(cfg).to(device)
+    model.quantized = quantized
+    return prepare_for_device(model, select(device))
+
+
+def random_cache(model: DeepseekV4, seqs: int, context: int, device: str) -> tuple[SequenceCache, list[int]]:
+    layout = build_layout(model.cfg, 256, include_mtp=False)
+    blocks = seqs * (-(-(context + 1) // 256)) + 2
+    cache = SequenceCache(layout, blocks, model.dtype, device)
+    for t in cache.storage.tensors.values():
+        t.normal_()
+    sids = []
+    for _ in range(seqs):
+        sid = cache.new_sequence()
+        cache._ensure(sid, context)
+        cache._lengths[sid] = context
+        sids.append(sid)
+    return cache, sids
+
+
+def timed(fn, device: str, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def decode_ms(model, batch: int, context: int, device: str) -> float:
+    cache, sids = random_cache(model, batch, context, device)
+
+    def step():
+        for sid in sids:
+            cache.truncate(sid, context)  # same position every repetition
+        ids, fb = cache.plan({sid: [5] for sid in sids})
+        model.logits(model(ids.to(device), fb, cache.storage))
+
+    return timed(step, device)
+
+
+def prefill_ms(model, length: int, device: str) -> float:
+    cache, (sid,) = random_cache(model, 1, 0, device)
+    cache._ensure(sid, length)
+
+    def run():
+        cache.truncate(sid, 0)
+        for start in range(0, length, 1024):
+            toks = [3 + (start + i) % (model.cfg.vocab_size - 3) for i in range(min(1024, length - start))]
+            ids, fb = cache.plan({sid: toks})
+            model(ids.to(device), fb, cache.storage)
+            cache.commit({sid: toks})
+        return None
+
+    return timed(run, device, reps=3)
+
+
+def hf_peer(native: dict, layers: int, batches: list[int], context: int, prefill: list[int]) -> list[dict]:
+    """HF transformers DeepseekV4ForCausalLM, bf16, same shapes, random weights: decode after an HF prefill of
+    ``context`` tokens, and prefill of each length (batch 1). Per-layer ms = step / layers."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache
+
+    hf_cfg = {k: v for k, v in native.items() if k not in ("quantization_config", "expert_dtype")}
+    cfg = DeepseekV4Config(**{**hf_cfg, "num_hidden_layers": layers})
+    cfg._attn_implementation = "eager"
+    with torch.device("cuda"):
+        model = DeepseekV4ForCausalLM(cfg).to(torch.bfloat16).eval()
+    rows = []
+    with torch.no_grad():
+        for b in batches:
+            try:
+                ids = torch.randint(3, cfg.vocab_size, (b, context), device="cuda")
+                cache = DynamicCache(config=cfg)
+                model(ids, past_key_values=cache, use_cache=True)
+                nxt = torch.full((b, 1), 5, device="cuda")
+                ms = timed(lambda: model(nxt, past_key_values=cache, use_cache=True), "cuda") / layers
+                rows.append({"kind": "hf_decode", "context": context, "batch": b, "ms_per_layer": ms})
+            except torch.OutOfMemoryError:
+                rows.append({"kind": "hf_decode", "context": context, "batch": b, "ms_per_layer": None, "oom": True})
+            torch.cuda.empty_cache()
+            print(rows[-1], flush=True)
+        for length in prefill:
+            ids = torch.randint(3, cfg.vocab_size, (1, length), device="cuda")
+            ms = timed(lambda: model(ids, use_cache=False), "cuda", reps=3) / layers
+            rows.append({"kind": "hf_prefill", "tokens": length, "ms_per_layer": ms})
+            print(rows[-1], flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
+    """Bytes a batch-1 decode step reads per layer: dense FP8 weights + scales, active FP4 experts, bf16 rest."""
+    total = 0
+    for layer in model.layers:
+        for name, t in list(layer.named_buffers()) + list(layer.named_parameters()):
+            if ".fused." in f".{name}":
+                continue
+            total += t.numel() * t.element_size()
+        fused = layer.ffn.fused
+        per_expert = sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("w13", "w2"))
+        per_expert += sum(getattr(fused, n)[0].numel() * 4 for n in ("s13", "s2"))
+        total += per_expert * active_experts
+    return total / len(model.layers)
+
+
+def main() -> None:
+    a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a.add_argument("--layers", type=int, default=4)
+    a.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    a.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    a.add_argument("--prefill", type=int, nargs="+", default=[1024, 4096])
+    a.add_argument("--device", default="cuda")
+    a.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
+    a.add_argument("--hf", action="store_true", help="also time HF transformers (CUDA only)")
+    a.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = a.parse_args()
+    native = TINY if args.tiny else FLASH
+    model = build(native, args.layers, args.device)
+    n = args.layers
+    bw = None
+    if args.device == "cuda":
+        from bench.kernels.ceilings import copy_bandwidth
+
+        bw = copy_bandwidth()
+    floor_bytes = weight_bytes_per_layer(model, model.cfg.num_experts_per_tok + model.cfg.n_shared_experts)
+    rows = []
+    for c in args.contexts:
+        for b in args.batches:
+            ms = decode_ms(model, b, c, args.device) / n
+            rows.append({"kind": "decode", "context": c, "batch": b, "ms_per_layer": ms,
+                         "tok_s_43_layers": b / (ms * 43 / 1e3),
+                         "floor_ms_b1": floor_bytes / bw * 1e3 if bw else None})
+            print(rows[-1], flush=True)
+    for length in args.prefill:
+        ms = prefill_ms(model, length, args.device) / n
+        rows.append({"kind": "prefill", "tokens": length, "ms_per_layer": ms, "ttft_43_layers_ms": ms * 43})
+        print(rows[-1], flush=True)
+    if args.hf and args.device == "cuda":
+        del model
+        torch.cuda.empty_cache()
+        rows += hf_peer(native, n, [b for b in args.batches if b <= 32], min(args.contexts),
+                        [p for p in args.prefill if p <= 4096])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": n, "tiny": args.tiny,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "copy_bytes_per_s": bw, "weight_bytes_per_layer_b1": floor_bytes}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "layer_sweep_tiny" if args.tiny else "layer_sweep"
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()
