@@ -83,9 +83,10 @@ def build(native: dict, layers: int, device: str) -> DeepseekV4:
     return prepare_for_device(model, select(device))
 
 
-def random_cache(model: DeepseekV4, seqs: int, context: int, device: str) -> tuple[SequenceCache, list[int]]:
+def random_cache(model: DeepseekV4, seqs: int, context: int, device: str,
+                 capacity: int | None = None) -> tuple[SequenceCache, list[int]]:
     layout = build_layout(model.cfg, 256, include_mtp=False)
-    blocks = seqs * (-(-(context + 1) // 256)) + 2
+    blocks = seqs * (-(-(max(context, capacity or 0) + 1) // 256)) + 2
     cache = SequenceCache(layout, blocks, model.dtype, device)
     for t in cache.storage.tensors.values():
         t.normal_()
@@ -125,8 +126,7 @@ def decode_ms(model, batch: int, context: int, device: str) -> float:
 
 
 def prefill_ms(model, length: int, device: str) -> float:
-    cache, (sid,) = random_cache(model, 1, 0, device)
-    cache._ensure(sid, length)
+    cache, (sid,) = random_cache(model, 1, 0, device, capacity=length)
 
     def run():
         cache.truncate(sid, 0)
