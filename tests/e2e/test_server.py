@@ -2,9 +2,9 @@
 
 One uvicorn server runs in a background thread for the module (127.0.0.1, a port the kernel picked); an
 offline ``LLM`` with the same engine settings is the reference for greedy and seeded outputs. The demo
-weights are random, so tool calls and a closing </think> never come out of the model: the tool-call and
-reasoning parsers are driven through the response builders with hand-made engine outputs, and the end to
-end requests check what the server can be held to (the tool schemas reach the prompt token for token,
+weights rarely emit tool calls or a closing </think>: the tool-call and reasoning parsers are driven
+through the response builders with hand-made engine outputs (test_server_units.py), and the end to end
+requests here check what the server can be held to (the tool schemas reach the prompt token for token,
 thinking mode routes the text to reasoning_content exactly as the offline chat does).
 """
 
@@ -34,12 +34,9 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from deepinfer import LLM, LLMEngine, SamplingParams  # noqa: E402
-from deepinfer.chat import EOS, THINK_END, encode_messages  # noqa: E402
-from deepinfer.chat.encoding import render_tool_calls  # noqa: E402
-from deepinfer.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from deepinfer.chat import encode_messages  # noqa: E402
 from deepinfer.server import build_app  # noqa: E402
 from deepinfer.server.app import ServerState  # noqa: E402
-from deepinfer.server.protocol import ChatBuilder  # noqa: E402
 
 API_KEY = "sk-test-key"
 MODEL = "deepinfer-demo"
@@ -195,134 +192,6 @@ def test_logprobs(client: openai.OpenAI, offline: LLM) -> None:
                                             top_logprobs=1, stream=True, **GREEDY)
     streamed = [t.token for ch in stream for c in ch.choices if c.logprobs for t in c.logprobs.content]
     assert streamed == [t.token for t in content]
-
-
-# ---- the bridge on its own, with a scripted engine ----------------------------------------------------------
-class _ScriptedEngine:
-    """Just enough of LLMEngine for AsyncEngine: each request yields 3 one-token outputs."""
-
-    def __init__(self, fail_on_step: int | None = None) -> None:
-        self.requests: dict[str, int] = {}
-        self.steps, self.fail_on_step, self._pending = 0, fail_on_step, []
-        self.scheduler = type("S", (), {"running": [], "waiting": []})()
-        self.cache = type("C", (), {"usage": staticmethod(lambda: {"history": 0.0})})()
-
-    @staticmethod
-    def _out(rid: str, n: int, reason: str | None) -> RequestOutput:
-        c = CompletionOutput(0, "x" * n, (7,) * n, reason)
-        return RequestOutput(rid, "p", (1,), (c,), reason is not None, None, ("x",), ((7,),))
-
-    def add_request(self, rid: str, prompt: str, params: object) -> None:
-        if prompt == "bad":
-            raise ValueError("prompt: scripted rejection")
-        self.requests[rid] = 0
-
-    def abort_request(self, ids: list[str]) -> None:
-        for rid in ids:
-            if self.requests.pop(rid, None) is not None:
-                self._pending.append(self._out(rid, 0, "abort"))
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> list[RequestOutput]:
-        self.steps += 1
-        if self.steps == self.fail_on_step:
-            raise RuntimeError("scripted failure")
-        outs, self._pending = self._pending, []
-        for rid in list(self.requests):
-            self.requests[rid] += 1
-            done = self.requests[rid] == 3
-            outs.append(self._out(rid, self.requests[rid], "length" if done else None))
-            if done:
-                del self.requests[rid]
-        return outs
-
-
-def test_bridge_streams_idles_without_spinning_and_reports_failures() -> None:
-    from deepinfer.server.async_engine import AsyncEngine, EngineClosed
-
-    async def run(bridge: AsyncEngine) -> list[list[RequestOutput]]:
-        streams = [await bridge.submit([(f"r{i}", "p", None)]) for i in range(4)]
-        with pytest.raises(ValueError, match="prompt"):
-            await bridge.submit([("r9", "p", None), ("r10", "bad", None)])  # all or nothing
-        return [[o async for o in s] for s in streams]
-
-    fake = _ScriptedEngine()
-    bridge = AsyncEngine(fake)
-    bridge.start()
-    results = asyncio.run(run(bridge))
-    assert all([o.finished for o in r] == [False, False, True] for r in results)
-    assert "r9" not in fake.requests  # the half-admitted batch was rolled back
-    steps = fake.steps
-    time.sleep(0.2)
-    assert fake.steps == steps  # idle: the thread waits on its condition, it does not step or spin
-    bridge.shutdown()
-    assert not bridge.alive
-
-    broken = AsyncEngine(_ScriptedEngine(fail_on_step=2))
-    broken.start()
-
-    async def doomed() -> None:
-        stream = await broken.submit([("a", "p", None)])
-        async for _ in stream:
-            pass
-
-    with pytest.raises(EngineClosed, match="scripted failure"):
-        asyncio.run(doomed())
-    assert not broken.alive and isinstance(broken.error, RuntimeError)
-    with pytest.raises(EngineClosed):
-        asyncio.run(doomed())  # refused at once, not hung
-
-
-# ---- tool calls and reasoning: the builders with controlled text, plus what holds end to end -----------------
-def _fake_outputs(text: str, piece: int) -> list[RequestOutput]:
-    """The RequestOutputs an engine would emit for ``text`` generated ``piece`` characters per step."""
-    outs, ids = [], []
-    for k in range(0, len(text), piece):
-        ids.append(k)
-        last = k + piece >= len(text)
-        c = CompletionOutput(0, text[:k + piece], tuple(ids), "stop" if last else None)
-        outs.append(RequestOutput("chatcmpl-x", None, (0, 1, 2), (c,), last, None, (text[k:k + piece],), ((k,),)))
-    return outs
-
-
-def _run_builder(text: str, thinking: bool, piece: int) -> tuple[dict, dict]:
-    """(non-streaming response, streaming totals) for one generated text."""
-    outs = _fake_outputs(text, piece)
-    full = ChatBuilder("chatcmpl-x", MODEL, 1, thinking, None).response(outs[-1])
-    b, got = ChatBuilder("chatcmpl-x", MODEL, 1, thinking, None), {"reasoning": "", "content": "", "calls": []}
-    for out in outs:
-        for chunk in b.chunks(out):
-            (choice,) = chunk["choices"]
-            d = choice["delta"]
-            got["reasoning"] += d.get("reasoning_content") or ""
-            got["content"] += d.get("content") or ""
-            got["calls"] += d.get("tool_calls") or []
-            got["finish"] = choice["finish_reason"] or got.get("finish")
-    return full, got
-
-
-@pytest.mark.parametrize("piece", [1, 3, 1000])
-def test_tool_calls_and_reasoning_parsed_by_the_builders(piece: int) -> None:
-    call = render_tool_calls([{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}])
-    text = "Need weather." + THINK_END + "Checking.\n\n" + call + EOS + "ignored"
-    full, streamed = _run_builder(text, thinking=True, piece=piece)
-    (choice,) = full["choices"]
-    msg = choice["message"]
-    assert msg["reasoning_content"] == "Need weather." and msg["content"] == "Checking."
-    (tc,) = msg["tool_calls"]
-    assert tc["type"] == "function" and tc["function"]["name"] == "get_weather"
-    assert json.loads(tc["function"]["arguments"]) == {"city": "Paris", "days": 3}
-    assert choice["finish_reason"] == "tool_calls"
-    assert streamed["reasoning"] == "Need weather." and streamed["content"] == "Checking."
-    assert [c["id"] for c in streamed["calls"]] == [tc["id"]] and streamed["calls"][0]["index"] == 0
-    assert streamed["calls"][0]["function"] == tc["function"] and streamed["finish"] == "tool_calls"
-    plain, plain_streamed = _run_builder("Just an answer.", thinking=False, piece=piece)
-    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "Just an answer."}
-    assert plain["choices"][0]["finish_reason"] == "stop" and plain_streamed["content"] == "Just an answer."
-    cut, cut_streamed = _run_builder("still thinking", thinking=True, piece=piece)  # no </think>: all reasoning
-    assert cut["choices"][0]["message"]["reasoning_content"] == "still thinking" == cut_streamed["reasoning"]
 
 
 def test_tools_are_rendered_into_the_prompt(client: openai.OpenAI, offline: LLM) -> None:
