@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLMEngine, SamplingParams
-from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.sampling.sampler import Sampler
 
 
 class Timers:
@@ -82,7 +80,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_engine.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"# CPU engine benchmark (demo model)\n", f"{meta}\n",
+    lines = ["# CPU engine benchmark (demo model)\n", f"{meta}\n",
              "| batch | tok/s | step ms | model ms | sampler ms | overhead ms |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {r['model_ms']:.2f} | "

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepinfer.config import ModelConfig  # noqa: E402
-from deepinfer.kv.spec import POOLS, build_layout  # noqa: E402
+from deepinfer.kv.spec import build_layout  # noqa: E402
 from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
 from deepinfer.model.device import prepare_for_device  # noqa: E402
 from deepinfer.model.quant import QuantizedWeight, storage_format  # noqa: E402
