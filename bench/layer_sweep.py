@@ -32,6 +32,7 @@ from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
 from deepinfer.model.device import prepare_for_device  # noqa: E402
 from deepinfer.model.quant import QuantizedWeight, storage_format  # noqa: E402
 from deepinfer.ops.table import select  # noqa: E402
+from deepinfer.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from deepinfer.runner.sequences import SequenceCache  # noqa: E402
 
 FLASH = {"model_type": "deepseek_v4", "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0], "num_hash_layers": 3,
@@ -113,25 +114,38 @@ def timed(fn, device: str, reps: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def decode_ms(model, batch: int, context: int, device: str) -> float:
+def decode_ms(model, batch: int, context: int, device: str, max_model_len: int) -> dict[str, float]:
+    """Median ms of one decode step: eager (batched path launched from Python) and, on CUDA, the engine's
+    CUDA-graph step (host index build + copies + replay) and the bare replay."""
     cache, sids = random_cache(model, batch, context, device)
 
-    def step():
+    def plan():
         for sid in sids:
             cache.truncate(sid, context)  # same position every repetition
-        ids, fb = cache.plan({sid: [5] for sid in sids})
+        return cache.plan({sid: [5] for sid in sids})
+
+    def eager():
+        ids, fb = plan()
         model.logits(model(ids.to(device), fb, cache.storage))
 
-    return timed(step, device)
+    out = {"eager_ms": timed(eager, device)}
+    if device == "cuda":
+        graphs = DecodeGraphs(model, cache.storage, max_model_len, [batch])
+        graphs.capture()
+        ids, fb = plan()
+        out["graph_ms"] = timed(lambda: graphs.run(plan()[0].tolist(), fb), device, reps=20)
+        out["replay_ms"] = timed(graphs._graphs[batch].graph.replay, device, reps=20)
+        del graphs
+    return out
 
 
-def prefill_ms(model, length: int, device: str) -> float:
+def prefill_ms(model, length: int, device: str, chunk: int) -> float:
     cache, (sid,) = random_cache(model, 1, 0, device, capacity=length)
 
     def run():
         cache.truncate(sid, 0)
-        for start in range(0, length, 1024):
-            toks = [3 + (start + i) % (model.cfg.vocab_size - 3) for i in range(min(1024, length - start))]
+        for start in range(0, length, chunk):
+            toks = [3 + (start + i) % (model.cfg.vocab_size - 3) for i in range(min(chunk, length - start))]
             ids, fb = cache.plan({sid: toks})
             model(ids.to(device), fb, cache.storage)
             cache.commit({sid: toks})
@@ -189,12 +203,29 @@ def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
     return total / len(model.layers)
 
 
+def prefill_flops(cfg, length: int) -> float:
+    """Matmul FLOPs of one layer prefilling ``length`` tokens from an empty cache (2 per multiply-add): dense
+    projections, active experts (routed top-k + shared), attention over <= window + compressed keys (CSA
+    counts its top-k; HCA and the indexer all visible entries), averaged over the CSA/HCA layer mix."""
+    h, d, nh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    dense = h * cfg.q_lora_rank + cfg.q_lora_rank * nh * d + h * d + nh * d * cfg.o_lora_rank + \
+        cfg.o_groups * cfg.o_lora_rank * h
+    experts = (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * h * cfg.moe_intermediate_size
+    per_token = 2 * (dense + experts)
+    keys_csa = min(cfg.sliding_window, length) + min(cfg.index_topk, length // 8)
+    keys_hca = min(cfg.sliding_window, length) + length // 256
+    attn = 2 * 2 * nh * d * (keys_csa + keys_hca) / 2  # q·k and p·v, mean of the two layer kinds
+    indexer = 2 * cfg.index_n_heads * cfg.index_head_dim * (length / 8) / 2  # CSA layers only (half)
+    return length * (per_token + attn + indexer)
+
+
 def main() -> None:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--layers", type=int, default=4)
     a.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     a.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     a.add_argument("--prefill", type=int, nargs="+", default=[1024, 4096])
+    a.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per step)")
     a.add_argument("--device", default="cuda")
     a.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
     a.add_argument("--hf", action="store_true", help="also time HF transformers (CUDA only)")
@@ -203,23 +234,28 @@ def main() -> None:
     native = TINY if args.tiny else FLASH
     model = build(native, args.layers, args.device)
     n = args.layers
-    bw = None
+    bw = gemm = None
     if args.device == "cuda":
-        from bench.kernels.ceilings import copy_bandwidth
+        from bench.kernels.ceilings import bf16_gemm_rate, copy_bandwidth
 
-        bw = copy_bandwidth()
+        bw, gemm = copy_bandwidth(), bf16_gemm_rate()
     floor_bytes = weight_bytes_per_layer(model, model.cfg.num_experts_per_tok + model.cfg.n_shared_experts)
     rows = []
+    max_len = max(args.contexts) + 256
     for c in args.contexts:
         for b in args.batches:
-            ms = decode_ms(model, b, c, args.device) / n
+            times = decode_ms(model, b, c, args.device, max_len)
+            ms = times.get("graph_ms", times["eager_ms"]) / n
             rows.append({"kind": "decode", "context": c, "batch": b, "ms_per_layer": ms,
+                         "eager_ms_per_layer": times["eager_ms"] / n,
+                         "replay_ms_per_layer": times["replay_ms"] / n if "replay_ms" in times else None,
                          "tok_s_43_layers": b / (ms * 43 / 1e3),
                          "floor_ms_b1": floor_bytes / bw * 1e3 if bw else None})
             print(rows[-1], flush=True)
     for length in args.prefill:
-        ms = prefill_ms(model, length, args.device) / n
-        rows.append({"kind": "prefill", "tokens": length, "ms_per_layer": ms, "ttft_43_layers_ms": ms * 43})
+        ms = prefill_ms(model, length, args.device, args.chunk) / n
+        rows.append({"kind": "prefill", "tokens": length, "chunk": args.chunk, "ms_per_layer": ms,
+                     "ttft_43_layers_ms": ms * 43, "flops_per_layer": prefill_flops(model.cfg, length)})
         print(rows[-1], flush=True)
     if args.hf and args.device == "cuda":
         del model
@@ -229,7 +265,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": n, "tiny": args.tiny,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "copy_bytes_per_s": bw, "weight_bytes_per_layer_b1": floor_bytes}
+            "copy_bytes_per_s": bw, "bf16_gemm_flops_per_s": gemm,
+            "weight_bytes_per_layer_b1": floor_bytes, "torch": torch.__version__}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "layer_sweep_tiny" if args.tiny else "layer_sweep"

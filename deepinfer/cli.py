@@ -29,6 +29,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per sequence")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of device memory for weights, activations and the cache")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -54,6 +57,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, block_size=a.block_size,
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
     )
 
 

@@ -35,6 +35,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: min(model's max positions, 8192)
     seed: int = 0
     load_progress: bool = True
+    enforce_eager: bool = False  # CUDA: no decode graphs (every step launches its kernels from Python)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -74,6 +75,7 @@ class EngineConfig:
     cache: CacheConfig
     seed: int
     load_progress: bool = True
+    enforce_eager: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -106,6 +108,7 @@ class EngineConfig:
                               args.gpu_memory_utilization),
             seed=args.seed,
             load_progress=args.load_progress,
+            enforce_eager=bool(args.enforce_eager),
         )
 
 

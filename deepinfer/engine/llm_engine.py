@@ -18,6 +18,7 @@ from deepinfer.engine.sizing import build_cache
 from deepinfer.model.device import prepare_for_device
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import select as select_ops
+from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
 from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.sched.scheduler import Scheduler, StepPlan
 from deepinfer.tokenizer import Tokenizer
@@ -33,10 +34,15 @@ class LLMEngine:
                                 strict_mtp=False, progress=config.load_progress)
         if config.device == "cuda":  # quantized weights + Triton kernels; the CPU path stays pure PyTorch
             prepare_for_device(self.model, select_ops(config.device))
-        self.cache, self.storage, self.facts = build_cache(config)
+        self.cache, self.storage, self.facts = build_cache(config, self.model)
         self.scheduler = Scheduler(config.scheduler, self.cache)
         mc = config.model
-        self.runner = ModelRunner(self.model, self.storage, self.cache, mc.eos_token_id)
+        graphs = None
+        if config.device == "cuda" and not config.enforce_eager:
+            sc = config.scheduler
+            graphs = DecodeGraphs(self.model, self.storage, sc.max_model_len, default_sizes(sc.max_num_seqs))
+            graphs.capture()
+        self.runner = ModelRunner(self.model, self.storage, self.cache, mc.eos_token_id, graphs)
         max_cached = self.facts.num_blocks["history"] * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, config.scheduler.max_model_len, max_cached)
         self.requests: dict[str, RequestState] = {}

@@ -1,6 +1,14 @@
-"""Cache sizing at start-up: from an explicit block count, a memory budget, or free device memory."""
+"""Cache sizing at start-up: from an explicit block count, a memory budget, or device memory.
+
+On CUDA without an explicit budget the cache gets what is left of ``gpu_memory_utilization`` x total
+memory after everything already resident (weights, CUDA context) and the activation peak of a profiling
+forward of ``max_num_batched_tokens`` tokens (the largest step the scheduler can plan). Decode graphs are
+captured afterwards from the remaining headroom (their batches are far smaller than a prefill step).
+"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -8,11 +16,55 @@ from deepinfer.config.engine import EngineConfig, RuntimeFacts
 from deepinfer.kv.manager import CacheManager, blocks_for_budget, cdiv, tail_blocks_per_seq
 from deepinfer.kv.spec import HISTORY, POOLS, build_layout
 from deepinfer.kv.storage import KVStorage
+from deepinfer.model.batch import ForwardBatch
+from deepinfer.model.step_index import build_step_index, compress_kinds
+
+log = logging.getLogger("deepinfer")
 
 _CPU_DEFAULT_BUDGET = 2 << 30  # 2 GiB when nothing else is said
 
 
-def _num_blocks(config: EngineConfig, layout, dtype_bytes: int) -> dict[str, int]:
+@torch.no_grad()
+def profile_activation_bytes(model, config: EngineConfig, layout) -> int:
+    """Peak bytes a forward of ``max_num_batched_tokens`` tokens allocates beyond what is resident.
+
+    The step is all padding (a throw-away one-block storage, no sequence rows): it runs every layer's
+    projections, MoE and kernels at full width, with entry columns sized for ``max_model_len``.
+    """
+    sc = config.scheduler
+    scratch = KVStorage(layout, {p: 1 for p in POOLS}, config.dtype, config.device)
+    entries = {m: cdiv(sc.max_model_len, m) for m, _ in compress_kinds(layout)}
+    index = build_step_index(ForwardBatch(()), scratch, model.cfg.sliding_window, num_tokens=sc.max_num_batched_tokens,
+                             num_seqs=1, entries=entries).to(config.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ids = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long, device=config.device)
+    streams = model(ids, None, scratch, index)
+    model.logits(streams[-sc.max_num_seqs:])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del scratch, index, ids, streams
+    torch.cuda.empty_cache()
+    return peak
+
+
+def _cuda_budget(config: EngineConfig, model, layout) -> int:
+    activations = profile_activation_bytes(model, config, layout) if model is not None and model.indexed else 0
+    free, total = torch.cuda.mem_get_info()
+    budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - activations
+    log.info("cache budget %.2f GiB (total %.1f, in use %.1f, activation peak %.2f GiB, utilization %.2f)",
+             budget / 2**30, total / 2**30, (total - free) / 2**30, activations / 2**30,
+             config.cache.gpu_memory_utilization)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization: {config.cache.gpu_memory_utilization} leaves no memory for the "
+                         f"cache ({(total - free) / 2**30:.1f} GiB in use, activation peak "
+                         f"{activations / 2**30:.2f} GiB of {total / 2**30:.1f} GiB); raise it or lower "
+                         "max_num_batched_tokens")
+    return budget
+
+
+def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> dict[str, int]:
     sc, cc = config.scheduler, config.cache
     if cc.num_cache_blocks is not None:
         tail = {p: sc.max_num_seqs * tail_blocks_per_seq(layout, p) + cdiv(sc.max_num_batched_tokens, cc.block_size)
@@ -21,8 +73,7 @@ def _num_blocks(config: EngineConfig, layout, dtype_bytes: int) -> dict[str, int
     if cc.cache_memory_gb is not None:
         budget = int(cc.cache_memory_gb * (1 << 30))
     elif config.device == "cuda":
-        free, _total = torch.cuda.mem_get_info()
-        budget = int(free * cc.gpu_memory_utilization)
+        budget = _cuda_budget(config, model, layout)
     else:
         # Enough for every sequence at full length, capped: small models need far less than the cap.
         full = sum(layout.bytes_per_block(p, dtype_bytes) for p in POOLS)
@@ -31,10 +82,11 @@ def _num_blocks(config: EngineConfig, layout, dtype_bytes: int) -> dict[str, int
                              max_num_batched_tokens=sc.max_num_batched_tokens)
 
 
-def build_cache(config: EngineConfig) -> tuple[CacheManager, KVStorage, RuntimeFacts]:
+def build_cache(config: EngineConfig, model=None) -> tuple[CacheManager, KVStorage, RuntimeFacts]:
+    """``model`` (optional): profiled on CUDA to size the cache from ``gpu_memory_utilization``."""
     layout = build_layout(config.model, config.cache.block_size, include_mtp=False)
     dtype_bytes = torch.empty(0, dtype=config.dtype).element_size()
-    counts = _num_blocks(config, layout, dtype_bytes)
+    counts = _num_blocks(config, layout, dtype_bytes, model)
     storage = KVStorage(layout, counts, config.dtype, config.device)
     facts = RuntimeFacts(
         num_blocks=dict(counts),

@@ -10,7 +10,11 @@ from deepinfer.kv.spec import FLOAT32, POOLS, CacheLayout, TensorSpec
 
 
 class KVStorage:
-    """One flat tensor [num_blocks(pool) * rows_per_block, width] per (layer, cache tensor)."""
+    """One flat tensor [(num_blocks(pool) + 1) * rows_per_block, width] per (layer, cache tensor).
+
+    The extra block past the last real one is never handed out: padding tokens of a fixed-shape (CUDA
+    graph) step write their rows there (``spare_row``) so that they can never touch a sequence's rows.
+    """
 
     def __init__(
         self,
@@ -28,12 +32,16 @@ class KVStorage:
         self.tensors: dict[tuple[str, str], torch.Tensor] = {}
         for spec in layout.layers:
             for t in spec.tensors:
-                rows = self.num_blocks[t.pool] * layout.rows_per_block(t)
+                rows = (self.num_blocks[t.pool] + 1) * layout.rows_per_block(t)
                 dtype = torch.float32 if t.dtype == FLOAT32 else model_dtype
                 self.tensors[(spec.key, t.name)] = torch.zeros(rows, t.width, dtype=dtype, device=device)
 
     def get(self, layer_key: str, name: str) -> torch.Tensor:
         return self.tensors[(layer_key, name)]
+
+    def spare_row(self, pool: str) -> int:
+        """First row of the spare block of ``pool`` for per-position (stride-1) tensors."""
+        return self.num_blocks[pool] * self.layout.block_size
 
 
 def rows_for(

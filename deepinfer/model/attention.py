@@ -15,6 +15,7 @@ from torch import nn
 from deepinfer.config.model import CSA, HCA, SWA, ModelConfig
 from deepinfer.kv.spec import WINDOW
 from deepinfer.kv.storage import rows_for
+from deepinfer.model.attention_indexed import attention_indexed
 from deepinfer.model.batch import SeqRun
 from deepinfer.model.compressor import Compressor, Indexer
 from deepinfer.model.context import StepContext
@@ -55,6 +56,8 @@ class Attention(nn.Module):
                                    cfg.index_topk, cfg.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, layer_key: str, ropes: RopeTables) -> torch.Tensor:
+        if ctx.index is not None:
+            return attention_indexed(self, x, ctx, layer_key)
         cos, sin = ctx.rope[self.table]
         q_res = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_res).view(len(x), self.n_heads, self.head_dim)

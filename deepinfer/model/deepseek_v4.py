@@ -23,7 +23,8 @@ from deepinfer.model.moe import MoE
 from deepinfer.model.linear import Embedding, Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.rope import RopeTables
-from deepinfer.ops.ref.mhc import hc_head, hc_post, hc_pre
+from deepinfer.model.step_index import StepIndex, build_step_index
+from deepinfer.ops.table import REF, OpTable
 
 
 def _hc_params(module: nn.Module, prefix: str, rows: int, cols: int, scales: int) -> None:
@@ -36,6 +37,8 @@ def _hc_params(module: nn.Module, prefix: str, rows: int, cols: int, scales: int
 class Block(nn.Module):
     """One decoder layer: mHC-wrapped attention and MoE. Names: attn_norm, ffn_norm, hc_attn_*, hc_ffn_*,
     attn.*, ffn.*."""
+
+    ops: OpTable = REF  # replaced by model/device.py for accelerated runs
 
     def __init__(self, cfg: ModelConfig, layer: int, kind: str, ratio: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -51,15 +54,15 @@ class Block(nn.Module):
     def _pre(self, site: str, streams: torch.Tensor):
         c = self.cfg
         fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
-        return hc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return self.ops.hc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
     def forward(self, streams: torch.Tensor, ctx: StepContext, key: str, ropes: RopeTables) -> torch.Tensor:
         collapsed, post, comb = self._pre("attn", streams)
         out = self.attn(self.attn_norm(collapsed), ctx, key, ropes)
-        streams = hc_post(streams, out, post, comb)
+        streams = self.ops.hc_post(streams, out, post, comb)
         collapsed, post, comb = self._pre("ffn", streams)
         out = self.ffn(self.ffn_norm(collapsed), ctx.input_ids)
-        return hc_post(streams, out, post, comb)
+        return self.ops.hc_post(streams, out, post, comb)
 
 
 class MTPBlock(Block):
@@ -79,6 +82,8 @@ class MTPBlock(Block):
 
 
 class DeepseekV4(nn.Module):
+    ops: OpTable = REF  # replaced by model/device.py for accelerated runs
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
@@ -92,19 +97,38 @@ class DeepseekV4(nn.Module):
         _hc_params(self, "hc_head", cfg.hc_mult, cfg.hc_mult * h, 1)
         self.mtp = nn.ModuleList(MTPBlock(cfg, dtype) for _ in range(cfg.num_nextn_predict_layers))
         self.ropes = RopeTables(cfg)
+        # The batched path (model/attention_indexed.py) instead of the per-sequence reference; set by
+        # model/device.py for device runs. Both compute the same math.
+        self.indexed = False
 
-    def context(self, input_ids: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> StepContext:
-        batch.check()
-        if len(input_ids) != batch.num_tokens:
-            raise ValueError(f"input_ids: {len(input_ids)} tokens but the batch describes {batch.num_tokens}")
-        positions = batch.positions(input_ids.device)
+    def context(self, input_ids: torch.Tensor, batch: ForwardBatch | None, storage: KVStorage,
+                index: StepIndex | None = None) -> StepContext:
+        if index is None and self.indexed:
+            batch.check()
+            index = build_step_index(batch, storage, self.cfg.sliding_window).to(input_ids.device, non_blocking=True)
+        if index is not None:
+            if len(input_ids) != len(index.positions):
+                raise ValueError(f"input_ids: {len(input_ids)} tokens but the step index has {len(index.positions)}")
+            positions = index.positions
+        else:
+            batch.check()
+            if len(input_ids) != batch.num_tokens:
+                raise ValueError(f"input_ids: {len(input_ids)} tokens but the batch describes {batch.num_tokens}")
+            positions = batch.positions(input_ids.device)
         rope = {t: self.ropes.cos_sin(t, positions, self.dtype) for t in ("main", "compress")}
-        return StepContext(input_ids, positions, batch, storage, rope)
+        emit_rope = None
+        if index is not None:
+            emit_rope = {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype) for k, c in index.compress.items()}
+        return StepContext(input_ids, positions, batch, storage, rope, index, emit_rope)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, storage: KVStorage) -> torch.Tensor:
-        """New tokens [T] -> final residual streams [T, hc_mult, H] (before hc_head)."""
-        ctx = self.context(input_ids, batch, storage)
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch | None, storage: KVStorage,
+                index: StepIndex | None = None) -> torch.Tensor:
+        """New tokens [T] -> final residual streams [T, hc_mult, H] (before hc_head).
+
+        ``index`` (optional): prebuilt row lists of the batched path (CUDA graphs pass static ones; then
+        ``batch`` may be None)."""
+        ctx = self.context(input_ids, batch, storage, index)
         x = self.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
@@ -113,7 +137,8 @@ class DeepseekV4(nn.Module):
 
     def _head(self, streams: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
         c = self.cfg
-        x = hc_head(streams, owner.hc_head_fn, owner.hc_head_base, owner.hc_head_scale, c.hc_eps, c.rms_norm_eps)
+        x = self.ops.hc_head(streams, owner.hc_head_fn, owner.hc_head_base, owner.hc_head_scale, c.hc_eps,
+                             c.rms_norm_eps)
         return self.head(norm(x))
 
     @torch.no_grad()
@@ -122,8 +147,8 @@ class DeepseekV4(nn.Module):
         return self._head(streams, self, self.norm)
 
     @torch.no_grad()
-    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, storage: KVStorage,
-                    depth: int = 0) -> torch.Tensor:
+    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch | None,
+                    storage: KVStorage, depth: int = 0, index: StepIndex | None = None) -> torch.Tensor:
         """Draft pass. ``streams`` [T, N, H]: target final streams at positions p (from ``batch``);
         ``next_ids`` [T]: token p+1. Returns the MTP block's output streams (feed them back for chained
         drafts); ``mtp_logits`` turns them into logits for token p+2.
@@ -132,7 +157,7 @@ class DeepseekV4(nn.Module):
         embedding is zeroed at p == 0.
         """
         mtp = self.mtp[depth]
-        ctx = self.context(next_ids, batch, storage)
+        ctx = self.context(next_ids, batch, storage, index)
         emb = self.embed(next_ids).masked_fill((ctx.positions == 0).unsqueeze(-1), 0)
         z = mtp.h_proj(mtp.hnorm(streams)) + mtp.e_proj(mtp.enorm(emb)).unsqueeze(1)
         return mtp(z, ctx, f"mtp.{depth}", self.ropes)

@@ -4,7 +4,8 @@ Applied after loading (gpt-fast style), never inside the model math:
   * every dense FP8 linear becomes ``FP8Linear`` (e4m3 weight + fp32 block scales, ``ops.fp8_linear``);
   * each MoE layer's FP4 routed experts become one stacked ``FusedFP4Experts`` (``ops.moe_experts_fp4``),
     and the dequantized per-expert copies are released;
-  * attention and the indexer call ``ops.attention`` / ``ops.indexer_select``.
+  * the model runs the batched step path (``model/attention_indexed.py``: row lists built once per step,
+    index-list kernels, no host syncs; what CUDA graphs capture).
 With ``ops=REF`` on the CPU this is the specification of what the GPU path computes.
 """
 
@@ -92,4 +93,5 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable) -> DeepseekV4:
                 module.experts = nn.ModuleList()  # the dequantized copies are no longer read
     model.quantized = {}
     model.ops = ops
+    model.indexed = True
     return model

@@ -7,6 +7,15 @@ the Triton kernels, imported lazily so that only a CUDA process loads Triton. En
   indexer_select(q [L,Hi,Di], weights [L,Hi] fp32, keys [E,Di], limits [L], topk, scale) -> [L,k] int64
   fp8_linear(x [M,K], weight e4m3 [N,K], scale fp32 [N/128,K/128]) -> [M,N]
   moe_experts_fp4(x, topk_ids, topk_weights, w13, s13, w2, s2, limit) -> [T,H]
+
+The index-list entries serve the batched step path (``model/attention_indexed.py``), which reads the paged
+cache through per-step row lists instead of gathered per-sequence tensors:
+
+  sparse_attention_indexed(q, kv, indices, sinks, scale, kv_extra, indices_extra) -> [L,H,D]
+  indexer_topk(q, weights, keys, key_rows, limits, topk, scale, query_rows) -> [L,k] int64
+  compress_emit(state, slot_rows, entry_rows, out, norm_weight, eps, cos, sin, overlap) -> None (writes out)
+
+and the mHC sites of every block: hc_pre / hc_post / hc_head (``ops/ref/mhc.py`` signatures).
 """
 
 from __future__ import annotations
@@ -16,8 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.ops.ref import compress_emit as ref_emit
 from deepinfer.ops.ref import fp8_linear as ref_fp8
+from deepinfer.ops.ref import indexer_topk as ref_index
+from deepinfer.ops.ref import mhc as ref_mhc
 from deepinfer.ops.ref import moe_experts as ref_moe
+from deepinfer.ops.ref import sparse_attention as ref_attn
 from deepinfer.ops.ref.attention import sparse_attention
 from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
 
@@ -29,18 +42,28 @@ class OpTable:
     indexer_select: Callable
     fp8_linear: Callable
     moe_experts_fp4: Callable
+    sparse_attention_indexed: Callable
+    indexer_topk: Callable
+    compress_emit: Callable
+    hc_pre: Callable
+    hc_post: Callable
+    hc_head: Callable
 
 
 def _ref_indexer_select(q, weights, keys, limits, topk, scale):
     return topk_with_tiebreak(indexer_scores(q, weights, keys, scale), limits, topk)
 
 
-REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, ref_moe.moe_experts_fp4)
+REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, ref_moe.moe_experts_fp4,
+              ref_attn.sparse_attention_indexed, ref_index.indexer_topk, ref_emit.compress_emit,
+              ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head)
 
 
 def triton_ops() -> OpTable:
+    from deepinfer.ops.triton import compress_emit as tri_emit
     from deepinfer.ops.triton import fp8_linear as tri_fp8
     from deepinfer.ops.triton import indexer_topk as tri_index
+    from deepinfer.ops.triton import mhc as tri_mhc
     from deepinfer.ops.triton import moe_experts as tri_moe
     from deepinfer.ops.triton import sparse_attention as tri_attn
 
@@ -56,7 +79,9 @@ def triton_ops() -> OpTable:
         rows = torch.arange(e, device=keys.device, dtype=torch.int32).expand(len(q), e).contiguous()
         return tri_index.indexer_topk(q, weights.float(), keys, rows, limits, topk, scale)
 
-    return OpTable("triton", attention, indexer_select, tri_fp8.fp8_linear, tri_moe.moe_experts_fp4)
+    return OpTable("triton", attention, indexer_select, tri_fp8.fp8_linear, tri_moe.moe_experts_fp4,
+                   tri_attn.sparse_attention_indexed, tri_index.indexer_topk, tri_emit.compress_emit,
+                   tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head)
 
 
 def select(device: str) -> OpTable:

@@ -15,6 +15,7 @@ from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.batch import ForwardBatch, SeqRun
 from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.sampling import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
 from deepinfer.sched.scheduler import StepPlan
 
@@ -40,8 +41,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, storage: KVStorage, cache: CacheManager, eos_token_id: int) -> None:
+    def __init__(self, model: DeepseekV4, storage: KVStorage, cache: CacheManager, eos_token_id: int,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs
         self.storage = storage
         self.cache = cache
         self.eos_token_id = eos_token_id
@@ -55,10 +58,15 @@ class ModelRunner:
             ids.extend(seq.token_ids[item.first_pos : item.first_pos + n])
             runs.append(SeqRun(offset, n, item.first_pos, self.cache.block_tables(seq.seq_id)))
             offset += n
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        streams = self.model(input_ids, ForwardBatch(tuple(runs)), self.storage)
+        batch = ForwardBatch(tuple(runs))
         sample_rows, sample_items, prompt_jobs = self._select_rows(plan, runs)
         rows = sample_rows + [r for job in prompt_jobs for r in job[2]]
+        if self.graphs is not None and not prompt_jobs and len(sample_rows) == len(runs) and self.graphs.fits(batch):
+            # A decode step: every sequence samples its one new token; replay the captured graph.
+            logits = self.graphs.run(ids, batch).float()
+            return StepResult(self._sample(logits, sample_items), ())
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        streams = self.model(input_ids, batch, self.storage)
         if not rows:
             return StepResult((), ())
         logits = self.model.logits(streams[torch.tensor(rows, device=self.device)]).float()

@@ -32,10 +32,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _index_score_kernel(
-    q_ptr, w_ptr, k_ptr, rows_ptr, lim_ptr, key_ptr,
+    q_ptr, w_ptr, k_ptr, rows_ptr, qrow_ptr, lim_ptr, key_ptr,
     E, Hi, Di, softmax_scale,
     stride_ql, stride_qh, stride_wl, stride_k, stride_rl, stride_ol,
     BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    SHARED_ROWS: tl.constexpr,
 ):
     # One flat axis (no 65535 limit on the number of queries); a query's entry blocks are adjacent.
     n_eb = tl.cdiv(E, BLOCK_E)
@@ -47,7 +48,10 @@ def _index_score_kernel(
     score = tl.full((BLOCK_E,), float("-inf"), dtype=tl.float32)
     if eb * BLOCK_E < limit:
         visible = in_range & (offs_e < limit)
-        rows = tl.load(rows_ptr + lq * stride_rl + offs_e, mask=visible, other=-1)
+        rrow = lq
+        if SHARED_ROWS:  # the queries of one sequence share its entry list
+            rrow = tl.load(qrow_ptr + lq).to(tl.int64)
+        rows = tl.load(rows_ptr + rrow * stride_rl + offs_e, mask=visible, other=-1)
         present = rows >= 0
         offs_h = tl.arange(0, BLOCK_HI)
         offs_d = tl.arange(0, BLOCK_D)
@@ -80,17 +84,21 @@ def config(dtype: torch.dtype, hi: int, di: int) -> dict[str, int]:
 
 
 def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
-                      limits: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+                      limits: torch.Tensor, softmax_scale: float,
+                      query_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Scores of every entry as int64 sort keys [L, E] (see module docstring)."""
     L, hi, di = q.shape
     e = key_rows.shape[1]
-    assert weights.shape == (L, hi) and keys.shape[1] == di and key_rows.shape[0] == L and limits.shape == (L,)
+    shared = query_rows is not None
+    assert weights.shape == (L, hi) and keys.shape[1] == di and limits.shape == (L,)
+    assert (query_rows.shape == (L,)) if shared else key_rows.shape[0] == L
     assert keys.dtype == q.dtype, (q.dtype, keys.dtype)
     q = q if q.stride(2) == 1 else q.contiguous()
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     weights = weights.float().contiguous()
     rows = key_rows.to(torch.int32).contiguous()
     lims = limits.to(device=q.device, dtype=torch.int32).contiguous()
+    qrows = query_rows.to(device=q.device, dtype=torch.int32).contiguous() if shared else lims
     out = torch.empty((L, e), dtype=torch.int64, device=q.device)
     if L == 0 or e == 0:
         return out
@@ -98,10 +106,11 @@ def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     block_e = cfg["BLOCK_E"]
     grid = (triton.cdiv(e, block_e) * L,)
     _index_score_kernel[grid](
-        q, weights, keys, rows, lims, out, e, hi, di, float(softmax_scale),
+        q, weights, keys, rows, qrows, lims, out, e, hi, di, float(softmax_scale),
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), rows.stride(0), out.stride(0),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(di)),
-        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=q.dtype == torch.float32 or _INTERPRET, SHARED_ROWS=shared, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 
@@ -114,14 +123,16 @@ def scores_from_keys(sort_keys: torch.Tensor) -> torch.Tensor:
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
-                 limits: torch.Tensor, topk: int, softmax_scale: float) -> torch.Tensor:
+                 limits: torch.Tensor, topk: int, softmax_scale: float,
+                 query_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [L, Hi, Di], weights [L, Hi] fp32, keys [R, Di], key_rows [L, E] int32 (-1 absent), limits [L]
-    -> [L, min(topk, E)] int64 entry numbers, best first, -1 where fewer than that are visible."""
-    L, e = key_rows.shape
+    -> [L, min(topk, E)] int64 entry numbers, best first, -1 where fewer than that are visible.
+    With ``query_rows`` [L], key_rows is [B, E] and query l reads its row query_rows[l]."""
+    L, e = q.shape[0], key_rows.shape[1]
     k = min(topk, e)
     if k <= 0:
         return torch.empty((L, 0), dtype=torch.long, device=q.device)
-    sort_keys = indexer_sort_keys(q, weights, keys, key_rows, limits, softmax_scale)
+    sort_keys = indexer_sort_keys(q, weights, keys, key_rows, limits, softmax_scale, query_rows)
     best = torch.topk(sort_keys, k, dim=1, largest=True, sorted=True).values
     entry = (e - 1) - (best & 0xFFFFFFFF)
     lims = limits.to(device=q.device, dtype=torch.long).unsqueeze(1)

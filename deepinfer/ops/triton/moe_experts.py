@@ -1,8 +1,9 @@
 """Routed FP4 experts as a grouped GEMM in Triton; twin of ``ops/ref/moe_experts.py`` (same signature).
 
 Plan (all on the device, no host sync, so the whole call can be captured in a CUDA graph):
-  align (torch)  sort the T*k (token, slot) pairs by expert (stable), pad each expert's group to a multiple of
-                 BLOCK_M -> ``pair_of_row`` (-1 = padding) and ``expert_of_block`` (-1 = unused block).
+  align          group the T*k (token, slot) pairs by expert (stable), pad each expert's group to a multiple
+                 of BLOCK_M -> ``pair_of_row`` (-1 = padding) and ``expert_of_block`` (-1 = unused block);
+                 counting kernels in ``moe_align.py`` (one launch at decode sizes).
   kernel 1       per (m-block, n-block of I): gate and up tiles over the full H in fixed BLOCK_K steps, clamped
                  SwiGLU in fp32, h[pair, n] stored in bf16 (fp32 when x is fp32).
   kernel 2       per (m-block, n-block of H): y[pair, n] = W2 h, fp32.
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.moe_experts import FP4_GROUP, check_moe_experts_args
+from deepinfer.ops.triton.moe_align import align_pairs
 
 # Triton 3.6's CPU interpreter multiplies bf16 tensors as their raw uint16 bits, truncates fp32 -> bf16 and
 # mis-converts bf16 subnormals, so interpreted runs take fp32 detours with the same exact values
@@ -85,32 +87,6 @@ def _check_config(cfg: TileConfig) -> None:
             raise ValueError(f"{cfg}: weight tiles must be multiples of 64 rows (wgmma M per warpgroup)")
     if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"{cfg}: block_m must be a power of two >= 16 (MMA N side)")
-
-
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (pair_of_row int32 [num_blocks * block_m], expert_of_block int32 [num_blocks]).
-
-    Pairs are flattened row-major (pair = t * k + j), sorted by expert (stable: ascending pair within an
-    expert), and each expert's group starts a fresh block. num_blocks is an upper bound computed from
-    shapes (cdiv(P, block_m) + min(E, P)) so nothing syncs; blocks past the real count get expert -1.
-    Only integer ops: the result is exact and deterministic.
-    """
-    flat = topk_ids.reshape(-1)
-    n_pairs = flat.numel()
-    dev = flat.device
-    num_blocks = triton.cdiv(n_pairs, block_m) + min(num_experts, n_pairs)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    group_start = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=dev))  # [E+1]
-    blocks = (group_start[1:] - group_start[:-1] + block_m - 1) // block_m
-    block_end = torch.cumsum(blocks, 0)
-    block_start = block_end - blocks
-    rank = torch.arange(n_pairs, device=dev) - group_start[sorted_ids]
-    dest = block_start[sorted_ids] * block_m + rank
-    pair_of_row = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=dev)
-    pair_of_row[dest] = order.to(torch.int32)  # unique destinations: a permutation, no accumulation
-    expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=dev), right=True)
-    expert_of_block = torch.where(expert < num_experts, expert, -1).to(torch.int32)
-    return pair_of_row, expert_of_block
 
 
 @triton.jit

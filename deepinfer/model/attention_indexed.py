@@ -1,0 +1,72 @@
+"""The batched attention path: one set of kernels per layer for every sequence of the step.
+
+Same math as ``Attention.forward`` (the reference, which loops over sequences), but the cache is read
+and written through the step's row lists (``model/step_index.py``), so a layer costs a fixed number of
+launches whatever the batch, nothing syncs with the host, and a decode step can be captured as a CUDA
+graph. Used when the step context carries a ``StepIndex`` (the device path; tests also run it on the
+CPU with the reference op table and compare it with the per-sequence path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.config.model import CSA, HCA, SWA
+from deepinfer.model.context import StepContext
+from deepinfer.model.step_index import CompressIndex
+from deepinfer.ops.ref.norm import unweighted_rms_norm
+from deepinfer.ops.ref.rope import apply_rope
+
+
+def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -> torch.Tensor:
+    idx, ops, storage = ctx.index, attn.ops, ctx.storage
+    cos, sin = ctx.rope[attn.table]
+    q_res = attn.q_norm(attn.wq_a(x))
+    q = attn.wq_b(q_res).view(len(x), attn.n_heads, attn.head_dim)
+    q = apply_rope(unweighted_rms_norm(q, attn.eps), cos, sin)
+    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+    window = storage.get(layer_key, "window_kv")
+    window.index_copy_(0, idx.window_rows, kv)
+
+    extra_kv = extra_idx = None
+    if attn.kind != SWA:
+        key = (attn.ratio, attn.kind == CSA)
+        ci = idx.compress[key]
+        emit_cos, emit_sin = ctx.emit_rope[key]
+        _compress(attn.compressor, x, ctx, layer_key, "compressor_state", "entries", ci, emit_cos, emit_sin, ops)
+        extra_kv = storage.get(layer_key, "entries")
+        seq = idx.token_seq.long()
+        if attn.kind == HCA:  # every visible entry, entry j in column j (fixed split boundaries)
+            j = torch.arange(ci.seq_rows.shape[1], device=x.device)
+            extra_idx = torch.where(j[None, :] < ci.limits[:, None], ci.seq_rows[seq], -1)
+        else:
+            _compress(attn.indexer.compressor, x, ctx, layer_key, "indexer_state", "index_keys", ci, emit_cos,
+                      emit_sin, ops)
+            picks = _indexer_picks(attn.indexer, x, q_res, ctx, layer_key, ci, cos, sin)
+            # Entries and index keys share the history pool's row numbering (both one row per window).
+            rows = ci.seq_rows[seq[:, None], picks.clamp(min=0)]
+            extra_idx = torch.where(picks >= 0, rows, -1)
+    out = ops.sparse_attention_indexed(q, window, idx.window_keys, attn.attn_sink, attn.head_dim**-0.5,
+                                       extra_kv, extra_idx)
+    out = apply_rope(out, cos, sin, inverse=True)
+    return attn._project_out(out)
+
+
+def _compress(comp, x: torch.Tensor, ctx: StepContext, layer_key: str, state_name: str, entry_name: str,
+              ci: CompressIndex, cos: torch.Tensor, sin: torch.Tensor, ops) -> None:
+    """Write every token's raw kv/gate rows, then pool each window a token closes into its entry."""
+    kv = comp.wkv(x).float()
+    gate = comp.wgate(x).float() + comp.ape[ctx.positions % comp.ratio]
+    state = ctx.storage.get(layer_key, state_name)
+    state.index_copy_(0, ctx.index.state_rows, torch.cat([kv, gate], dim=-1))
+    ops.compress_emit(state, ci.slot_rows, ci.entry_rows, ctx.storage.get(layer_key, entry_name),
+                      comp.norm.weight, comp.norm.eps, cos, sin, comp.overlap)
+
+
+def _indexer_picks(ix, x, q_res, ctx: StepContext, layer_key: str, ci: CompressIndex, cos, sin) -> torch.Tensor:
+    """Top-k entry numbers per query ([T, k], -1 where fewer are visible); see ``Indexer.select``."""
+    q = apply_rope(ix.wq_b(q_res).view(len(x), ix.n_heads, ix.head_dim), cos, sin)
+    weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
+    keys = ctx.storage.get(layer_key, "index_keys")
+    return ix.ops.indexer_topk(q, weights, keys, ci.seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,
+                               ctx.index.token_seq)
