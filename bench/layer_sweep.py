@@ -227,6 +227,7 @@ def main() -> None:
     a.add_argument("--prefill", type=int, nargs="+", default=[1024, 4096])
     a.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per step)")
     a.add_argument("--device", default="cuda")
+    a.add_argument("--commit", default=None, help="commit to record (default: git HEAD of the checkout)")
     a.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
     a.add_argument("--hf", action="store_true", help="also time HF transformers (CUDA only)")
     a.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -262,7 +263,8 @@ def main() -> None:
         torch.cuda.empty_cache()
         rows += hf_peer(native, n, [b for b in args.batches if b <= 32], min(args.contexts),
                         [p for p in args.prefill if p <= 4096])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": n, "tiny": args.tiny,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "copy_bytes_per_s": bw, "bf16_gemm_flops_per_s": gemm,

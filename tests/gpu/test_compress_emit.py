@@ -186,7 +186,11 @@ def test_reference_is_compressor_emit(overlap, device, monkeypatch) -> None:
     args = (state, torch.cat(slots).to(device), torch.cat(entry).to(device), comp.norm.weight.data, EPS,
             cos.to(device), sin.to(device), overlap)
     ref = _run(ref_emit, args, R2, dtype)
-    assert torch.equal(ref.nan_to_num(), store.nan_to_num()) and torch.equal(ref.isnan(), store.isnan())
+    assert torch.equal(ref.isnan(), store.isnan())
+    if device == "cpu":  # same torch ops on the same device: the same bits
+        assert torch.equal(ref.nan_to_num(), store.nan_to_num())
+    else:  # CUDA reductions over differently laid-out (strided) views may sum in another order
+        assert rel_err(ref.nan_to_num(), store.nan_to_num()) <= 1e-6
     out = _run(_tri_emit, args, R2, dtype)
     written = ~store[:, 0].isnan()
     assert written.sum() == 2 + 4 and rel_err(out[written], store[written]) <= TOL[dtype]

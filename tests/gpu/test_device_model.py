@@ -140,3 +140,27 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(ckpt, device) -> None:
         assert torch.isfinite(replay).all()
         assert torch.equal(eager, replay), (step, (eager - replay).abs().max())
         cache.commit(new)
+
+
+def test_cache_sized_from_a_profiling_run(ckpt, device) -> None:
+    """Without an explicit budget the cache takes utilization x total minus what is resident and the
+    profiled activation peak; the engine then serves with decode graphs from the remaining headroom."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from deepinfer import LLMEngine, SamplingParams
+    from deepinfer.assets import demo_model_dir
+
+    torch.cuda.empty_cache()
+    free0, total = torch.cuda.mem_get_info()
+    engine = LLMEngine.from_engine_args(model=str(ckpt), tokenizer=str(demo_model_dir()), device="cuda",
+                                        block_size=128, gpu_memory_utilization=0.25, max_num_seqs=8,
+                                        load_progress=False)
+    cache_bytes = sum(t.numel() * t.element_size() for t in engine.storage.tensors.values())
+    used_before = total - free0
+    assert 0.5 * (0.25 * total - used_before) < cache_bytes <= 0.25 * total - used_before
+    engine.add_request("r", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert len(outs[0].outputs[0].token_ids) == 5
+    del engine
+    torch.cuda.empty_cache()

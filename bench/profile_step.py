@@ -1,0 +1,65 @@
+"""Where a step's GPU time goes: per-kernel device time of one eager batched step (torch.profiler).
+
+    python bench/profile_step.py [--layers 4] [--batch 1] [--context 1024] [--prefill 0]
+
+Eager, not graph replay: the kernels are the ones a captured graph replays, and the profiler attributes
+each one. Prints the top kernels by total device time per layer, grouped by name, and the sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.layer_sweep import FLASH, build, random_cache  # noqa: E402
+
+
+def main() -> None:
+    a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a.add_argument("--layers", type=int, default=4)
+    a.add_argument("--batch", type=int, default=1)
+    a.add_argument("--context", type=int, default=1024)
+    a.add_argument("--prefill", type=int, default=0, help="profile a prefill chunk of this many tokens instead")
+    a.add_argument("--top", type=int, default=30)
+    args = a.parse_args()
+    model = build(FLASH, args.layers, "cuda")
+    if args.prefill:
+        cache, sids = random_cache(model, 1, 0, "cuda", capacity=args.prefill)
+        new = {sids[0]: [3 + i % 1000 for i in range(args.prefill)]}
+    else:
+        cache, sids = random_cache(model, args.batch, args.context, "cuda")
+        new = {sid: [5] for sid in sids}
+
+    def step():
+        for sid in sids:
+            cache.truncate(sid, 0 if args.prefill else args.context)
+        ids, fb = cache.plan(new)
+        model.logits(model(ids.cuda(), fb, cache.storage)[-args.batch:])
+
+    step()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            name = e.name[:90]
+            t, n = rows.get(name, (0.0, 0))
+            rows[name] = (t + e.device_time, n + 1)
+    total = sum(t for t, _ in rows.values())
+    what = f"prefill {args.prefill}" if args.prefill else f"decode batch {args.batch} ctx {args.context}"
+    print(f"== {what}: {total / args.layers:.1f} us device time per layer, {sum(n for _, n in rows.values()) / args.layers:.0f} kernels per layer")
+    for name, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        print(f"{t / args.layers:9.1f} us  {n / args.layers:5.1f}x  {name}")
+
+
+if __name__ == "__main__":
+    main()
