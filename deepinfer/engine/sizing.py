@@ -17,7 +17,7 @@ from deepinfer.kv.manager import CacheManager, blocks_for_budget, cdiv, tail_blo
 from deepinfer.kv.spec import HISTORY, POOLS, build_layout
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.batch import ForwardBatch
-from deepinfer.model.step_index import build_step_index, compress_kinds
+from deepinfer.model.step_index import build_step_index
 
 log = logging.getLogger("deepinfer")
 
@@ -33,9 +33,8 @@ def profile_activation_bytes(model, config: EngineConfig, layout) -> int:
     """
     sc = config.scheduler
     scratch = KVStorage(layout, {p: 1 for p in POOLS}, config.dtype, config.device)
-    entries = {m: cdiv(sc.max_model_len, m) for m, _ in compress_kinds(layout)}
     index = build_step_index(ForwardBatch(()), scratch, model.cfg.sliding_window, num_tokens=sc.max_num_batched_tokens,
-                             num_seqs=1, entries=entries).to(config.device)
+                             num_seqs=1, max_len=sc.max_model_len).to(config.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

@@ -31,20 +31,20 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
     extra_kv = extra_idx = None
     if attn.kind != SWA:
         key = (attn.ratio, attn.kind == CSA)
-        ci = idx.compress[key]
+        ci, seq_rows = idx.compress[key], ctx.seq_rows[key]
         emit_cos, emit_sin = ctx.emit_rope[key]
         _compress(attn.compressor, x, ctx, layer_key, "compressor_state", "entries", ci, emit_cos, emit_sin, ops)
         extra_kv = storage.get(layer_key, "entries")
         seq = idx.token_seq.long()
         if attn.kind == HCA:  # every visible entry, entry j in column j (fixed split boundaries)
-            j = torch.arange(ci.seq_rows.shape[1], device=x.device)
-            extra_idx = torch.where(j[None, :] < ci.limits[:, None], ci.seq_rows[seq], -1)
+            j = torch.arange(seq_rows.shape[1], device=x.device)
+            extra_idx = torch.where(j[None, :] < ci.limits[:, None], seq_rows[seq], -1)
         else:
             _compress(attn.indexer.compressor, x, ctx, layer_key, "indexer_state", "index_keys", ci, emit_cos,
                       emit_sin, ops)
-            picks = _indexer_picks(attn.indexer, x, q_res, ctx, layer_key, ci, cos, sin)
+            picks = _indexer_picks(attn.indexer, x, q_res, ctx, layer_key, ci, seq_rows, cos, sin)
             # Entries and index keys share the history pool's row numbering (both one row per window).
-            rows = ci.seq_rows[seq[:, None], picks.clamp(min=0)]
+            rows = seq_rows[seq[:, None], picks.clamp(min=0)]
             extra_idx = torch.where(picks >= 0, rows, -1)
     out = ops.sparse_attention_indexed(q, window, idx.window_keys, attn.attn_sink, attn.head_dim**-0.5,
                                        extra_kv, extra_idx)
@@ -63,10 +63,11 @@ def _compress(comp, x: torch.Tensor, ctx: StepContext, layer_key: str, state_nam
                       comp.norm.weight, comp.norm.eps, cos, sin, comp.overlap)
 
 
-def _indexer_picks(ix, x, q_res, ctx: StepContext, layer_key: str, ci: CompressIndex, cos, sin) -> torch.Tensor:
+def _indexer_picks(ix, x, q_res, ctx: StepContext, layer_key: str, ci: CompressIndex, seq_rows, cos,
+                   sin) -> torch.Tensor:
     """Top-k entry numbers per query ([T, k], -1 where fewer are visible); see ``Indexer.select``."""
     q = apply_rope(ix.wq_b(q_res).view(len(x), ix.n_heads, ix.head_dim), cos, sin)
     weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
     keys = ctx.storage.get(layer_key, "index_keys")
-    return ix.ops.indexer_topk(q, weights, keys, ci.seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,
+    return ix.ops.indexer_topk(q, weights, keys, seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,
                                ctx.index.token_seq)

@@ -21,6 +21,7 @@ class StepContext:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # table name ("main"/"compress") -> cos, sin [T, R/2]
     index: StepIndex | None = None  # row lists of the batched path (model/attention_indexed.py)
     emit_rope: dict | None = None  # (ratio, overlap) -> cos, sin at each token's closing-window start
+    seq_rows: dict | None = None  # (ratio, overlap) -> [B, E] entry rows per sequence (StepIndex)
 
     @property
     def layout(self) -> CacheLayout:

@@ -116,10 +116,11 @@ class DeepseekV4(nn.Module):
                 raise ValueError(f"input_ids: {len(input_ids)} tokens but the batch describes {batch.num_tokens}")
             positions = batch.positions(input_ids.device)
         rope = {t: self.ropes.cos_sin(t, positions, self.dtype) for t in ("main", "compress")}
-        emit_rope = None
+        emit_rope = seq_rows = None
         if index is not None:
             emit_rope = {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype) for k, c in index.compress.items()}
-        return StepContext(input_ids, positions, batch, storage, rope, index, emit_rope)
+            seq_rows = {k: index.entry_rows_per_seq(k[0]) for k in index.compress}
+        return StepContext(input_ids, positions, batch, storage, rope, index, emit_rope, seq_rows)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch | None, storage: KVStorage,

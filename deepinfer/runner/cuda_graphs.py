@@ -19,7 +19,7 @@ import torch
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.step_index import StepIndex, build_step_index, compress_kinds
+from deepinfer.model.step_index import StepIndex, build_step_index
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:
@@ -29,10 +29,6 @@ def default_sizes(max_num_seqs: int) -> list[int]:
         sizes.append(b)
         b += 16 if b < 64 else 32 if b < 256 else 64
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
-
-
-def fixed_entries(storage: KVStorage, max_model_len: int) -> dict[int, int]:
-    return {m: -(-max_model_len // m) for m, _ in compress_kinds(storage.layout)}
 
 
 class _Graph:
@@ -46,7 +42,7 @@ class DecodeGraphs:
             raise ValueError("DecodeGraphs needs the batched path (model.indexed, set by prepare_for_device)")
         self.model, self.storage = model, storage
         self.sizes = sorted(set(sizes))
-        self.entries = fixed_entries(storage, max_model_len)
+        self.max_model_len = max_model_len
         self.device = next(model.buffers()).device
         self._graphs: dict[int, _Graph] = {}
 
@@ -57,7 +53,7 @@ class DecodeGraphs:
     def _padding_index(self, b: int, batch: ForwardBatch | None = None) -> StepIndex:
         window = self.model.cfg.sliding_window
         return build_step_index(batch or ForwardBatch(()), self.storage, window, num_tokens=b, num_seqs=b,
-                                entries=self.entries)
+                                max_len=self.max_model_len)
 
     @torch.no_grad()
     def capture(self) -> None:

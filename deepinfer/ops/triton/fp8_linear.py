@@ -6,8 +6,9 @@ Why this shape: activations are not quantized (the reference path does not quant
 each K-block of 128 is one MMA over bf16 operands (e4m3 -> bf16 is exact) followed by one multiply of the
 fp32 partial product by that block's scale — the DeepGEMM "promote per K-block" scheme. Decode (tiny M)
 is bound by the weight bytes, so small M uses narrow N tiles plus a split over K to put enough programs on
-132 SMs; the partial sums go to an fp32 buffer and are added in a fixed order (no atomics), so results are
-run-to-run deterministic. Tile and split choices are a function of (M bucket, N, K) only.
+132 SMs; the partial sums go to an fp32 buffer and the last split program of each tile adds them in a fixed
+order (an atomic ticket only decides *who* adds, never the order), so results are run-to-run deterministic
+and the reduction needs no second launch. Tile and split choices are a function of (M bucket, N, K) only.
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ NUM_SMS = 132
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
     M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_osplit,
+    stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    mn_mask = m_mask[:, None] & n_mask[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for i in range(0, k_per_split, BLOCK_K):
@@ -56,9 +59,40 @@ def _fp8_linear_kernel(
         # One scale per 128x128 weight block: BLOCK_K == 128 keeps one k-block per iteration.
         s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask & (k0 < K), other=0.0)
         acc += part * s[None, :]
-    out = out_ptr + pid_k * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :]
-    # Without a K split the tile is final: store it in the output dtype (no fp32 round trip through memory).
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if num_splits == 1:
+        # Without a K split the tile is final: store it in the output dtype (no fp32 round trip).
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
+    else:
+        # Split K: store this split's fp32 partial, then take a ticket for the tile. The program that draws
+        # the last ticket adds all partials in split order (fixed, whoever arrives last) and writes the
+        # output, so the reduction costs no extra launch and stays deterministic. acq_rel orders each
+        # program's partial store before its ticket and the last program's loads after all tickets; the
+        # last program resets the counter, so the next call (or graph replay) starts from zero.
+        part_tile = part_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
+        tl.store(part_tile + pid_k * stride_psplit, acc, mask=mn_mask)
+        tile = pid_m * tl.num_programs(1) + pid_n
+        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+        if ticket == num_splits - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sp in range(0, num_splits):
+                total += tl.load(part_tile + sp * stride_psplit, mask=mn_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mn_mask)
+            tl.atomic_xchg(ticket_ptr + tile, 0)
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+MAX_TILES = 1 << 16
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """Per-device tile counters of the split-K epilogue: zero between calls (the last program resets its own).
+
+    Allocated on first use (which precedes any graph capture: capture is always preceded by a warm-up run).
+    """
+    if device not in _TICKETS:
+        _TICKETS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _TICKETS[device]
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per M bucket; the bench sweeps alternatives (CONFIG_OVERRIDE).
@@ -95,15 +129,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     bm, bn, split, warps, stages = _config(m, n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
     split = triton.cdiv(k, k_per_split)
-    out_dtype = x.dtype if split == 1 else torch.float32
-    partial = torch.empty((split, m, n), dtype=out_dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    assert split == 1 or grid[0] * grid[1] <= MAX_TILES, f"{grid[0] * grid[1]} split-K tiles > {MAX_TILES}"
     _fp8_linear_kernel[grid](
-        x, weight, scale, partial, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), scale.stride(0), partial.stride(1), partial.stride(0),
+        x, weight, scale, y, part, _tickets(x.device), m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET,
         num_warps=warps, num_stages=stages,
     )
-    if split == 1:
-        return partial[0]
-    return partial.sum(dim=0).to(x.dtype)  # fixed-order reduction over the K splits
+    return y
