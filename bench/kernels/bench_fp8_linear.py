@@ -61,9 +61,37 @@ def sweep() -> dict:
     return best
 
 
+WA_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=st)
+            for bm, bn, w, st in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3),
+                                  (64, 128, 4, 4), (128, 64, 4, 4))]
+
+
+def sweep_wa() -> dict:
+    """Pick the large-M (weight-as-A, power-of-two scales) tile on prefill shapes."""
+    times = []
+    for cfg in WA_SWEEP:
+        fp8_mod.WA_CONFIG = cfg
+        total = 0.0
+        try:
+            for n, k in ((4096, 4096), (32768, 1024), (4096, 8192)):
+                q, s = quant_fp8_block(torch.randn(n, k) * 0.05, (128, 128))
+                w, sc = q.cuda(), ue8m0_to_float(s).float().cuda()
+                x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+                total += timed(lambda: fp8_linear(x, w, sc, pow2_scales=True))
+        except Exception as e:  # a tile that does not fit in shared memory
+            print(f"sweep wa cfg={cfg}: failed ({type(e).__name__})")
+            continue
+        times.append((total, list(cfg.items())))
+        print(f"sweep wa cfg={cfg}: {total * 1e3:.1f} µs (3 shapes)")
+    best = dict(min(times)[1])
+    fp8_mod.WA_CONFIG = best
+    return best
+
+
 def main() -> None:
     ceil = measure()
     best = sweep()
+    best["wa"] = sweep_wa()
     rows = []
     for name, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k) * 0.05
@@ -72,7 +100,7 @@ def main() -> None:
         wbf = dequant_weight(w, sc).to(torch.bfloat16)
         for m in MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t = timed(lambda: fp8_linear(x, w, sc))
+            t = timed(lambda: fp8_linear(x, w, sc, pow2_scales=True))
             tp = timed(lambda: x @ wbf.t())
             nbytes = n * k + sc.numel() * 4 + m * k * 2 + m * n * 2
             flops = 2 * m * n * k

@@ -14,8 +14,6 @@ import torch
 from deepinfer.config.model import CSA, HCA, SWA
 from deepinfer.model.context import StepContext
 from deepinfer.model.step_index import CompressIndex
-from deepinfer.ops.ref.norm import unweighted_rms_norm
-from deepinfer.ops.ref.rope import apply_rope
 
 
 def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -> torch.Tensor:
@@ -23,8 +21,9 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
     cos, sin = ctx.rope[attn.table]
     q_res = attn.q_norm(attn.wq_a(x))
     q = attn.wq_b(q_res).view(len(x), attn.n_heads, attn.head_dim)
-    q = apply_rope(unweighted_rms_norm(q, attn.eps), cos, sin)
-    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+    # Fused norm + RoPE (one launch each on the GPU; may write q in place): see ops/ref/rope_norm.py.
+    q = ops.norm_rope_heads(q, cos, sin, attn.eps)
+    kv = ops.norm_rope(attn.wkv(x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)
     window = storage.get(layer_key, "window_kv")
     window.index_copy_(0, idx.window_rows, kv)
 
@@ -48,17 +47,18 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
             extra_idx = torch.where(picks >= 0, rows, -1)
     out = ops.sparse_attention_indexed(q, window, idx.window_keys, attn.attn_sink, attn.head_dim**-0.5,
                                        extra_kv, extra_idx)
-    out = apply_rope(out, cos, sin, inverse=True)
-    return attn._project_out(out)
+    out = ops.rope(out, cos, sin, inverse=True)  # rope channels only, in place on the GPU
+    # Grouped low-rank output on the flat [T, H*D] layout: one launch for all groups, no transposes.
+    return attn.wo_b(attn.wo_a.grouped_flat(out.reshape(len(x), -1), attn.groups))
 
 
 def _compress(comp, x: torch.Tensor, ctx: StepContext, layer_key: str, state_name: str, entry_name: str,
               ci: CompressIndex, cos: torch.Tensor, sin: torch.Tensor, ops) -> None:
     """Write every token's raw kv/gate rows, then pool each window a token closes into its entry."""
-    kv = comp.wkv(x).float()
-    gate = comp.wgate(x).float() + comp.ape[ctx.positions % comp.ratio]
     state = ctx.storage.get(layer_key, state_name)
-    state.index_copy_(0, ctx.index.state_rows, torch.cat([kv, gate], dim=-1))
+    half = state.shape[1] // 2  # columns [0, half): kv, [half, 2*half): gate (+ position bias)
+    state[:, :half].index_copy_(0, ctx.index.state_rows, comp.wkv(x).float())
+    state[:, half:].index_copy_(0, ctx.index.state_rows, comp.wgate(x).float() + comp.ape[ctx.positions % comp.ratio])
     ops.compress_emit(state, ci.slot_rows, ci.entry_rows, ctx.storage.get(layer_key, entry_name),
                       comp.norm.weight, comp.norm.eps, cos, sin, comp.overlap)
 
@@ -66,7 +66,7 @@ def _compress(comp, x: torch.Tensor, ctx: StepContext, layer_key: str, state_nam
 def _indexer_picks(ix, x, q_res, ctx: StepContext, layer_key: str, ci: CompressIndex, seq_rows, cos,
                    sin) -> torch.Tensor:
     """Top-k entry numbers per query ([T, k], -1 where fewer are visible); see ``Indexer.select``."""
-    q = apply_rope(ix.wq_b(q_res).view(len(x), ix.n_heads, ix.head_dim), cos, sin)
+    q = ix.ops.rope(ix.wq_b(q_res).view(len(x), ix.n_heads, ix.head_dim), cos, sin)
     weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
     keys = ctx.storage.get(layer_key, "index_keys")
     return ix.ops.indexer_topk(q, weights, keys, seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,

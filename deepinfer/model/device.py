@@ -27,11 +27,22 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_fp8", qw.data.contiguous())
         self.register_buffer("weight_scale", scale_to_float(qw.scale).float().contiguous())
         self.ops = ops
+        # UE8M0 scales are powers of two: a kernel may then scale the weight itself exactly (fp8_linear).
+        mantissa, _ = torch.frexp(self.weight_scale)
+        self.pow2_scales = bool((mantissa == 0.5).all())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.ops.fp8_linear(x.reshape(-1, shape[-1]).contiguous(), self.weight_fp8, self.weight_scale)
+        y = self.ops.fp8_linear(x.reshape(-1, shape[-1]).contiguous(), self.weight_fp8, self.weight_scale,
+                                pow2_scales=self.pow2_scales)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+    def grouped_flat(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        """x [T, G*in] -> [T, G*r] in one launch (rows of a group are whole 128-row scale blocks)."""
+        if (self.weight_fp8.shape[0] // groups) % 128:
+            return _flat_via_groups(self, x, groups)
+        return self.ops.fp8_linear_grouped(x.contiguous(), self.weight_fp8, self.weight_scale, groups,
+                                           pow2_scales=self.pow2_scales)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [G, T, in] -> [G, T, out/G]: group g uses weight rows [g*r, (g+1)*r)."""
@@ -41,12 +52,17 @@ class FP8Linear(nn.Module):
         for i in range(g):
             if r % 128 == 0:
                 w, s = self.weight_fp8[i * r : (i + 1) * r], self.weight_scale[i * r // 128 : (i + 1) * r // 128]
-                outs.append(self.ops.fp8_linear(x[i].contiguous(), w, s))
+                outs.append(self.ops.fp8_linear(x[i].contiguous(), w, s, pow2_scales=self.pow2_scales))
             else:  # group rows straddle a scale block: dequantize this group's rows (small models only)
                 w = self.weight_fp8[i * r : (i + 1) * r].float() * self.weight_scale.repeat_interleave(128, 0)[
                     i * r : (i + 1) * r].repeat_interleave(128, 1)[:, : x.shape[-1]]
                 outs.append((x[i].float() @ w.t()).to(x.dtype))
         return torch.stack(outs)
+
+
+def _flat_via_groups(linear: "FP8Linear", x: torch.Tensor, groups: int) -> torch.Tensor:
+    t = x.shape[0]
+    return linear.grouped(x.reshape(t, groups, -1).transpose(0, 1)).transpose(0, 1).reshape(t, -1)
 
 
 class FusedFP4Experts(nn.Module):

@@ -27,6 +27,11 @@ class Linear(nn.Module):
         w = self.weight.view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, r]
         return torch.bmm(x, w)
 
+    def grouped_flat(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        """``grouped`` on the flat layout: x [T, G*in] -> [T, G*r] (group g reads columns [g*in, (g+1)*in))."""
+        t = x.shape[0]
+        return self.grouped(x.reshape(t, groups, -1).transpose(0, 1)).transpose(0, 1).reshape(t, -1)
+
 
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None):

@@ -6,6 +6,7 @@ the Triton kernels, imported lazily so that only a CUDA process loads Triton. En
   attention(q [L,H,D], keys [N,D], visible [L,N] bool, sinks [H], scale) -> [L,H,D]
   indexer_select(q [L,Hi,Di], weights [L,Hi] fp32, keys [E,Di], limits [L], topk, scale) -> [L,k] int64
   fp8_linear(x [M,K], weight e4m3 [N,K], scale fp32 [N/128,K/128]) -> [M,N]
+  fp8_linear_grouped(x [M,G*K], weight [G*r,K], scale, G) -> [M,G*r] (block-diagonal, one launch)
   moe_experts_fp4(x, topk_ids, topk_weights, w13, s13, w2, s2, limit) -> [T,H]
 
 The index-list entries serve the batched step path (``model/attention_indexed.py``), which reads the paged
@@ -16,6 +17,13 @@ cache through per-step row lists instead of gathered per-sequence tensors:
   compress_emit(state, slot_rows, entry_rows, out, norm_weight, eps, cos, sin, overlap) -> None (writes out)
 
 and the mHC sites of every block: hc_pre / hc_post / hc_head (``ops/ref/mhc.py`` signatures).
+
+RMSNorm and RoPE of the attention block (``ops/ref/rope_norm.py``; norm_rope_heads and rope may write in place):
+
+  rms_norm(x [...,C], weight [C], eps) -> [...,C]   (every RMSNorm module)
+  norm_rope_heads(q [T,H,D], cos [T,R/2], sin [T,R/2], eps) -> [T,H,D]
+  norm_rope(x [T,D], weight [D], eps, cos, sin) -> [T,D]
+  rope(x [T,...,D], cos, sin, inverse=False) -> [T,...,D]
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from deepinfer.ops.ref import fp8_linear as ref_fp8
 from deepinfer.ops.ref import indexer_topk as ref_index
 from deepinfer.ops.ref import mhc as ref_mhc
 from deepinfer.ops.ref import moe_experts as ref_moe
+from deepinfer.ops.ref import rope_norm as ref_rn
 from deepinfer.ops.ref import sparse_attention as ref_attn
 from deepinfer.ops.ref.attention import sparse_attention
 from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
@@ -41,6 +50,7 @@ class OpTable:
     attention: Callable
     indexer_select: Callable
     fp8_linear: Callable
+    fp8_linear_grouped: Callable
     moe_experts_fp4: Callable
     sparse_attention_indexed: Callable
     indexer_topk: Callable
@@ -48,15 +58,22 @@ class OpTable:
     hc_pre: Callable
     hc_post: Callable
     hc_head: Callable
+    rms_norm: Callable
+    norm_rope_heads: Callable
+    norm_rope: Callable
+    rope: Callable
 
 
 def _ref_indexer_select(q, weights, keys, limits, topk, scale):
     return topk_with_tiebreak(indexer_scores(q, weights, keys, scale), limits, topk)
 
 
-REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, ref_moe.moe_experts_fp4,
+REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, ref_fp8.fp8_linear_grouped,
+              ref_moe.moe_experts_fp4,
               ref_attn.sparse_attention_indexed, ref_index.indexer_topk, ref_emit.compress_emit,
-              ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head)
+              ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
+              rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
+              rope=ref_rn.rope)
 
 
 def triton_ops() -> OpTable:
@@ -65,6 +82,7 @@ def triton_ops() -> OpTable:
     from deepinfer.ops.triton import indexer_topk as tri_index
     from deepinfer.ops.triton import mhc as tri_mhc
     from deepinfer.ops.triton import moe_experts as tri_moe
+    from deepinfer.ops.triton import rope_norm as tri_rn
     from deepinfer.ops.triton import sparse_attention as tri_attn
 
     def attention(q, keys, visible, sinks, scale):
@@ -79,9 +97,12 @@ def triton_ops() -> OpTable:
         rows = torch.arange(e, device=keys.device, dtype=torch.int32).expand(len(q), e).contiguous()
         return tri_index.indexer_topk(q, weights.float(), keys, rows, limits, topk, scale)
 
-    return OpTable("triton", attention, indexer_select, tri_fp8.fp8_linear, tri_moe.moe_experts_fp4,
+    return OpTable("triton", attention, indexer_select, tri_fp8.fp8_linear, tri_fp8.fp8_linear_grouped,
+                   tri_moe.moe_experts_fp4,
                    tri_attn.sparse_attention_indexed, tri_index.indexer_topk, tri_emit.compress_emit,
-                   tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head)
+                   tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
+                   rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
+                   rope=tri_rn.rope)
 
 
 def select(device: str) -> OpTable:

@@ -10,6 +10,13 @@ from deepinfer.ops.ref.fp8_linear import fp8_linear as ref_fp8_linear
 from tests.gpu.conftest import rel_err
 
 
+def fp8_linear(*args, **kwargs):
+    """The Triton kernel, imported lazily (collecting this file must not need Triton)."""
+    from deepinfer.ops.triton.fp8_linear import fp8_linear as tri
+
+    return tri(*args, **kwargs)
+
+
 def _weights(n: int, k: int, seed: int, device: str):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -22,12 +29,12 @@ LARGE = [(1, 1024, 4096), (1, 32768, 1024), (8, 4096, 4096), (32, 4096, 8192), (
          (300, 1000, 1000), (4096, 4096, 4096), (1, 512, 4096), (64, 24576, 1536)]
 
 
-def _check(m, n, k, dtype, device, seed):
+def _check(m, n, k, dtype, device, seed, pow2_scales=False):
     from deepinfer.ops.triton.fp8_linear import fp8_linear
 
     w, s = _weights(n, k, seed, device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
-    out = fp8_linear(x, w, s)
+    out = fp8_linear(x, w, s, pow2_scales=pow2_scales)
     ref = ref_fp8_linear(x.float(), w, s)  # fp32 spec
     assert out.dtype == dtype and out.shape == (m, n)
     tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16 output rounding (2^-8) dominates
@@ -44,6 +51,17 @@ def test_small_shapes(m, n, k, dtype, device) -> None:
 @pytest.mark.parametrize("m, n, k", LARGE)
 def test_v4_shapes_bf16(m, n, k, device) -> None:
     _check(m, n, k, torch.bfloat16, device, seed=n + k)
+
+
+@pytest.mark.parametrize("m, n, k", [(300, 1000, 1000), (4096, 4096, 4096), (2048, 1024, 4096), (257, 32768, 1024)])
+def test_large_m_pow2_scale_path(m, n, k, device) -> None:
+    """UE8M0 (power-of-two) scales take the weight-as-A path at large M (quant_fp8_block makes them)."""
+    _check(m, n, k, torch.bfloat16, device, seed=n + k + 1, pow2_scales=True)
+
+
+@pytest.mark.interpret_ok
+def test_large_m_pow2_scale_path_small(device) -> None:
+    _check(260, 200, 256, torch.bfloat16, device, seed=9, pow2_scales=True)
 
 
 def test_row_is_batch_invariant_within_a_bucket(device) -> None:
@@ -72,3 +90,29 @@ def test_split_k_epilogue_repeats_bit_for_bit(device) -> None:
     assert torch.equal(first, again)
     assert int(tri._tickets(x.device).abs().sum()) == 0
     assert rel_err(first, ref_fp8_linear(x, w, s)) <= 1e-4
+
+
+def _check_grouped(m, groups, r, k, device, pow2_scales=False):
+    from deepinfer.ops.ref.fp8_linear import fp8_linear_grouped as ref_grouped
+    from deepinfer.ops.triton.fp8_linear import fp8_linear_grouped
+
+    w, s = _weights(groups * r, k, m + r, device)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(r)).to(device, torch.bfloat16)
+    out = fp8_linear_grouped(x, w, s, groups, pow2_scales=pow2_scales)
+    want = ref_grouped(x.float(), w, s, groups)
+    assert out.shape == (m, groups * r) and rel_err(out, want) <= 1e-2
+    # Same as running each group alone through the plain kernel.
+    g1 = fp8_linear(x[:, k : 2 * k].contiguous(), w[r : 2 * r], s[r // 128 : 2 * r // 128], pow2_scales=pow2_scales)
+    assert rel_err(out[:, r : 2 * r], g1.float()) <= 1e-2
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("m", [1, 5, 260])
+def test_grouped_one_launch_small(m, device) -> None:
+    _check_grouped(m, 2, 128, 128, device, pow2_scales=True)
+
+
+@pytest.mark.parametrize("m", [1, 32, 128, 4096])
+def test_grouped_v4_wo_a(m, device) -> None:
+    """V4-Flash wo_a: 8 groups, 1024 rows each, 4096 input columns per group."""
+    _check_grouped(m, 8, 1024, 4096, device, pow2_scales=True)

@@ -18,7 +18,16 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x.dtype."""
+               block: tuple[int, int] = (128, 128), pow2_scales: bool = False) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype. ``pow2_scales`` (every scale a power of two, as UE8M0 scales are) lets
+    a kernel fold the scale into the weight exactly; the math is the same, so the reference ignores it."""
     w = dequant_weight(weight, scale, block)
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def fp8_linear_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
+                       pow2_scales: bool = False) -> torch.Tensor:
+    """Block-diagonal: x [M, G*K] -> [M, G*r], group g = x[:, g*K:(g+1)*K] @ dequant(weight)[g*r:(g+1)*r].T."""
+    w = dequant_weight(weight, scale).view(groups, -1, weight.shape[1])  # [G, r, K]
+    xg = x.float().view(x.shape[0], groups, -1).transpose(0, 1)  # [G, M, K]
+    return torch.bmm(xg, w.transpose(1, 2)).transpose(0, 1).reshape(x.shape[0], -1).to(x.dtype)

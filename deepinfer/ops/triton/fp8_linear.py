@@ -28,13 +28,15 @@ NUM_SMS = 132
 @triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, k_per_split,
+    M, N, K, k_per_split, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    # Grouped (block-diagonal) use: output rows [g*r, (g+1)*r) read input columns [g*K, (g+1)*K).
+    x_ptr += (pid_n * BLOCK_N // group_rows) * K
     num_splits = tl.num_programs(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,6 +83,56 @@ def _fp8_linear_kernel(
             tl.atomic_xchg(ticket_ptr + tile, 0)
 
 
+@triton.jit
+def _fp8_linear_wa_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, group_rows,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Large-M path for power-of-two (UE8M0) scales: yᵀ tile [BN, BM] = (w · s) [BN, K] @ xᵀ [K, BM].
+
+    The weight is the MMA's A operand, converted and scaled in registers (e4m3 -> bf16 is exact and a
+    power-of-two scale keeps it exact), so all K blocks chain into one accumulator and the MMAs pipeline,
+    instead of one MMA per K block followed by an fp32 rescale.
+    """
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles share each weight tile while it is hot in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows_m
+    pid_n = (pid % per_group) // group_rows_m
+    x_ptr += (pid_n * BLOCK_N // group_rows) * K  # grouped use, as in _fp8_linear_kernel
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_idx = k0 + offs_k
+        k_mask = k_idx < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k_idx[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k_idx[:, None], mask=m_mask[None, :] & k_mask[:, None],
+                     other=0.0)
+        s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
+        if IEEE:
+            acc = tl.dot(w.to(tl.float32) * s[:, None], xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(tl.bfloat16) * s.to(tl.bfloat16)[:, None], xt.to(tl.bfloat16), acc)
+    y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
+
+
+# Large-M tiles of the weight-as-A path (bench/kernels/bench_fp8_linear.py sweeps alternatives).
+WA_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+WA_MIN_M = 257  # the prefill bucket; decode buckets stay weight-bandwidth-bound on the split-K path
+
+
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 MAX_TILES = 1 << 16
 
@@ -116,25 +168,47 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+               block: tuple[int, int] = (128, 128), pow2_scales: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp32) @ dequant(weight [N, K] e4m3, scale fp32 [ceil(N/128), ceil(K/128)]).T -> x.dtype."""
     assert block == (SCALE_BLOCK, SCALE_BLOCK), f"only 128x128 weight blocks are supported, got {block}"
+    return _launch(x, weight, scale, 1, pow2_scales)
+
+
+def fp8_linear_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
+                       pow2_scales: bool = False) -> torch.Tensor:
+    """Block-diagonal: x [M, G*K] -> [M, G*r]; output rows [g*r, (g+1)*r) of weight [G*r, K] read input
+    columns [g*K, (g+1)*K). One launch for all groups (r must be a multiple of 128: whole scale blocks)."""
+    return _launch(x, weight, scale, groups, pow2_scales)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, pow2_scales: bool):
     assert weight.dtype == torch.float8_e4m3fn, f"weight must be float8_e4m3fn, got {weight.dtype}"
     assert scale.dtype == torch.float32, f"scale must be decoded fp32, got {scale.dtype}"
-    assert x.dim() == 2 and x.shape[1] == weight.shape[1], f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
+    assert x.dim() == 2 and x.shape[1] == groups * weight.shape[1], f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
     assert x.stride(1) == 1 and weight.stride(1) == 1 and scale.stride(1) == 1, "inner dims must be contiguous"
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
     assert scale.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128)), f"scale shape {tuple(scale.shape)}"
+    group_rows = n // groups
+    assert n % groups == 0 and (groups == 1 or group_rows % 128 == 0), f"{n} rows in {groups} groups"
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    c = WA_CONFIG
+    if pow2_scales and m >= WA_MIN_M and x.dtype == torch.bfloat16 and group_rows % c["BLOCK_N"] == 0:
+        grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
+        _fp8_linear_wa_kernel[grid](
+            x, weight, scale, y, m, n, k, group_rows, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+            BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=128, GROUP_M=c["GROUP_M"], IEEE=_INTERPRET,
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
+        return y
     bm, bn, split, warps, stages = _config(m, n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
     split = triton.cdiv(k, k_per_split)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
     assert split == 1 or grid[0] * grid[1] <= MAX_TILES, f"{grid[0] * grid[1]} split-K tiles > {MAX_TILES}"
     _fp8_linear_kernel[grid](
-        x, weight, scale, y, part, _tickets(x.device), m, n, k, k_per_split,
+        x, weight, scale, y, part, _tickets(x.device), m, n, k, k_per_split, group_rows,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET,
         num_warps=warps, num_stages=stages,

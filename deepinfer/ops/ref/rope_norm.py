@@ -1,0 +1,41 @@
+"""Fused RMSNorm / RoPE entry points of the attention block; the specification of ``ops/triton/rope_norm.py``.
+
+Each op is a composition of the existing reference functions (``ops/ref/norm.py``, ``ops/ref/rope.py``), so
+the CPU path computes exactly what ``model/attention.py`` computes, and the Triton twins (same signatures)
+are checked against these. Contract::
+
+  rms_norm(x [..., C], weight [C], eps) -> [..., C]             weighted RMSNorm (every ``RMSNorm`` module)
+  norm_rope_heads(q [T, H, D], cos, sin, eps) -> [T, H, D]       per-head unweighted RMSNorm, then RoPE (q)
+  norm_rope(x [T, D], weight [D], eps, cos, sin) -> [T, D]       weighted RMSNorm, then RoPE (kv)
+  rope(x [T, ..., D], cos, sin, inverse=False) -> [T, ..., D]    RoPE only (indexer q, output de-rotation)
+
+cos, sin are [T, R/2] in the activation dtype; RoPE rotates the interleaved pairs of the last R channels.
+The Triton ``norm_rope_heads`` and ``rope`` write into their input and return it; callers must use the
+returned tensor and must not rely on the input keeping its values (these twins return new tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.ops.ref.norm import rms_norm, unweighted_rms_norm
+from deepinfer.ops.ref.rope import apply_rope
+
+__all__ = ["rms_norm", "norm_rope_heads", "norm_rope", "rope"]
+# ``rms_norm`` is re-exported unchanged: the reference path's RMSNorm must keep its exact bits.
+
+
+def norm_rope_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The q path: rsqrt factor per (token, head) in fp32, cast to q.dtype, multiply in q.dtype, then RoPE."""
+    return apply_rope(unweighted_rms_norm(q, eps), cos, sin)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """The kv path: ``apply_rope(rms_norm(x, weight, eps), cos, sin)``, rounded to x.dtype after each step."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the last ``2 * cos.shape[-1]`` channels (``inverse=True``: the conjugate rotation)."""
+    return apply_rope(x, cos, sin, inverse=inverse)

@@ -1,0 +1,197 @@
+"""RMSNorm and RoPE of the attention block in one Triton kernel; twins of ``ops/ref/rope_norm.py``.
+
+Why: in PyTorch the q path (per-head RMSNorm, then RoPE) is ~15 launches per layer (upcasts, square, mean,
+rsqrt, casts, the rotated pairs, a ``cat`` of nope and rope parts of the whole [T, 64, 512] q), and the kv
+path, the indexer q and the output de-rotation add as many again; in decode the launches set the time, in
+prefill the copies do. Here each of those is one launch, reading and writing each element once.
+
+Same signatures as the reference, plus keyword-only ``out=`` for ``rms_norm`` and ``norm_rope``.
+``norm_rope_heads`` and ``rope`` write into their input and return it (``rope`` touches only the last R
+channels of each row: the nope part is neither read nor written, so nothing is concatenated).
+
+One kernel, ``_norm_rope_kernel``, with the step choices as constexprs. The input is seen as rows [T, H, W]
+(token, head, channel; ``rms_norm`` of [N, C] is one "token" of N rows, ``norm_rope`` is H = 1); a program
+owns one token's block of BLOCK_H rows x the whole row (BLOCK_W = next_pow2(W) channels), so the norm and
+the RoPE pairs need no cross-program step. Tiles hold about TILE_ELEMS values and are a function of (H, W)
+only, never of T: a row's reduction order is the same whatever the batch. No atomics, no host syncs, the
+grid comes from tensor shapes: safe to capture in a CUDA graph.
+
+Numerics follow the reference's steps one for one:
+  weighted    x in fp32, var = sum(x*x) * (1/W) in fp32, x * rsqrt(var + eps), times the fp32 weight,
+              one rounding to the activation dtype;
+  unweighted  the fp32 rsqrt factor rounded to the activation dtype, the product rounded (the product of
+              two bf16/fp16 values is exact in fp32, so this is the model-dtype multiply);
+  RoPE        the (rounded) activation in fp32 times the model-dtype cos/sin: even' = e*c - o*s,
+              odd' = o*c + e*s (inverse: s -> -s), each product and the sum rounded in fp32, one rounding.
+The launch sets ``enable_fp_fusion=False``: otherwise the compiler contracts x*x + acc and e*c - o*s into
+FMAs, which skip the roundings PyTorch's separate kernels do. Differences left, at fp32 rounding level:
+the sum of squares runs in another order than torch's reduction; 1/W is a multiply (exact for power-of-two
+W, as in every model shape; torch's CUDA mean multiplies by 1/W too); rsqrt is the hardware approximation
+(a few fp32 ulps; torch's CUDA rsqrt is an approximate rsqrtf too, its CPU one 1/sqrt). In bf16 an fp32-ulp
+difference in the variance can move the rounded factor or output by one bf16 ulp now and then (the RoPE
+alone is bit-exact); in fp32 results agree to ~1e-7 relative.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even: see ``_round``.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Values per [BLOCK_H, BLOCK_W] fp32 tile: 32 per thread at 4 warps (q: 8 heads x 512, indexer: 64 x 64).
+TILE_ELEMS = 4096
+NORM_NONE, NORM_UNWEIGHTED, NORM_WEIGHTED = 0, 1, 2
+MIN_NORMAL: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # 2^-126, smallest normal fp32
+
+
+@triton.jit
+def _round(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> DTYPE (round to nearest even) -> fp32: a cast to the model dtype in the reference."""
+    if DTYPE == tl.float32:
+        return v
+    if INTERPRET:
+        if DTYPE == tl.bfloat16:  # pre-round the bits, the interpreter's conversion then truncates exactly
+            u = v.to(tl.uint32, bitcast=True)
+            # Not for zeros (an exact RoPE cancellation) and subnormals: +0x7FFF would make them subnormals,
+            # which the interpreter's conversion mangles.
+            v = tl.where(tl.abs(v) >= MIN_NORMAL, (u + 0x7FFF + ((u >> 16) & 1)).to(tl.float32, bitcast=True), v)
+    return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+    H, W, COL0, ROPE_OFF, inv_w, eps,
+    stride_xt, stride_xh, stride_ot, stride_oh, stride_cos, stride_sin,
+    NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Axis 0 = token * head blocks + head block (axis 0 has no 65535 limit; prefill has many tokens).
+    n_hb = tl.cdiv(H, BLOCK_H)
+    t = (tl.program_id(0) // n_hb).to(tl.int64)
+    offs_h = ((tl.program_id(0) % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    offs_w = tl.arange(0, BLOCK_W)
+    w_mask = offs_w < W
+    mask = (offs_h < H)[:, None] & w_mask[None, :]
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    # COL0 skips the nope channels when only RoPE runs (they stay untouched in memory).
+    x = tl.load(x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + COL0 + offs_w[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    if NORM == 0:
+        y = x
+    else:
+        # Padded channels load 0 and add nothing; W real channels set the mean.
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_w + eps)
+        if NORM == 1:
+            y = _round(x * _round(r, DT, INTERPRET)[:, None], DT, INTERPRET)
+        else:
+            wt = tl.load(w_ptr + offs_w, mask=w_mask, other=0.0).to(tl.float32)
+            y = _round(wt[None, :] * (x * r[:, None]), DT, INTERPRET)
+    if ROPE:
+        # Pair p = channels (2p, 2p+1) of the tile; pairs from ROPE_OFF on rotate by angle p - ROPE_OFF.
+        ev, od = tl.split(tl.reshape(y, [BLOCK_H, BLOCK_W // 2, 2]))
+        offs_p = tl.arange(0, BLOCK_W // 2)
+        j = offs_p - ROPE_OFF
+        r_mask = (j >= 0) & (offs_p < W // 2)
+        c = tl.load(cos_ptr + t * stride_cos + j, mask=r_mask, other=1.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + t * stride_sin + j, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        if INVERSE:
+            s = -s
+        # tl.where, not cos 1 / sin 0: nope pairs keep their exact values even if a partner is inf.
+        e2 = tl.where(r_mask[None, :], ev * c - od * s, ev)
+        o2 = tl.where(r_mask[None, :], od * c + ev * s, od)
+        y = _round(tl.reshape(tl.join(e2, o2), [BLOCK_H, BLOCK_W]), DT, INTERPRET)
+    # y is exactly representable in DT here: the store's cast only narrows the container.
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + COL0 + offs_w[None, :], y.to(DT), mask=mask)
+
+
+def tiles(h: int, w: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_W, num_warps) from the row count per token and row width only (never from T)."""
+    block_w = max(2, triton.next_power_of_2(w))
+    block_h = max(1, min(triton.next_power_of_2(h), TILE_ELEMS // block_w))
+    return block_h, block_w, min(16, max(4, block_h * block_w // 1024))
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, norm: int, rope_dim: int,
+            inverse: bool, col0: int, width: int) -> None:
+    """x, out [T, H, D] with unit channel stride; rows' channels [col0, col0 + width) are processed."""
+    t, h, d = x.shape
+    assert out.shape == x.shape and out.dtype == x.dtype and x.stride(2) == 1 and out.stride(2) == 1
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    if t * h == 0:
+        return
+    if rope_dim:
+        assert d % 2 == 0 and 0 < rope_dim <= d and cos.shape == sin.shape == (t, rope_dim // 2), (
+            f"x {tuple(x.shape)} cos {tuple(cos.shape)} sin {tuple(sin.shape)}")
+        # No-ops for the model's contiguous tables; nothing here syncs with the device.
+        cos, sin = cos.contiguous(), sin.contiguous()
+    else:
+        cos = sin = x  # unused placeholders
+    if norm == NORM_WEIGHTED:
+        assert weight.shape == (d,), f"weight {tuple(weight.shape)}, want ({d},)"
+        weight = weight.contiguous()
+    else:
+        weight = x  # unused placeholder
+    block_h, block_w, num_warps = tiles(h, width)
+    grid = (t * triton.cdiv(h, block_h),)
+    _norm_rope_kernel[grid](
+        x, weight, cos, sin, out,
+        h, width, col0, (width - rope_dim) // 2, 1.0 / width, float(eps),
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
+        NORM=norm, ROPE=rope_dim > 0, INVERSE=inverse, BLOCK_H=block_h, BLOCK_W=block_w,
+        INTERPRET=_INTERPRET, num_warps=num_warps, enable_fp_fusion=False,
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., D] -> a [T, H, D] view with unit channel stride (copying only if no such view exists)."""
+    if x.dim() != 3 or x.stride(2) != 1:
+        x = x.contiguous().view(len(x), -1, x.shape[-1])
+    return x
+
+
+def _new_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous(), "bad out tensor"
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None):
+    """Weighted RMSNorm of x [..., C] over C -> [..., C] in x.dtype (written into ``out`` when given)."""
+    c = x.shape[-1]
+    out = _new_out(x, out)
+    # All rows as one "token" of N rows: row blocks of BLOCK_H rows share a program when C is small.
+    x2 = x.reshape(1, -1, c)
+    _launch(x2 if x2.stride(2) == 1 else x2.contiguous(), out.view(1, -1, c), weight, None, None, eps,
+            NORM_WEIGHTED, 0, False, 0, c)
+    return out
+
+
+def norm_rope_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """q [T, H, D]: per-head unweighted RMSNorm, then RoPE on the last R channels; in place, returns q."""
+    q = _rows(q)
+    _launch(q, q, None, cos, sin, eps, NORM_UNWEIGHTED, 2 * cos.shape[-1], False, 0, q.shape[2])
+    return q
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D]: weighted RMSNorm, then RoPE on the last R channels -> [T, D] (into ``out`` when given)."""
+    assert x.dim() == 2, f"x {tuple(x.shape)}: want [T, D]"
+    out = _new_out(x, out)
+    xr = x[:, None, :] if x.stride(1) == 1 else x.contiguous()[:, None, :]
+    _launch(xr, out[:, None, :], weight, cos, sin, eps, NORM_WEIGHTED, 2 * cos.shape[-1], False, 0, x.shape[1])
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the last R = 2 * cos.shape[-1] channels of x [T, ..., D]; in place, returns x."""
+    rows = _rows(x)
+    d, r = rows.shape[2], 2 * cos.shape[-1]
+    _launch(rows, rows, None, cos, sin, 0.0, NORM_NONE, r, inverse, d - r, r)
+    return rows.view(x.shape)
