@@ -7,9 +7,9 @@ quantized formats (FP8 e4m3 + UE8M0 128x128 dense, FP4 e2m1 + per-32 UE8M0 exper
 Decode: B sequences whose caches hold C random positions (cache contents are random, never zeros), one new
 token each; prefill: one sequence, L tokens in 1024-token chunks. Times are medians of CUDA-event timed
 steps. Decode on CUDA runs as the engine runs it: a captured CUDA graph per batch, replayed after the host
-builds and copies the step's row lists; the per-layer figure is (43 x replay/layer + host work per step)
-/ 43, i.e. a 43-layer step divided by 43 (the LM head, replayed once per step, is charged to every layer:
-conservative). Eager times of the same batched path are kept for comparison. Prefill runs eagerly in
+builds and copies the step's row lists; the per-layer figure is a 43-layer step divided by 43:
+(43 x (replay - LM head) / layers + LM head + host work per step) / 43, with the LM head (once per step)
+timed on its own. Eager times of the same batched path are kept for comparison. Prefill runs eagerly in
 --chunk-token steps. Reported against the weight-byte floor at the measured copy bandwidth.
 With --hf the HF transformers peer (bf16, same shapes, eager attention) runs where it fits: decode at batch
 <= 32 after an HF prefill of the smallest context, prefill at L <= 4096. JSON goes to --out.
@@ -133,6 +133,9 @@ def decode_ms(model, batch: int, context: int, device: str, max_model_len: int) 
 
     out = {"eager_ms": timed(eager, device)}
     if device == "cuda":
+        # The LM head runs once per step whatever the depth: timed alone so the 43-layer figure counts it once.
+        streams = torch.randn(batch, model.cfg.hc_mult, model.cfg.hidden_size, device=device, dtype=model.dtype)
+        out["head_ms"] = timed(lambda: model.logits(streams), device, reps=20)
         graphs = DecodeGraphs(model, cache.storage, max_model_len, [batch])
         graphs.capture()
         ids, fb = plan()
@@ -252,11 +255,13 @@ def main() -> None:
             if "replay_ms" in times:
                 # 43-layer step = 43 layers of replay + the host's once-per-step work (index build, copies).
                 host_ms = max(times["graph_ms"] - times["replay_ms"], 0.0)
-                ms = (times["replay_ms"] / n * 43 + host_ms) / 43
+                layers_ms = max(times["replay_ms"] - times["head_ms"], 0.0)
+                ms = (layers_ms / n * 43 + times["head_ms"] + host_ms) / 43
             else:
                 host_ms, ms = None, times["eager_ms"] / n
             rows.append({"kind": "decode", "context": c, "batch": b, "ms_per_layer": ms,
                          "step_ms": times.get("graph_ms"), "host_ms_per_step": host_ms,
+                         "head_ms_per_step": times.get("head_ms"),
                          "eager_ms_per_layer": times["eager_ms"] / n,
                          "replay_ms_per_layer": times["replay_ms"] / n if "replay_ms" in times else None,
                          "tok_s_43_layers": b / (ms * 43 / 1e3),

@@ -29,8 +29,8 @@ def report(data: dict) -> str:
            f"{_fmt(gemm and gemm / 1e12, '.0f')} TFLOP/s; batch-1 decode reads "
            f"{meta['weight_bytes_per_layer_b1'] / 1e6:.0f} MB of weights per layer -> floor {_fmt(floor_ms)} ms.",
            "", "## Decode (ms per layer; 43-layer model tokens/s)", "",
-           "Per layer = (43 x graph replay per layer + host work per step) / 43; eager = the same batched path "
-           "launched from Python.", "",
+           "Per layer = a 43-layer step / 43 = (43 x (replay - LM head) / layers + LM head + host work per step)"
+           " / 43; eager = the same batched path launched from Python.", "",
            "| context | batch | ms/layer | bare replay | eager | tok/s (43 layers) | % of bw floor (b1) | HF | vs HF |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["kind"] == "decode"):

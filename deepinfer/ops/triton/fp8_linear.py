@@ -129,7 +129,8 @@ def _fp8_linear_wa_kernel(
 
 
 # Large-M tiles of the weight-as-A path (bench/kernels/bench_fp8_linear.py sweeps alternatives).
-WA_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+# Swept on the H200 (bench/results/NOTES.md, run 8): 256 tokens x 128 weight rows beat 128x128 by 1.5x.
+WA_CONFIG = {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 WA_MIN_M = 257  # the prefill bucket; decode buckets stay weight-bandwidth-bound on the split-K path
 
 
