@@ -10,7 +10,7 @@ from torch import nn
 
 from deepinfer.config.model import HASH_MOE, ModelConfig
 from deepinfer.model.linear import Linear
-from deepinfer.ops.ref.moe import route
+from deepinfer.ops.table import REF, OpTable
 
 
 class Expert(nn.Module):
@@ -43,6 +43,8 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
+    ops: OpTable = REF  # replaced by model/device.py for accelerated runs (one fused routing kernel)
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
@@ -56,7 +58,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         logits = F.linear(x, self.gate.weight)
-        weights, indices = route(
+        weights, indices = self.ops.moe_route(
             logits,
             c.scoring_func,
             c.num_experts_per_tok,

@@ -24,6 +24,11 @@ RMSNorm and RoPE of the attention block (``ops/ref/rope_norm.py``; norm_rope_hea
   norm_rope_heads(q [T,H,D], cos [T,R/2], sin [T,R/2], eps) -> [T,H,D]
   norm_rope(x [T,D], weight [D], eps, cos, sin) -> [T,D]
   rope(x [T,...,D], cos, sin, inverse=False) -> [T,...,D]
+
+MoE routing after the gate GEMM (``ops/ref/moe.py``; weights in the logits dtype):
+
+  moe_route(logits [T,E], scoring_func, top_k, norm_topk_prob, routed_scaling_factor, bias, hash_indices)
+      -> (weights [T,k], indices [T,k] int64)
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from deepinfer.ops.ref import compress_emit as ref_emit
 from deepinfer.ops.ref import fp8_linear as ref_fp8
 from deepinfer.ops.ref import indexer_topk as ref_index
 from deepinfer.ops.ref import mhc as ref_mhc
+from deepinfer.ops.ref import moe as ref_route
 from deepinfer.ops.ref import moe_experts as ref_moe
 from deepinfer.ops.ref import rope_norm as ref_rn
 from deepinfer.ops.ref import sparse_attention as ref_attn
@@ -62,6 +68,7 @@ class OpTable:
     norm_rope_heads: Callable
     norm_rope: Callable
     rope: Callable
+    moe_route: Callable
 
 
 def _ref_indexer_select(q, weights, keys, limits, topk, scale):
@@ -73,7 +80,7 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
               ref_attn.sparse_attention_indexed, ref_index.indexer_topk, ref_emit.compress_emit,
               ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
               rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
-              rope=ref_rn.rope)
+              rope=ref_rn.rope, moe_route=ref_route.route)
 
 
 def triton_ops() -> OpTable:
@@ -82,6 +89,7 @@ def triton_ops() -> OpTable:
     from deepinfer.ops.triton import indexer_topk as tri_index
     from deepinfer.ops.triton import mhc as tri_mhc
     from deepinfer.ops.triton import moe_experts as tri_moe
+    from deepinfer.ops.triton import moe_route as tri_route
     from deepinfer.ops.triton import rope_norm as tri_rn
     from deepinfer.ops.triton import sparse_attention as tri_attn
 
@@ -102,7 +110,7 @@ def triton_ops() -> OpTable:
                    tri_attn.sparse_attention_indexed, tri_index.indexer_topk, tri_emit.compress_emit,
                    tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
-                   rope=tri_rn.rope)
+                   rope=tri_rn.rope, moe_route=tri_route.moe_route)
 
 
 def select(device: str) -> OpTable:
