@@ -26,6 +26,8 @@ def main() -> None:
     a.add_argument("--context", type=int, default=1024)
     a.add_argument("--prefill", type=int, default=0, help="profile a prefill chunk of this many tokens instead")
     a.add_argument("--top", type=int, default=30)
+    a.add_argument("--cpu", action="store_true", help="also list host-side ops by self CPU time (where the wall "
+                   "time goes when it exceeds the device time)")
     args = a.parse_args()
     model = build(FLASH, args.layers, "cuda")
     if args.prefill:
@@ -45,9 +47,21 @@ def main() -> None:
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print(f"wall: host returns after {(t1 - t0) * 1e3:.1f} ms, device done after {(t2 - t0) * 1e3:.1f} ms")
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.cpu else [])
+    with profile(activities=acts) as prof:
         step()
         torch.cuda.synchronize()
+    if args.cpu:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
     rows = {}
     for e in prof.events():
         if e.device_type.name == "CUDA":
