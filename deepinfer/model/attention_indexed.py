@@ -30,7 +30,8 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
     extra_kv = extra_idx = None
     if attn.kind != SWA:
         key = (attn.ratio, attn.kind == CSA)
-        ci, seq_rows = idx.compress[key], ctx.seq_rows[key]
+        ci = idx.compress[key]
+        seq_rows = ci.seq_rows
         emit_cos, emit_sin = ctx.emit_rope[key]
         _compress(attn.compressor, x, ctx, layer_key, "compressor_state", "entries", ci, emit_cos, emit_sin, ops)
         extra_kv = storage.get(layer_key, "entries")

@@ -9,7 +9,7 @@ import torch
 from deepinfer.kv.spec import CacheLayout
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.batch import ForwardBatch, SeqRun
-from deepinfer.model.step_index import StepIndex
+from deepinfer.model.step_index import StepRows
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,8 @@ class StepContext:
     batch: ForwardBatch | None  # None on the batched path (everything it needs is in ``index``)
     storage: KVStorage
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # table name ("main"/"compress") -> cos, sin [T, R/2]
-    index: StepIndex | None = None  # row lists of the batched path (model/attention_indexed.py)
+    index: StepRows | None = None  # row lists of the batched path (model/attention_indexed.py)
     emit_rope: dict | None = None  # (ratio, overlap) -> cos, sin at each token's closing-window start
-    seq_rows: dict | None = None  # (ratio, overlap) -> [B, E] entry rows per sequence (StepIndex)
 
     @property
     def layout(self) -> CacheLayout:

@@ -105,7 +105,7 @@ class DeepseekV4(nn.Module):
                 index: StepIndex | None = None) -> StepContext:
         if index is None and self.indexed:
             batch.check()
-            index = build_step_index(batch, storage, self.cfg.sliding_window).to(input_ids.device, non_blocking=True)
+            index = build_step_index(batch, storage, self.cfg.sliding_window).to(input_ids.device)
         if index is not None:
             if len(input_ids) != len(index.positions):
                 raise ValueError(f"input_ids: {len(input_ids)} tokens but the step index has {len(index.positions)}")
@@ -116,11 +116,11 @@ class DeepseekV4(nn.Module):
                 raise ValueError(f"input_ids: {len(input_ids)} tokens but the batch describes {batch.num_tokens}")
             positions = batch.positions(input_ids.device)
         rope = {t: self.ropes.cos_sin(t, positions, self.dtype) for t in ("main", "compress")}
-        emit_rope = seq_rows = None
+        rows = emit_rope = None
         if index is not None:
-            emit_rope = {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype) for k, c in index.compress.items()}
-            seq_rows = {k: index.entry_rows_per_seq(k[0]) for k in index.compress}
-        return StepContext(input_ids, positions, batch, storage, rope, index, emit_rope, seq_rows)
+            rows = index.rows()
+            emit_rope = {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype) for k, c in rows.compress.items()}
+        return StepContext(input_ids, positions, batch, storage, rope, rows, emit_rope)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch | None, storage: KVStorage,

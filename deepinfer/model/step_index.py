@@ -1,16 +1,21 @@
-"""StepIndex: every cache row one step reads or writes, as flat index tensors built once per step.
+"""StepIndex / StepRows: every cache row one step reads or writes, as flat index tensors.
 
 The reference path (``attention.py``) walks the batch sequence by sequence in every layer and turns block
 tables into rows with small tensor ops. The device path cannot afford that: it would launch hundreds of
-tiny kernels per layer and stall on host syncs. Instead the host computes, once per step and with numpy,
-where every token's rows live in the paged pools; every layer then reads and writes the cache through these
-lists with a handful of batched kernels. The lists have fixed shapes when asked (``num_tokens``,
-``num_seqs``, ``max_len``), which is what lets a decode step be captured once as a CUDA graph and replayed
-with new contents.
+tiny kernels per layer and stall on host syncs. Instead one step works in two stages:
+
+  * ``StepIndex`` (host, numpy): the few per-step facts only the scheduler knows — each token's sequence
+    and position, each sequence's block tables and length — padded to fixed shapes when asked
+    (``num_tokens``, ``num_seqs``, ``max_len``), which is what lets a decode step be captured once as a
+    CUDA graph and replayed with new contents. Small: a prefill chunk of 4096 tokens ships ~70 KB.
+  * ``StepRows`` (device, ``StepIndex.rows()``): every row list the layers need (window writes and keys,
+    compressor-state writes, closing windows' slots and entry rows, entry lists per sequence), derived
+    with a few tensor ops once per step — inside the captured graph for decode.
 
 All layers of a pool share one row numbering (every per-position tensor has stride 1, every compressed
-tensor of ratio m has stride m), so one list serves all layers. Padding tokens (graph buckets) write to a
-spare row past the last block of each pool (``KVStorage.spare_row``) and read nothing (-1 everywhere).
+tensor of ratio m has stride m), so one list serves all layers. Padding tokens (graph buckets) belong to
+a padding sequence whose tables are empty: they write to a spare row past the last block of each pool
+(``KVStorage.spare_row``) and read nothing (-1 everywhere).
 """
 
 from __future__ import annotations
@@ -34,61 +39,93 @@ class CompressIndex:
     slot_rows: torch.Tensor  # [T, m or 2m] int32: state rows of the window the token closes (-1: none/empty)
     entry_rows: torch.Tensor  # [T] int64: history row that window's entry goes to (-1: token closes none)
     emit_pos: torch.Tensor  # [T] int64: start position of that window (its entry's RoPE angle)
+    seq_rows: torch.Tensor  # [B, cdiv(span, m)] int32: entry j's history row per sequence, -1 past its end
+
+
+@dataclass(frozen=True)
+class StepRows:
+    token_seq: torch.Tensor  # [T] int64: the sequence (row of the tables) each token belongs to
+    window_rows: torch.Tensor  # [T] int64: where each token's window K=V row goes
+    state_rows: torch.Tensor  # [T] int64: where each token's compressor-state rows go
+    window_keys: torch.Tensor  # [T, window] int32: window K=V rows each query attends, oldest first
+    compress: dict[tuple[int, bool], CompressIndex]
 
 
 @dataclass(frozen=True)
 class StepIndex:
-    token_seq: torch.Tensor  # [T] int32: the sequence (row of history_table) each token belongs to
+    token_seq: torch.Tensor  # [T] int64 (padding tokens: the padding sequence, or 0 with position 0)
     positions: torch.Tensor  # [T] int64
-    window_rows: torch.Tensor  # [T] int64: where each token's window K=V row goes
-    state_rows: torch.Tensor  # [T] int64: where each token's compressor-state rows go
-    window_keys: torch.Tensor  # [T, window] int32: window K=V rows each query attends, oldest first
-    history_table: torch.Tensor  # [B, blocks] int64: history-pool block ids per sequence (-1 past the end)
+    window_table: torch.Tensor  # [B, blocks] int64 block ids per sequence, -1 released / past the end
+    state_table: torch.Tensor  # [B, blocks] int64
+    history_table: torch.Tensor  # [B, blocks] int64
     seq_end: torch.Tensor  # [B] int64: positions each sequence covers after this step
-    compress: dict[tuple[int, bool], CompressIndex]
     span: int  # positions the entry lists cover (fixed for graphs, else the batch's longest sequence)
     block_size: int
+    window: int
+    kinds: tuple[tuple[int, bool], ...]  # (ratio, overlap) of the compressed layers
+    spare_window: int  # spare rows padding tokens write to
+    spare_state: int
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "StepIndex":
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda":
-                t = t.pin_memory()
-            return t.to(device, non_blocking=non_blocking)
+    def _tensors(self) -> list[str]:
+        return [f.name for f in fields(self) if f.type == "torch.Tensor"]
 
-        comp = {k: CompressIndex(*(move(getattr(c, f.name)) for f in fields(c))) for k, c in self.compress.items()}
-        return StepIndex(*(move(getattr(self, f.name)) for f in fields(self)[:7]), comp, self.span,
-                         self.block_size)
+    def to(self, device: torch.device | str) -> "StepIndex":
+        moved = {n: getattr(self, n).to(device, non_blocking=True) for n in self._tensors()}
+        return StepIndex(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **moved})
 
     def copy_(self, src: "StepIndex") -> None:
         """Copy ``src`` (same shapes) into these tensors in place (CUDA-graph static inputs)."""
-        assert src.span == self.span and src.block_size == self.block_size
-        for f in fields(self)[:7]:
-            getattr(self, f.name).copy_(getattr(src, f.name), non_blocking=True)
-        for key, c in self.compress.items():
-            for f in fields(c):
-                getattr(c, f.name).copy_(getattr(src.compress[key], f.name), non_blocking=True)
+        assert (src.span, src.block_size, src.kinds) == (self.span, self.block_size, self.kinds)
+        for n in self._tensors():
+            getattr(self, n).copy_(getattr(src, n), non_blocking=True)
 
-    def entry_rows_per_seq(self, ratio: int) -> torch.Tensor:
-        """[B, cdiv(span, m)] int32 history rows of entries 0.. of each sequence, -1 past its closed windows.
+    def rows(self) -> StepRows:
+        """Every row list of the step, computed where the tensors live (no host sync; graph-capturable)."""
+        seq, pos, bs = self.token_seq, self.positions, self.block_size
+        dev = pos.device
 
-        Computed on the device from the block tables (inside a captured graph), not shipped from the host:
-        for long contexts it is the largest list of the step, and it is a pure function of the tables.
-        """
-        per_block = self.block_size // ratio
-        j = torch.arange(max(-(-self.span // ratio), 1), device=self.seq_end.device)
-        col = (j // per_block).clamp(max=self.history_table.shape[1] - 1)
-        blocks = self.history_table[:, col]
-        valid = (j[None, :] < (self.seq_end // ratio)[:, None]) & (blocks >= 0)
-        return torch.where(valid, blocks * per_block + j % per_block, -1).to(torch.int32)
+        def lookup(table: torch.Tensor, p: torch.Tensor, per_block: int, s: torch.Tensor = seq) -> torch.Tensor:
+            s = s.view(-1, *([1] * (p.dim() - 1)))
+            blocks = table[s, (p // per_block).clamp(0, table.shape[1] - 1)]
+            return torch.where((p >= 0) & (blocks >= 0), blocks * per_block + p % per_block, -1)
+
+        window_rows = lookup(self.window_table, pos, bs)
+        state_rows = lookup(self.state_table, pos, bs)
+        kp = pos[:, None] - self.window + 1 + torch.arange(self.window, device=dev)
+        compress = {}
+        for m, overlap in self.kinds:
+            closes = (pos + 1) % m == 0
+            w = torch.where(closes, (pos + 1) // m - 1, -1)
+            own = w[:, None] * m + torch.arange(m, device=dev)
+            slots = torch.cat([own - m, own], dim=1) if overlap else own
+            slots = torch.where(closes[:, None], slots, -1)
+            j = torch.arange(max(-(-self.span // m), 1), device=dev)
+            seqs = torch.arange(self.history_table.shape[0], device=dev)
+            seq_rows = lookup(self.history_table, j.expand(len(seqs), -1), bs // m, seqs)
+            seq_rows = torch.where(j[None, :] < (self.seq_end // m)[:, None], seq_rows, -1)
+            compress[(m, overlap)] = CompressIndex(
+                limits=((pos + 1) // m).to(torch.int32),
+                slot_rows=lookup(self.state_table, slots, bs).to(torch.int32),
+                entry_rows=lookup(self.history_table, w, bs // m),
+                emit_pos=torch.where(closes, w * m, 0),
+                seq_rows=seq_rows.to(torch.int32),
+            )
+        return StepRows(
+            token_seq=seq,
+            window_rows=torch.where(window_rows >= 0, window_rows, self.spare_window),
+            state_rows=torch.where(state_rows >= 0, state_rows, self.spare_state),
+            window_keys=lookup(self.window_table, kp, bs).to(torch.int32),
+            compress=compress,
+        )
 
 
-def compress_kinds(layout) -> list[tuple[int, bool]]:
+def compress_kinds(layout) -> tuple[tuple[int, bool], ...]:
     """The (ratio, overlap) kinds of the compressed layers in ``layout``, in first-seen order."""
     kinds: list[tuple[int, bool]] = []
     for spec in layout.layers:
         if spec.kind in (CSA, HCA) and (spec.ratio, spec.kind == CSA) not in kinds:
             kinds.append((spec.ratio, spec.kind == CSA))
-    return kinds
+    return tuple(kinds)
 
 
 def _tables(batch: ForwardBatch, pool: str, num_seqs: int, width: int) -> np.ndarray:
@@ -103,21 +140,24 @@ def _tables(batch: ForwardBatch, pool: str, num_seqs: int, width: int) -> np.nda
     return out
 
 
-def _rows(table: np.ndarray, seq: np.ndarray, pos: np.ndarray, valid: np.ndarray, per_block: int,
-          what: str) -> np.ndarray:
-    """Rows of ``pos`` (positions or entry numbers) through each sequence's table; -1 where not valid."""
-    col = np.where(valid, pos // per_block, 0)
-    col = np.minimum(col, table.shape[1] - 1)
-    blocks = table[seq, col] if seq.ndim == pos.ndim else table[seq[:, None], col]
-    if np.any(valid & (blocks < 0)):
-        raise IndexError(f"{what}: a needed block is missing or was released")
-    return np.where(valid, blocks * per_block + pos % per_block, -1)
+def _check_resident(batch: ForwardBatch, layout, window: int) -> None:
+    """Host-side guard (cheap, per run): every window/state block the step reads or writes is resident.
+    The device derivation would otherwise turn a released block into "no key" silently."""
+    bs, state_tail = layout.block_size, layout.tail(STATE)
+    for i, r in enumerate(batch.runs):
+        for pool, back, what in ((WINDOW, window - 1, "window keys"), (STATE, state_tail, "compressor state")):
+            if pool == STATE and not state_tail:
+                continue
+            table = r.block_tables[pool]
+            lo, hi = max(0, r.first_pos - back) // bs, (r.end_pos - 1) // bs
+            if hi >= len(table) or min(table[lo : hi + 1]) < 0:
+                raise IndexError(f"runs[{i}] {what}: a needed block of pool {pool!r} is missing or was released")
 
 
 def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: int | None = None,
                      num_seqs: int | None = None, max_len: int | None = None) -> StepIndex:
-    """Index lists for ``batch`` (CPU tensors). Optional fixed shapes (what a captured graph needs): tokens
-    padded to ``num_tokens``, sequences to ``num_seqs``, entry lists and block tables sized for ``max_len``."""
+    """The host half of a step's index (CPU tensors). Optional fixed shapes (what a captured graph needs):
+    tokens padded to ``num_tokens``, sequences to ``num_seqs``, tables sized for ``max_len`` positions."""
     layout = storage.layout
     bs = layout.block_size
     runs = batch.runs
@@ -125,6 +165,9 @@ def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: i
     t_all, b_all = num_tokens or t_real, num_seqs or b_real
     if t_all < t_real or b_all < b_real:
         raise ValueError(f"num_tokens/num_seqs: {t_all}/{b_all} is less than the batch's {t_real}/{b_real}")
+    if t_all > t_real and b_all == b_real:
+        raise ValueError("num_seqs: padding tokens need a padding sequence (num_seqs > the batch's sequences)")
+    _check_resident(batch, layout, window)
     lengths = np.array([r.length for r in runs], dtype=np.int64)
     seq = np.repeat(np.arange(b_real), lengths)
     pos = np.concatenate([np.arange(r.first_pos, r.end_pos) for r in runs]) if runs else np.zeros(0, np.int64)
@@ -132,55 +175,24 @@ def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: i
     span = max_len or max(int(end_pos.max(initial=0)), 1)
     if end_pos.max(initial=0) > span:
         raise ValueError(f"max_len: {span} is shorter than a sequence of the batch ({int(end_pos.max())})")
-    real = np.ones(t_real, dtype=bool)
-
     width = -(-span // bs)
-    win, state, hist = (_tables(batch, p, b_all, width) for p in (WINDOW, STATE, HISTORY))
-    window_rows = _rows(win, seq, pos, real, bs, "window_kv")
-    state_rows = _rows(state, seq, pos, real, bs, "compressor state") if _has_pool(layout, STATE) else pos * 0
-    kp = pos[:, None] - window + 1 + np.arange(window)
-    window_keys = _rows(win, seq, kp, kp >= 0, bs, "window keys")
-
-    compress = {}
-    for m, overlap in compress_kinds(layout):
-        closes = (pos + 1) % m == 0
-        w = (pos + 1) // m - 1
-        entry_rows = _rows(hist, seq, w, closes, bs // m, "compressed entries")
-        own = w[:, None] * m + np.arange(m)
-        slots = np.concatenate([own - m, own], axis=1) if overlap else own
-        slot_rows = _rows(state, seq, slots, closes[:, None] & (slots >= 0), bs, "compressor state")
-        compress[(m, overlap)] = _pad_compress((pos + 1) // m, slot_rows, entry_rows, np.where(closes, w * m, 0),
-                                               t_all)
-
     pad = t_all - t_real
-    spare_w, spare_s = storage.spare_row(WINDOW), storage.spare_row(STATE)
+    pad_seq = b_all - 1  # padding tokens belong to the padding sequence (empty tables)
     return StepIndex(
-        token_seq=_t(np.concatenate([seq, np.full(pad, b_all - 1 if b_all > b_real else 0)]), torch.int32),
-        positions=_t(np.concatenate([pos, np.zeros(pad, np.int64)]), torch.int64),
-        window_rows=_t(np.concatenate([window_rows, np.full(pad, spare_w)]), torch.int64),
-        state_rows=_t(np.concatenate([state_rows, np.full(pad, spare_s)]), torch.int64),
-        window_keys=_t(np.concatenate([window_keys, np.full((pad, window), -1)]), torch.int32),
-        history_table=_t(hist, torch.int64),
-        seq_end=_t(end_pos, torch.int64),
-        compress=compress,
+        token_seq=_t(np.concatenate([seq, np.full(pad, pad_seq)])),
+        positions=_t(np.concatenate([pos, np.zeros(pad, np.int64)])),
+        window_table=_t(_tables(batch, WINDOW, b_all, width)),
+        state_table=_t(_tables(batch, STATE, b_all, width)),
+        history_table=_t(_tables(batch, HISTORY, b_all, width)),
+        seq_end=_t(end_pos),
         span=span,
         block_size=bs,
+        window=window,
+        kinds=compress_kinds(layout),
+        spare_window=storage.spare_row(WINDOW),
+        spare_state=storage.spare_row(STATE),
     )
 
 
-def _pad_compress(limits, slot_rows, entry_rows, emit_pos, t_all: int) -> CompressIndex:
-    pad = t_all - len(limits)
-    return CompressIndex(
-        limits=_t(np.concatenate([limits, np.zeros(pad, np.int64)]), torch.int32),
-        slot_rows=_t(np.concatenate([slot_rows, np.full((pad, slot_rows.shape[1]), -1)]), torch.int32),
-        entry_rows=_t(np.concatenate([entry_rows, np.full(pad, -1)]), torch.int64),
-        emit_pos=_t(np.concatenate([emit_pos, np.zeros(pad, np.int64)]), torch.int64),
-    )
-
-
-def _has_pool(layout, pool: str) -> bool:
-    return any(t.pool == pool for s in layout.layers for t in s.tensors)
-
-
-def _t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
