@@ -209,6 +209,22 @@ def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
     return total / len(model.layers)
 
 
+def rerun_hf(native: dict, src: Path, out: Path) -> None:
+    import transformers
+
+    data = json.loads(src.read_text())
+    rows = [r for r in data["rows"] if not r["kind"].startswith("hf_")]
+    old = [r for r in data["rows"] if r["kind"].startswith("hf_")]
+    batches = sorted({r["batch"] for r in old if r["kind"] == "hf_decode"})
+    contexts = {r["context"] for r in old if r["kind"] == "hf_decode"}
+    prefill = sorted({r["tokens"] for r in old if r["kind"] == "hf_prefill"})
+    rows += hf_peer(native, data["meta"]["layers"], batches, min(contexts), prefill)
+    data["meta"]["hf_transformers"] = transformers.__version__
+    out.mkdir(parents=True, exist_ok=True)
+    (out / src.name).write_text(json.dumps({"meta": data["meta"], "rows": rows}, indent=2))
+    print(json.dumps(data["meta"]))
+
+
 def prefill_flops(cfg, length: int) -> float:
     """Matmul FLOPs of one layer prefilling ``length`` tokens from an empty cache (2 per multiply-add): dense
     projections, active experts (routed top-k + shared), attention over <= window + compressed keys (CSA
@@ -237,8 +253,12 @@ def main() -> None:
     a.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
     a.add_argument("--hf", action="store_true", help="also time HF transformers (CUDA only)")
     a.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    a.add_argument("--hf-only", metavar="JSON", default=None,
+                   help="re-time only the HF peer (same shapes as JSON's rows) and write JSON with them replaced")
     args = a.parse_args()
     native = TINY if args.tiny else FLASH
+    if args.hf_only:
+        return rerun_hf(native, Path(args.hf_only), Path(args.out))
     model = build(native, args.layers, args.device)
     n = args.layers
     bw = gemm = None
@@ -283,6 +303,10 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "copy_bytes_per_s": bw, "bf16_gemm_flops_per_s": gemm,
             "weight_bytes_per_layer_b1": floor_bytes, "torch": torch.__version__}
+    if args.hf:
+        import transformers
+
+        meta["hf_transformers"] = transformers.__version__
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "layer_sweep_tiny" if args.tiny else "layer_sweep"

@@ -24,10 +24,12 @@ def report(data: dict) -> str:
     hf_dec = {(r["context"], r["batch"]): r["ms_per_layer"] for r in rows if r["kind"] == "hf_decode"}
     hf_pre = {r["tokens"]: r["ms_per_layer"] for r in rows if r["kind"] == "hf_prefill"}
     out = [f"# Layer sweep: V4-Flash shapes, {meta['layers']} layers, random native-format weights on the device",
-           "", f"{meta['date']}, {meta['device']}, torch {meta.get('torch', '?')}, commit {meta['commit'] or '?'}. "
+           "", f"{meta['date']}, {meta['device']}, torch {meta.get('torch', '?')}, commit {meta['commit'] or '?'}, HF peer: "
+           f"transformers {meta.get('hf_transformers', '?')} (bf16, eager attention, same shapes and random weights). "
            f"Measured in the same run: copy bandwidth {_fmt(bw and bw / 1e12, '.2f')} TB/s, bf16 GEMM "
            f"{_fmt(gemm and gemm / 1e12, '.0f')} TFLOP/s; batch-1 decode reads "
            f"{meta['weight_bytes_per_layer_b1'] / 1e6:.0f} MB of weights per layer -> floor {_fmt(floor_ms)} ms.",
+           *(["", meta["note"]] if meta.get("note") else []),
            "", "## Decode (ms per layer; 43-layer model tokens/s)", "",
            "Per layer = a 43-layer step / 43 = (43 x (replay - LM head) / layers + LM head + host work per step)"
            " / 43; eager = the same batched path launched from Python.", "",
@@ -48,6 +50,23 @@ def report(data: dict) -> str:
         out.append(f"| {r['tokens']} | {r.get('chunk', '—')} | {_fmt(r['ms_per_layer'])} | {r['ttft_43_layers_ms'] / 1e3:.2f} "
                    f"| {_fmt(rate and rate / 1e12, '.0f')} | {_fmt(rate and gemm and 100 * rate / gemm, '.0f')}% "
                    f"| {_fmt(hf)} | {_fmt(hf and hf / r['ms_per_layer'], '.1f')}x |")
+    out += ["", "## Targets (issue 4)", "", "| target | measured | |", "|---|---|---|"]
+    dec = {(r["context"], r["batch"]): r["ms_per_layer"] for r in rows if r["kind"] == "decode"}
+    pre = {r["tokens"]: r for r in rows if r["kind"] == "prefill"}
+    ctx = min((c for c, _ in dec), default=None)
+
+    def line(name: str, value, goal: float, fmt: str) -> None:
+        verdict = "—" if value is None else ("met" if value >= goal else f"missed ({value / goal:.0%} of it)")
+        out.append(f"| {name} | {_fmt(value, fmt)} | {verdict} |")
+
+    b1 = dec.get((ctx, 1))
+    line("decode batch 1 >= 50% of the bandwidth floor (%)", b1 and floor_ms and 100 * floor_ms / b1, 50, ".0f")
+    line("decode batch 1 >= 20x HF", b1 and hf_dec.get((ctx, 1)) and hf_dec[(ctx, 1)] / b1, 20, ".1f")
+    b32 = dec.get((ctx, 32))
+    line("decode batch 32 >= 10x HF", b32 and hf_dec.get((ctx, 32)) and hf_dec[(ctx, 32)] / b32, 10, ".1f")
+    r4 = pre.get(4096)
+    mfu = r4 and gemm and r4.get("flops_per_layer") and 100 * r4["flops_per_layer"] / (r4["ms_per_layer"] / 1e3) / gemm
+    line("prefill 4K >= 30% MFU (%)", mfu, 30, ".0f")
     return "\n".join(out) + "\n"
 
 
