@@ -37,8 +37,9 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.compress_emit import check_compress_emit_args
+from deepinfer.ops.triton.rounding import round_to
 
-# Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even: see ``_round``.
+# Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even: see ``ops/triton/rounding.py``.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Gate of an empty slot: finite, so max/exp never see (-inf) - (-inf); exp(NEG_INIT - max) == 0 exactly.
 NEG_INIT: tl.constexpr = tl.constexpr(-1.0e30)
@@ -46,16 +47,6 @@ NEG_INIT: tl.constexpr = tl.constexpr(-1.0e30)
 TILE_ELEMS = 4096
 
 
-@triton.jit
-def _round(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> DTYPE (round to nearest even) -> fp32: a cast to the model dtype in the reference."""
-    if DTYPE == tl.float32:
-        return v
-    if INTERPRET:
-        if DTYPE == tl.bfloat16:  # pre-round the bits, the interpreter's conversion then truncates exactly
-            u = v.to(tl.uint32, bitcast=True)
-            v = (u + 0x7FFF + ((u >> 16) & 1)).to(tl.float32, bitcast=True)
-    return v.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -102,16 +93,16 @@ def _compress_emit_kernel(
     for s0 in range(0, NS, BLOCK_S):
         ptrs, ok = _slot_tile(state_ptr, slot_base, s0, NS, HALF, W, stride_state, offs_s, offs_w, w_mask)
         g = tl.load(ptrs + S, mask=ok, other=NEG_INIT)
-        kv = _round(tl.load(ptrs, mask=ok, other=0.0), DT, INTERPRET)
-        wgt = _round(tl.exp(g - mx[None, :]) / den[None, :], DT, INTERPRET)
+        kv = round_to(tl.load(ptrs, mask=ok, other=0.0), DT, INTERPRET)
+        wgt = round_to(tl.exp(g - mx[None, :]) / den[None, :], DT, INTERPRET)
         # The product of two model-dtype values is exact in fp32; rounding it is the model-dtype multiply.
-        acc += tl.sum(_round(kv * wgt, DT, INTERPRET), axis=0)
-    pooled = _round(acc, DT, INTERPRET)  # padded channels (>= W) are exactly 0 and add nothing below
+        acc += tl.sum(round_to(kv * wgt, DT, INTERPRET), axis=0)
+    pooled = round_to(acc, DT, INTERPRET)  # padded channels (>= W) are exactly 0 and add nothing below
 
     # RMSNorm: fp32 variance over the W real channels, fp32 weight multiply, one rounding.
     var = tl.sum(pooled * pooled, axis=0) / W
     nw = tl.load(nw_ptr + offs_w, mask=w_mask, other=0.0).to(tl.float32)
-    y = _round(nw * (pooled * tl.math.rsqrt(var + eps)), DT, INTERPRET)
+    y = round_to(nw * (pooled * tl.math.rsqrt(var + eps)), DT, INTERPRET)
 
     # Interleaved RoPE: pair p = channels (2p, 2p+1); pairs from ROPE_OFF on rotate by angle p - ROPE_OFF.
     # Pairs before it get cos 1, sin 0, which leaves them bit-identical (already rounded, rounded again).
@@ -122,7 +113,7 @@ def _compress_emit_kernel(
     c = tl.load(cos_ptr + t * stride_cos + j, mask=r_mask, other=1.0).to(tl.float32)
     sn = tl.load(sin_ptr + t * stride_sin + j, mask=r_mask, other=0.0).to(tl.float32)
     res = tl.reshape(tl.join(ev * c - od * sn, od * c + ev * sn), [BLOCK_W])
-    res = _round(res, DT, INTERPRET)  # exact from here: the store's cast only narrows the container
+    res = round_to(res, DT, INTERPRET)  # exact from here: the store's cast only narrows the container
     tl.store(out_ptr + erow.to(tl.int64) * stride_out + offs_w, res.to(DT), mask=w_mask)
 
 

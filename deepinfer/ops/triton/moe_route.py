@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from deepinfer.ops.triton.rope_norm import _round
+from deepinfer.ops.triton.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SCORES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -69,12 +69,12 @@ def _score(x, m, s, SCORE: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constex
             lp = tl.where(u == 1.0, e, tl.log(u) * tl.div_rn(e, tl.where(u == 1.0, 1.0, u - 1.0)))
         else:
             lp = libdevice.log1p(e)
-        sp = _round(tl.where(x > 20.0, x, lp), DT, INTERPRET)
-        return _round(tl.sqrt_rn(sp), DT, INTERPRET)
+        sp = round_to(tl.where(x > 20.0, x, lp), DT, INTERPRET)
+        return round_to(tl.sqrt_rn(sp), DT, INTERPRET)
     elif SCORE == 1:
-        return _round(tl.div_rn(1.0, 1.0 + _exp(-x, INTERPRET)), DT, INTERPRET)
+        return round_to(tl.div_rn(1.0, 1.0 + _exp(-x, INTERPRET)), DT, INTERPRET)
     else:
-        return _round(tl.div_rn(_exp(x - m, INTERPRET), s), DT, INTERPRET)
+        return round_to(tl.div_rn(_exp(x - m, INTERPRET), s), DT, INTERPRET)
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def _moe_route_kernel(
         sel = _score(x, m, s, SCORE, DT, INTERPRET)
         if HAS_BIAS:
             b = tl.load(bias_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)
-            sel = _round(sel + b, SEL_DT, INTERPRET)
+            sel = round_to(sel + b, SEL_DT, INTERPRET)
         bits = sel.to(tl.int32, bitcast=True)
         bits = tl.where(sel != sel, 0x7FC00000, tl.where(sel == 0.0, 0, bits))  # NaN largest, -0 == +0
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order
@@ -123,9 +123,9 @@ def _moe_route_kernel(
     xk = tl.load(row + ids, mask=k_mask, other=0.0).to(tl.float32)
     w = _score(xk, m, s, SCORE, DT, INTERPRET)
     if NORM:
-        den = _round(_round(tl.sum(tl.where(k_mask, w, 0.0), axis=0), DT, INTERPRET) + 1e-20, DT, INTERPRET)
-        w = _round(tl.div_rn(w, den), DT, INTERPRET)
-    w = _round(w * factor, DT, INTERPRET)
+        den = round_to(round_to(tl.sum(tl.where(k_mask, w, 0.0), axis=0), DT, INTERPRET) + 1e-20, DT, INTERPRET)
+        w = round_to(tl.div_rn(w, den), DT, INTERPRET)
+    w = round_to(w * factor, DT, INTERPRET)
     tl.store(w_ptr + t * K + offs_k, w.to(DT), mask=offs_k < K)
 
 

@@ -40,26 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even: see ``_round``.
+from deepinfer.ops.triton.rounding import round_to
+
+# Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even: see ``ops/triton/rounding.py``.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Values per [BLOCK_H, BLOCK_W] fp32 tile: 32 per thread at 4 warps (q: 8 heads x 512, indexer: 64 x 64).
 TILE_ELEMS = 4096
 NORM_NONE, NORM_UNWEIGHTED, NORM_WEIGHTED = 0, 1, 2
-MIN_NORMAL: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # 2^-126, smallest normal fp32
 
 
-@triton.jit
-def _round(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> DTYPE (round to nearest even) -> fp32: a cast to the model dtype in the reference."""
-    if DTYPE == tl.float32:
-        return v
-    if INTERPRET:
-        if DTYPE == tl.bfloat16:  # pre-round the bits, the interpreter's conversion then truncates exactly
-            u = v.to(tl.uint32, bitcast=True)
-            # Not for zeros (an exact RoPE cancellation) and subnormals: +0x7FFF would make them subnormals,
-            # which the interpreter's conversion mangles.
-            v = tl.where(tl.abs(v) >= MIN_NORMAL, (u + 0x7FFF + ((u >> 16) & 1)).to(tl.float32, bitcast=True), v)
-    return v.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -87,10 +76,10 @@ def _norm_rope_kernel(
         # Padded channels load 0 and add nothing; W real channels set the mean.
         r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_w + eps)
         if NORM == 1:
-            y = _round(x * _round(r, DT, INTERPRET)[:, None], DT, INTERPRET)
+            y = round_to(x * round_to(r, DT, INTERPRET)[:, None], DT, INTERPRET)
         else:
             wt = tl.load(w_ptr + offs_w, mask=w_mask, other=0.0).to(tl.float32)
-            y = _round(wt[None, :] * (x * r[:, None]), DT, INTERPRET)
+            y = round_to(wt[None, :] * (x * r[:, None]), DT, INTERPRET)
     if ROPE:
         # Pair p = channels (2p, 2p+1) of the tile; pairs from ROPE_OFF on rotate by angle p - ROPE_OFF.
         ev, od = tl.split(tl.reshape(y, [BLOCK_H, BLOCK_W // 2, 2]))
@@ -104,7 +93,7 @@ def _norm_rope_kernel(
         # tl.where, not cos 1 / sin 0: nope pairs keep their exact values even if a partner is inf.
         e2 = tl.where(r_mask[None, :], ev * c - od * s, ev)
         o2 = tl.where(r_mask[None, :], od * c + ev * s, od)
-        y = _round(tl.reshape(tl.join(e2, o2), [BLOCK_H, BLOCK_W]), DT, INTERPRET)
+        y = round_to(tl.reshape(tl.join(e2, o2), [BLOCK_H, BLOCK_W]), DT, INTERPRET)
     # y is exactly representable in DT here: the store's cast only narrows the container.
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + COL0 + offs_w[None, :], y.to(DT), mask=mask)
 
