@@ -133,9 +133,7 @@ def decode_ms(model, batch: int, context: int, device: str, max_model_len: int) 
 
     out = {"eager_ms": timed(eager, device)}
     if device == "cuda":
-        # The LM head runs once per step whatever the depth: timed alone so the 43-layer figure counts it once.
-        streams = torch.randn(batch, model.cfg.hc_mult, model.cfg.hidden_size, device=device, dtype=model.dtype)
-        out["head_ms"] = timed(lambda: model.logits(streams), device, reps=20)
+        out["head_ms"] = head_ms(model, batch)
         graphs = DecodeGraphs(model, cache.storage, max_model_len, [batch])
         graphs.capture()
         ids, fb = plan()
@@ -143,6 +141,23 @@ def decode_ms(model, batch: int, context: int, device: str, max_model_len: int) 
         out["replay_ms"] = timed(graphs._graphs[batch].graph.replay, device, reps=20)
         del graphs
     return out
+
+
+def head_ms(model, batch: int) -> float:
+    """The LM head (hc_head + norm + vocab projection) alone, replayed as a CUDA graph like the step: it runs
+    once per step whatever the depth, so the 43-layer figure counts it once."""
+    streams = torch.randn(batch, model.cfg.hc_mult, model.cfg.hidden_size, device="cuda", dtype=model.dtype)
+    model.logits(streams)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.logits(streams)
+    return timed(graph.replay, "cuda", reps=20)
+
+
+def per_layer_ms(replay_ms: float, head: float, host_ms: float, layers: int) -> float:
+    """A 43-layer decode step / 43: 43 layers of (replay - head) / layers, plus the head and host work once."""
+    return (max(replay_ms - head, 0.0) / layers * 43 + head + host_ms) / 43
 
 
 def prefill_ms(model, length: int, device: str, chunk: int) -> float:
@@ -209,6 +224,22 @@ def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
     return total / len(model.layers)
 
 
+def rerun_head(native: dict, src: Path, out: Path) -> None:
+    data = json.loads(src.read_text())
+    n = data["meta"]["layers"]
+    model = build(native, 1, "cuda")  # the head does not depend on the depth
+    for r in data["rows"]:
+        if r["kind"] == "decode" and r.get("replay_ms_per_layer") is not None:
+            r["head_ms_per_step"] = head_ms(model, r["batch"])
+            r["ms_per_layer"] = per_layer_ms(r["replay_ms_per_layer"] * n, r["head_ms_per_step"],
+                                             r["host_ms_per_step"], n)
+            r["tok_s_43_layers"] = r["batch"] / (r["ms_per_layer"] * 43 / 1e3)
+            print(r, flush=True)
+    data["meta"]["head_timing"] = "CUDA graph replay"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / src.name).write_text(json.dumps(data, indent=2))
+
+
 def rerun_hf(native: dict, src: Path, out: Path) -> None:
     import transformers
 
@@ -253,12 +284,16 @@ def main() -> None:
     a.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
     a.add_argument("--hf", action="store_true", help="also time HF transformers (CUDA only)")
     a.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    a.add_argument("--head-only", metavar="JSON", default=None,
+                   help="re-time only the LM head (graph replay) for JSON's decode rows and recompute them")
     a.add_argument("--hf-only", metavar="JSON", default=None,
                    help="re-time only the HF peer (same shapes as JSON's rows) and write JSON with them replaced")
     args = a.parse_args()
     native = TINY if args.tiny else FLASH
     if args.hf_only:
         return rerun_hf(native, Path(args.hf_only), Path(args.out))
+    if args.head_only:
+        return rerun_head(native, Path(args.head_only), Path(args.out))
     model = build(native, args.layers, args.device)
     n = args.layers
     bw = gemm = None
@@ -275,8 +310,7 @@ def main() -> None:
             if "replay_ms" in times:
                 # 43-layer step = 43 layers of replay + the host's once-per-step work (index build, copies).
                 host_ms = max(times["graph_ms"] - times["replay_ms"], 0.0)
-                layers_ms = max(times["replay_ms"] - times["head_ms"], 0.0)
-                ms = (layers_ms / n * 43 + times["head_ms"] + host_ms) / 43
+                ms = per_layer_ms(times["replay_ms"], times["head_ms"], host_ms, n)
             else:
                 host_ms, ms = None, times["eager_ms"] / n
             rows.append({"kind": "decode", "context": c, "batch": b, "ms_per_layer": ms,
