@@ -209,8 +209,24 @@ def hf_peer(native: dict, layers: int, batches: list[int], context: int, prefill
     return rows
 
 
+def decode_bytes_per_layer(model: DeepseekV4, batch: int, context: int) -> float:
+    """Bytes one decode step must read per layer (a model, not a measurement): the dense weights, the routed
+    experts that B tokens hit (uniform routing: E * (1 - (1 - k/E)^B), random weights route about
+    uniformly), and per sequence the attention's cache reads averaged over the CSA/HCA layer mix: 128 window
+    rows, the 512 selected CSA entries plus all C/4 index keys, all C/128 HCA entries."""
+    cfg = model.cfg
+    dense = weight_bytes_per_layer(model, 0)
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    hit = e * (1 - (1 - k / e) ** batch)
+    row, irow = cfg.head_dim * 2, cfg.index_head_dim * 2
+    csa = cfg.sliding_window * row + min(cfg.index_topk, context // 4) * row + context // 4 * irow
+    hca = cfg.sliding_window * row + context // 128 * row
+    return dense + hit * (weight_bytes_per_layer(model, 1) - dense) + batch * (csa + hca) / 2
+
+
 def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
-    """Bytes a batch-1 decode step reads per layer: dense FP8 weights + scales, active FP4 experts, bf16 rest."""
+    """Bytes a batch-1 decode step reads per layer: dense FP8 weights + scales (the shared expert included),
+    ``active_experts`` routed FP4 experts with their scales, and the bf16/fp32 rest."""
     total = 0
     for layer in model.layers:
         for name, t in list(layer.named_buffers()) + list(layer.named_parameters()):
@@ -219,7 +235,7 @@ def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
             total += t.numel() * t.element_size()
         fused = layer.ffn.fused
         per_expert = sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("w13", "w2"))
-        per_expert += sum(getattr(fused, n)[0].numel() * 4 for n in ("s13", "s2"))
+        per_expert += sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("s13", "s2"))
         total += per_expert * active_experts
     return total / len(model.layers)
 
@@ -301,7 +317,7 @@ def main() -> None:
         from bench.kernels.ceilings import bf16_gemm_rate, copy_bandwidth
 
         bw, gemm = copy_bandwidth(), bf16_gemm_rate()
-    floor_bytes = weight_bytes_per_layer(model, model.cfg.num_experts_per_tok + model.cfg.n_shared_experts)
+    floor_bytes = weight_bytes_per_layer(model, model.cfg.num_experts_per_tok)
     rows = []
     max_len = max(args.contexts) + 256
     for c in args.contexts:
@@ -318,7 +334,8 @@ def main() -> None:
                          "head_ms_per_step": times.get("head_ms"),
                          "eager_ms_per_layer": times["eager_ms"] / n,
                          "replay_ms_per_layer": times["replay_ms"] / n if "replay_ms" in times else None,
-                         "tok_s_43_layers": b / (ms * 43 / 1e3),
+                         "tok_s_43_layers": b / (ms * 43 / 1e3), "tpot_43_layers_ms": ms * 43,
+                         "bytes_per_layer": decode_bytes_per_layer(model, b, c),
                          "floor_ms_b1": floor_bytes / bw * 1e3 if bw else None})
             print(rows[-1], flush=True)
     for length in args.prefill:

@@ -33,13 +33,16 @@ def report(data: dict) -> str:
            "", "## Decode (ms per layer; 43-layer model tokens/s)", "",
            "Per layer = a 43-layer step / 43 = (43 x (replay - LM head) / layers + LM head + host work per step)"
            " / 43; eager = the same batched path launched from Python.", "",
-           "| context | batch | ms/layer | bare replay | eager | tok/s (43 layers) | % of bw floor (b1) | HF | vs HF |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| context | batch | ms/layer | bare replay | eager | TPOT 43 layers (ms) | tok/s (43 layers) "
+           "| MB read/layer (model) | % of measured bw | HF | vs HF |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["kind"] == "decode"):
         hf = hf_dec.get((r["context"], r["batch"]))
-        pct = f"{100 * floor_ms / r['ms_per_layer']:.0f}%" if floor_ms and r["batch"] == 1 else "—"
+        nbytes = r.get("bytes_per_layer") or (meta["weight_bytes_per_layer_b1"] if r["batch"] == 1 else None)
+        pct = nbytes and bw and 100 * nbytes / (r["ms_per_layer"] / 1e3) / bw
         out.append(f"| {r['context']} | {r['batch']} | {_fmt(r['ms_per_layer'])} | {_fmt(r.get('replay_ms_per_layer'))} "
-                   f"| {_fmt(r.get('eager_ms_per_layer'))} | {r['tok_s_43_layers']:.0f} | {pct} | {_fmt(hf)} | "
+                   f"| {_fmt(r.get('eager_ms_per_layer'))} | {r['ms_per_layer'] * 43:.1f} | {r['tok_s_43_layers']:.0f} "
+                   f"| {_fmt(nbytes and nbytes / 1e6, '.0f')} | {_fmt(pct, '.0f')}% | {_fmt(hf)} | "
                    f"{_fmt(hf and hf / r['ms_per_layer'], '.1f')}x |")
     out += ["", "## Prefill (ms per layer; TTFT for 43 layers)", "",
             "| tokens | chunk | ms/layer | TTFT 43 layers (s) | TFLOP/s | MFU vs measured bf16 GEMM | HF | vs HF |",

@@ -90,3 +90,15 @@ def test_released_window_block_is_an_error_not_garbage() -> None:
     batch = ForwardBatch((SeqRun(0, 1, 200, tables),))
     with pytest.raises(IndexError, match="window"):
         build_step_index(batch, cache.storage, cfg.sliding_window)
+
+
+def test_graph_buckets_cover_every_batch_up_to_max_num_seqs() -> None:
+    from deepinfer.runner.cuda_graphs import default_sizes
+
+    for max_seqs in (1, 7, 64, 100, 256, 512):
+        sizes = default_sizes(max_seqs)
+        assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == max_seqs
+        # Padding waste stays bounded: the bucket for b is at most ~2x b for small b, +64 beyond 256.
+        for b in range(1, max_seqs + 1):
+            bucket = next(s for s in sizes if s >= b)
+            assert bucket <= max(2 * b, b + 64)
