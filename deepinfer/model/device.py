@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.linear import flat_grouped
 from deepinfer.model.moe import MoE
 from deepinfer.model.quant import QuantizedWeight, scale_to_float
 from deepinfer.ops.table import OpTable
@@ -40,7 +41,7 @@ class FP8Linear(nn.Module):
     def grouped_flat(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """x [T, G*in] -> [T, G*r] in one launch (rows of a group are whole 128-row scale blocks)."""
         if (self.weight_fp8.shape[0] // groups) % 128:
-            return _flat_via_groups(self, x, groups)
+            return flat_grouped(self.grouped, x, groups)
         return self.ops.fp8_linear_grouped(x.contiguous(), self.weight_fp8, self.weight_scale, groups,
                                            pow2_scales=self.pow2_scales)
 
@@ -58,11 +59,6 @@ class FP8Linear(nn.Module):
                     i * r : (i + 1) * r].repeat_interleave(128, 1)[:, : x.shape[-1]]
                 outs.append((x[i].float() @ w.t()).to(x.dtype))
         return torch.stack(outs)
-
-
-def _flat_via_groups(linear: "FP8Linear", x: torch.Tensor, groups: int) -> torch.Tensor:
-    t = x.shape[0]
-    return linear.grouped(x.reshape(t, groups, -1).transpose(0, 1)).transpose(0, 1).reshape(t, -1)
 
 
 class FusedFP4Experts(nn.Module):

@@ -29,8 +29,13 @@ class Linear(nn.Module):
 
     def grouped_flat(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """``grouped`` on the flat layout: x [T, G*in] -> [T, G*r] (group g reads columns [g*in, (g+1)*in))."""
-        t = x.shape[0]
-        return self.grouped(x.reshape(t, groups, -1).transpose(0, 1)).transpose(0, 1).reshape(t, -1)
+        return flat_grouped(self.grouped, x, groups)
+
+
+def flat_grouped(grouped, x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Run a [G, T, in] -> [G, T, r] grouped projection on the flat [T, G*in] layout, returning [T, G*r]."""
+    t = x.shape[0]
+    return grouped(x.reshape(t, groups, -1).transpose(0, 1)).transpose(0, 1).reshape(t, -1)
 
 
 class Embedding(nn.Module):
