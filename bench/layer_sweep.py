@@ -8,8 +8,10 @@ Decode: B sequences whose caches hold C random positions (cache contents are ran
 token each; prefill: one sequence, L tokens in 1024-token chunks. Times are medians of CUDA-event timed
 steps. Decode on CUDA runs as the engine runs it: a captured CUDA graph per batch, replayed after the host
 builds and copies the step's row lists; the per-layer figure is a 43-layer step divided by 43:
-(43 x (replay - LM head) / layers + LM head + host work per step) / 43, with the LM head (once per step)
-timed on its own. Eager times of the same batched path are kept for comparison. Prefill runs eagerly in
+(43 x (replay - LM head - preamble) / layers + LM head + preamble + host work per step) / 43, with the LM
+head and the preamble (row lists, RoPE tables, embedding: once per step) each timed on its own as a graph.
+The N layers are V4-Flash's layers 2..N+1 (--first-layer): CSA and HCA alternating like 41 of its 43
+layers, one of them hash-routed. Eager times of the same batched path are kept for comparison. Prefill runs eagerly in
 --chunk-token steps. Reported against the weight-byte floor at the measured copy bandwidth.
 With --hf the HF transformers peer (bf16, same shapes, eager attention) runs where it fits: decode at batch
 <= 32 after an HF prefill of the smallest context, prefill at L <= 4096. JSON goes to --out.
@@ -47,6 +49,12 @@ TINY = {**FLASH, "vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4
         "qk_rope_head_dim": 32, "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 128, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "index_n_heads": 4, "index_head_dim": 64,
         "index_topk": 8}
+
+
+def from_layer(native: dict, first: int) -> dict:
+    """The config whose layer 0 is ``native``'s layer ``first`` (its compress ratio and routing kind)."""
+    return {**native, "compress_ratios": native["compress_ratios"][first:],
+            "num_hash_layers": max(0, native["num_hash_layers"] - first)}
 
 
 def build(native: dict, layers: int, device: str) -> DeepseekV4:
@@ -135,6 +143,7 @@ def decode_ms(model, batch: int, context: int, device: str, max_model_len: int) 
     if device == "cuda":
         out["head_ms"] = head_ms(model, batch)
         graphs = DecodeGraphs(model, cache.storage, max_model_len, [batch])
+        out["preamble_ms"] = preamble_ms(model, graphs, batch)
         graphs.capture()
 
         def graph_step():
@@ -159,9 +168,28 @@ def head_ms(model, batch: int) -> float:
     return timed(graph.replay, "cuda", reps=20)
 
 
-def per_layer_ms(replay_ms: float, head: float, host_ms: float, layers: int) -> float:
-    """A 43-layer decode step / 43: 43 layers of (replay - head) / layers, plus the head and host work once."""
-    return (max(replay_ms - head, 0.0) / layers * 43 + head + host_ms) / 43
+def preamble_ms(model, graphs: DecodeGraphs, batch: int) -> float:
+    """The step's work before its first layer (row lists from the block tables, RoPE tables, embedding),
+    replayed as a CUDA graph: once per step whatever the depth, like the head."""
+    ids = torch.zeros(batch, dtype=torch.long, device="cuda")
+    index = graphs._padding_index(batch).to("cuda")
+
+    def pre() -> None:
+        model.context(ids, None, graphs.storage, index)
+        model.embed(ids)
+
+    pre()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pre()
+    return timed(graph.replay, "cuda", reps=20)
+
+
+def per_layer_ms(replay_ms: float, head: float, host_ms: float, layers: int, pre: float = 0.0) -> float:
+    """A 43-layer decode step / 43: 43 layers of (replay - head - preamble) / layers, plus the head, the
+    preamble and the host work once."""
+    return (max(replay_ms - head - pre, 0.0) / layers * 43 + head + pre + host_ms) / 43
 
 
 def prefill_ms(model, length: int, device: str, chunk: int) -> float:
@@ -244,22 +272,6 @@ def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
     return total / len(model.layers)
 
 
-def rerun_head(native: dict, src: Path, out: Path) -> None:
-    data = json.loads(src.read_text())
-    n = data["meta"]["layers"]
-    model = build(native, 1, "cuda")  # the head does not depend on the depth
-    for r in data["rows"]:
-        if r["kind"] == "decode" and r.get("replay_ms_per_layer") is not None:
-            r["head_ms_per_step"] = head_ms(model, r["batch"])
-            r["ms_per_layer"] = per_layer_ms(r["replay_ms_per_layer"] * n, r["head_ms_per_step"],
-                                             r["host_ms_per_step"], n)
-            r["tok_s_43_layers"] = r["batch"] / (r["ms_per_layer"] * 43 / 1e3)
-            print(r, flush=True)
-    data["meta"]["head_timing"] = "CUDA graph replay"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / src.name).write_text(json.dumps(data, indent=2))
-
-
 def rerun_hf(native: dict, src: Path, out: Path) -> None:
     import transformers
 
@@ -304,16 +316,13 @@ def main() -> None:
     a.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
     a.add_argument("--hf", action="store_true", help="also time HF transformers (CUDA only)")
     a.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    a.add_argument("--head-only", metavar="JSON", default=None,
-                   help="re-time only the LM head (graph replay) for JSON's decode rows and recompute them")
+    a.add_argument("--first-layer", type=int, default=2, help="bench V4-Flash's layers from this one on")
     a.add_argument("--hf-only", metavar="JSON", default=None,
                    help="re-time only the HF peer (same shapes as JSON's rows) and write JSON with them replaced")
     args = a.parse_args()
-    native = TINY if args.tiny else FLASH
+    native = from_layer(TINY if args.tiny else FLASH, args.first_layer)
     if args.hf_only:
         return rerun_hf(native, Path(args.hf_only), Path(args.out))
-    if args.head_only:
-        return rerun_head(native, Path(args.head_only), Path(args.out))
     model = build(native, args.layers, args.device)
     n = args.layers
     bw = gemm = None
@@ -330,12 +339,13 @@ def main() -> None:
             if "replay_ms" in times:
                 # 43-layer step = 43 layers of replay + the host's once-per-step work (index build, copies).
                 host_ms = max(times["graph_ms"] - times["replay_ms"], 0.0)
-                ms = per_layer_ms(times["replay_ms"], times["head_ms"], host_ms, n)
+                ms = per_layer_ms(times["replay_ms"], times["head_ms"], host_ms, n, times["preamble_ms"])
             else:
                 host_ms, ms = None, times["eager_ms"] / n
             rows.append({"kind": "decode", "context": c, "batch": b, "ms_per_layer": ms,
                          "step_ms": times.get("graph_ms"), "host_ms_per_step": host_ms,
                          "head_ms_per_step": times.get("head_ms"),
+                         "preamble_ms_per_step": times.get("preamble_ms"),
                          "eager_ms_per_layer": times["eager_ms"] / n,
                          "replay_ms_per_layer": times["replay_ms"] / n if "replay_ms" in times else None,
                          "tok_s_43_layers": b / (ms * 43 / 1e3), "tpot_43_layers_ms": ms * 43,
@@ -354,7 +364,8 @@ def main() -> None:
                         [p for p in args.prefill if p <= 4096])
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
-    meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": n, "tiny": args.tiny,
+    meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "layers": n, "first_layer": args.first_layer,
+            "tiny": args.tiny,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "copy_bytes_per_s": bw, "bf16_gemm_flops_per_s": gemm,
             "weight_bytes_per_layer_b1": floor_bytes, "torch": torch.__version__}

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.layer_sweep import FLASH, build, random_cache  # noqa: E402
+from bench.layer_sweep import FLASH, build, from_layer, random_cache  # noqa: E402
 
 
 def main() -> None:
@@ -26,10 +26,12 @@ def main() -> None:
     a.add_argument("--context", type=int, default=1024)
     a.add_argument("--prefill", type=int, default=0, help="profile a prefill chunk of this many tokens instead")
     a.add_argument("--top", type=int, default=30)
+    a.add_argument("--trace", type=int, default=0, help="also list the step's first N kernels in launch order "
+                   "(which op each kernel belongs to)")
     a.add_argument("--cpu", action="store_true", help="also list host-side ops by self CPU time (where the wall "
                    "time goes when it exceeds the device time)")
     args = a.parse_args()
-    model = build(FLASH, args.layers, "cuda")
+    model = build(from_layer(FLASH, 2), args.layers, "cuda")  # layers 2.. as in layer_sweep.py
     if args.prefill:
         cache, sids = random_cache(model, 1, 0, "cuda", capacity=args.prefill)
         new = {sids[0]: [3 + i % 1000 for i in range(args.prefill)]}
@@ -62,6 +64,11 @@ def main() -> None:
         torch.cuda.synchronize()
     if args.cpu:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+    if args.trace:
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+        print(f"== first {args.trace} kernels in launch order (µs, name)")
+        for e in kernels[: args.trace]:
+            print(f"{e.device_time:8.1f}  {e.name[:100]}")
     rows = {}
     for e in prof.events():
         if e.device_type.name == "CUDA":

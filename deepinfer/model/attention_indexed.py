@@ -31,21 +31,22 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
     if attn.kind != SWA:
         key = (attn.ratio, attn.kind == CSA)
         ci = idx.compress[key]
-        seq_rows = ci.seq_rows
         emit_cos, emit_sin = ctx.emit_rope[key]
-        _compress(attn.compressor, x, ctx, layer_key, "compressor_state", "entries", ci, emit_cos, emit_sin, ops)
+        # One GEMM for every bf16 projection of x (compressor kv|gate, indexer compressor kv|gate, indexer
+        # head weights): model/fused.py.
+        side, cols = attn.side_proj(x), attn.side_proj.cols
+        _compress(attn.compressor, side, cols["kv"], ctx, layer_key, "compressor_state", "entries", ci, emit_cos,
+                  emit_sin, ops)
         extra_kv = storage.get(layer_key, "entries")
-        seq = idx.token_seq.long()
         if attn.kind == HCA:  # every visible entry, entry j in column j (fixed split boundaries)
-            j = torch.arange(seq_rows.shape[1], device=x.device)
-            extra_idx = torch.where(j[None, :] < ci.limits[:, None], seq_rows[seq], -1)
+            extra_idx = ci.visible_rows
         else:
-            _compress(attn.indexer.compressor, x, ctx, layer_key, "indexer_state", "index_keys", ci, emit_cos,
-                      emit_sin, ops)
-            picks = _indexer_picks(attn.indexer, x, q_res, ctx, layer_key, ci, seq_rows, cos, sin)
-            # Entries and index keys share the history pool's row numbering (both one row per window).
-            rows = seq_rows[seq[:, None], picks.clamp(min=0)]
-            extra_idx = torch.where(picks >= 0, rows, -1)
+            ix = attn.indexer
+            _compress(ix.compressor, side, cols["ix_kv"], ctx, layer_key, "indexer_state", "index_keys", ci,
+                      emit_cos, emit_sin, ops)
+            weights = side[:, cols["ix_w"] : cols["ix_w"] + ix.n_heads]
+            # Entries and index keys share the history pool's row numbering: the picks come back as rows.
+            extra_idx = _indexer_rows(ix, weights, q_res, ctx, layer_key, ci, cos, sin)
     out = ops.sparse_attention_indexed(q, window, idx.window_keys, attn.attn_sink, attn.head_dim**-0.5,
                                        extra_kv, extra_idx)
     out = ops.rope(out, cos, sin, inverse=True)  # rope channels only, in place on the GPU
@@ -53,22 +54,20 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
     return attn.wo_b(attn.wo_a.grouped_flat(out.reshape(len(x), -1), attn.groups))
 
 
-def _compress(comp, x: torch.Tensor, ctx: StepContext, layer_key: str, state_name: str, entry_name: str,
-              ci: CompressIndex, cos: torch.Tensor, sin: torch.Tensor, ops) -> None:
+def _compress(comp, side: torch.Tensor, col: int, ctx: StepContext, layer_key: str, state_name: str,
+              entry_name: str, ci: CompressIndex, cos: torch.Tensor, sin: torch.Tensor, ops) -> None:
     """Write every token's raw kv/gate rows, then pool each window a token closes into its entry."""
     state = ctx.storage.get(layer_key, state_name)
-    half = state.shape[1] // 2  # columns [0, half): kv, [half, 2*half): gate (+ position bias)
-    state[:, :half].index_copy_(0, ctx.index.state_rows, comp.wkv(x).float())
-    state[:, half:].index_copy_(0, ctx.index.state_rows, comp.wgate(x).float() + comp.ape[ctx.positions % comp.ratio])
+    ops.compress_state(side, col, state, ctx.index.state_rows, comp.ape, ctx.positions)
     ops.compress_emit(state, ci.slot_rows, ci.entry_rows, ctx.storage.get(layer_key, entry_name),
                       comp.norm.weight, comp.norm.eps, cos, sin, comp.overlap)
 
 
-def _indexer_picks(ix, x, q_res, ctx: StepContext, layer_key: str, ci: CompressIndex, seq_rows, cos,
-                   sin) -> torch.Tensor:
-    """Top-k entry numbers per query ([T, k], -1 where fewer are visible); see ``Indexer.select``."""
-    q = ix.ops.rope(ix.wq_b(q_res).view(len(x), ix.n_heads, ix.head_dim), cos, sin)
-    weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
+def _indexer_rows(ix, weights: torch.Tensor, q_res: torch.Tensor, ctx: StepContext, layer_key: str,
+                  ci: CompressIndex, cos, sin) -> torch.Tensor:
+    """History rows of each query's top-k entries ([T, k], -1 where fewer are visible); see ``Indexer.select``."""
+    q = ix.ops.rope(ix.wq_b(q_res).view(len(q_res), ix.n_heads, ix.head_dim), cos, sin)
+    weights = weights.float() * ix.n_heads**-0.5
     keys = ctx.storage.get(layer_key, "index_keys")
-    return ix.ops.indexer_topk(q, weights, keys, seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,
-                               ctx.index.token_seq)
+    return ix.ops.indexer_topk(q, weights, keys, ci.seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,
+                               ctx.index.token_seq, as_rows=True)

@@ -5,7 +5,8 @@ Applied after loading (gpt-fast style), never inside the model math:
   * each MoE layer's FP4 routed experts become one stacked ``FusedFP4Experts`` (``ops.moe_experts_fp4``),
     and the dequantized per-expert copies are released;
   * the model runs the batched step path (``model/attention_indexed.py``: row lists built once per step,
-    index-list kernels, no host syncs; what CUDA graphs capture).
+    index-list kernels, no host syncs; what CUDA graphs capture), with the projections that share an
+    input stacked into one GEMM each (``model/fused.py``).
 With ``ops=REF`` on the CPU this is the specification of what the GPU path computes.
 """
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.fused import use_batched_path
 from deepinfer.model.linear import flat_grouped
 from deepinfer.model.moe import MoE
 from deepinfer.model.quant import QuantizedWeight, scale_to_float
@@ -31,6 +33,24 @@ class FP8Linear(nn.Module):
         # UE8M0 scales are powers of two: a kernel may then scale the weight itself exactly (fp8_linear).
         mantissa, _ = torch.frexp(self.weight_scale)
         self.pow2_scales = bool((mantissa == 0.5).all())
+
+    @classmethod
+    def stacked(cls, parts: list["FP8Linear"]) -> "FP8Linear":
+        """One linear of the parts' rows (each a whole number of 128-row scale blocks); the parts become views."""
+        for p in parts:
+            if p.weight_fp8.shape[0] % 128:
+                raise ValueError(f"cannot stack {p.weight_fp8.shape[0]} rows: not whole 128-row scale blocks")
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.register_buffer("weight_fp8", torch.cat([p.weight_fp8 for p in parts]))
+        out.register_buffer("weight_scale", torch.cat([p.weight_scale for p in parts]))
+        out.ops, out.pow2_scales = parts[0].ops, all(p.pow2_scales for p in parts)
+        row = 0
+        for p in parts:
+            n = p.weight_fp8.shape[0]
+            p.weight_fp8, p.weight_scale = out.weight_fp8[row : row + n], out.weight_scale[row // 128 : (row + n) // 128]
+            row += n
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -114,5 +134,5 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable) -> DeepseekV4:
                 module.experts = nn.ModuleList()  # the dequantized copies are no longer read
     model.quantized = {}
     model.ops = ops
-    model.indexed = True
+    use_batched_path(model)
     return model

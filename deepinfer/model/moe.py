@@ -54,6 +54,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit, dtype) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, inter, limit, dtype) if cfg.n_shared_experts else None
         self.fused: nn.Module | None = None  # stacked quantized experts (model/device.py)
+        self.shared_w13: nn.Module | None = None  # the shared expert's w1 and w3 as one GEMM (model/fused.py)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -72,8 +73,14 @@ class MoE(nn.Module):
         else:
             routed = self._experts_loop(x, indices, weights)
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
+            routed = routed + self._shared(x)
         return routed
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.shared_experts
+        if self.shared_w13 is None:
+            return e(x)
+        return e.w2(self.ops.swiglu(self.shared_w13(x), e.limit))  # Expert.forward's math, two GEMMs
 
     def _experts_loop(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         routed = torch.zeros_like(x)

@@ -40,6 +40,8 @@ class CompressIndex:
     entry_rows: torch.Tensor  # [T] int64: history row that window's entry goes to (-1: token closes none)
     emit_pos: torch.Tensor  # [T] int64: start position of that window (its entry's RoPE angle)
     seq_rows: torch.Tensor  # [B, cdiv(span, m)] int32: entry j's history row per sequence, -1 past its end
+    visible_rows: torch.Tensor | None  # HCA: [T, cdiv(span, m)] int32, seq_rows of the token's sequence
+    #                                    masked to the entries it sees (j < limit), -1 elsewhere; CSA: None
 
 
 @dataclass(frozen=True)
@@ -102,13 +104,17 @@ class StepIndex:
             j = torch.arange(max(-(-self.span // m), 1), device=dev)
             seqs = torch.arange(self.history_table.shape[0], device=dev)
             seq_rows = lookup(self.history_table, j.expand(len(seqs), -1), bs // m, seqs)
-            seq_rows = torch.where(j[None, :] < (self.seq_end // m)[:, None], seq_rows, -1)
+            seq_rows = torch.where(j[None, :] < (self.seq_end // m)[:, None], seq_rows, -1).to(torch.int32)
+            limits = ((pos + 1) // m).to(torch.int32)
+            # HCA layers attend every visible entry: one list per step serves all of them.
+            visible = None if overlap else torch.where(j[None, :] < limits[:, None], seq_rows[seq], -1)
             compress[(m, overlap)] = CompressIndex(
-                limits=((pos + 1) // m).to(torch.int32),
+                limits=limits,
                 slot_rows=lookup(self.state_table, slots, bs).to(torch.int32),
                 entry_rows=lookup(self.history_table, w, bs // m),
                 emit_pos=torch.where(closes, w * m, 0),
-                seq_rows=seq_rows.to(torch.int32),
+                seq_rows=seq_rows,
+                visible_rows=visible,
             )
         return StepRows(
             token_seq=seq,

@@ -13,7 +13,8 @@ The index-list entries serve the batched step path (``model/attention_indexed.py
 cache through per-step row lists instead of gathered per-sequence tensors:
 
   sparse_attention_indexed(q, kv, indices, sinks, scale, kv_extra, indices_extra) -> [L,H,D]
-  indexer_topk(q, weights, keys, key_rows, limits, topk, scale, query_rows) -> [L,k] int64
+  indexer_topk(q, weights, keys, key_rows, limits, topk, scale, query_rows, as_rows) -> [L,k] int64
+  compress_state(proj, col, state, rows, ape, positions) -> None (writes state rows)
   compress_emit(state, slot_rows, entry_rows, out, norm_weight, eps, cos, sin, overlap) -> None (writes out)
 
 and the mHC sites of every block: hc_pre / hc_post / hc_head (``ops/ref/mhc.py`` signatures).
@@ -29,6 +30,7 @@ MoE routing after the gate GEMM (``ops/ref/moe.py``; weights in the logits dtype
 
   moe_route(logits [T,E], scoring_func, top_k, norm_topk_prob, routed_scaling_factor, bias, hash_indices)
       -> (weights [T,k], indices [T,k] int64)
+  swiglu(gate_up [T,2I], limit) -> [T,I]   (the shared expert's clamped activation)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.ops.ref import compress_emit as ref_emit
+from deepinfer.ops.ref import compress_state as ref_state
 from deepinfer.ops.ref import fp8_linear as ref_fp8
 from deepinfer.ops.ref import indexer_topk as ref_index
 from deepinfer.ops.ref import mhc as ref_mhc
@@ -46,6 +49,7 @@ from deepinfer.ops.ref import moe as ref_route
 from deepinfer.ops.ref import moe_experts as ref_moe
 from deepinfer.ops.ref import rope_norm as ref_rn
 from deepinfer.ops.ref import sparse_attention as ref_attn
+from deepinfer.ops.ref import swiglu as ref_swiglu
 from deepinfer.ops.ref.attention import sparse_attention
 from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
 
@@ -61,6 +65,7 @@ class OpTable:
     sparse_attention_indexed: Callable
     indexer_topk: Callable
     compress_emit: Callable
+    compress_state: Callable
     hc_pre: Callable
     hc_post: Callable
     hc_head: Callable
@@ -69,6 +74,7 @@ class OpTable:
     norm_rope: Callable
     rope: Callable
     moe_route: Callable
+    swiglu: Callable
 
 
 def _ref_indexer_select(q, weights, keys, limits, topk, scale):
@@ -78,13 +84,14 @@ def _ref_indexer_select(q, weights, keys, limits, topk, scale):
 REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, ref_fp8.fp8_linear_grouped,
               ref_moe.moe_experts_fp4,
               ref_attn.sparse_attention_indexed, ref_index.indexer_topk, ref_emit.compress_emit,
-              ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
+              ref_state.compress_state, ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
               rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
-              rope=ref_rn.rope, moe_route=ref_route.route)
+              rope=ref_rn.rope, moe_route=ref_route.route, swiglu=ref_swiglu.swiglu)
 
 
 def triton_ops() -> OpTable:
     from deepinfer.ops.triton import compress_emit as tri_emit
+    from deepinfer.ops.triton import compress_state as tri_state
     from deepinfer.ops.triton import fp8_linear as tri_fp8
     from deepinfer.ops.triton import indexer_topk as tri_index
     from deepinfer.ops.triton import mhc as tri_mhc
@@ -92,6 +99,7 @@ def triton_ops() -> OpTable:
     from deepinfer.ops.triton import moe_route as tri_route
     from deepinfer.ops.triton import rope_norm as tri_rn
     from deepinfer.ops.triton import sparse_attention as tri_attn
+    from deepinfer.ops.triton import swiglu as tri_swiglu
 
     def attention(q, keys, visible, sinks, scale):
         # The kernel reads keys through index lists (-1 = not visible); here the keys are already gathered.
@@ -108,9 +116,9 @@ def triton_ops() -> OpTable:
     return OpTable("triton", attention, indexer_select, tri_fp8.fp8_linear, tri_fp8.fp8_linear_grouped,
                    tri_moe.moe_experts_fp4,
                    tri_attn.sparse_attention_indexed, tri_index.indexer_topk, tri_emit.compress_emit,
-                   tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
+                   tri_state.compress_state, tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
-                   rope=tri_rn.rope, moe_route=tri_route.moe_route)
+                   rope=tri_rn.rope, moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu)
 
 
 def select(device: str) -> OpTable:

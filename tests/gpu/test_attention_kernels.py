@@ -178,10 +178,10 @@ def test_attention_batch_invariant(dtype, device) -> None:
 
 # ----------------------------------------------------------------------------------------------- indexer
 
-def _tri_topk(*args):
+def _tri_topk(*args, **kwargs):
     from deepinfer.ops.triton.indexer_topk import indexer_topk
 
-    return indexer_topk(*args)
+    return indexer_topk(*args, **kwargs)
 
 
 def _rows_and_limits(L: int, E: int, R: int, topk: int, g: torch.Generator):
@@ -201,6 +201,11 @@ def _check_exact(q, w, keys, rows, limits, topk, scale) -> torch.Tensor:
     want = ref_indexer_topk(q, w, keys, rows, limits, topk, scale)  # stable sort: same on CPU and CUDA
     assert got.dtype == torch.int64 and got.shape == want.shape
     assert torch.equal(got, want), "selection or order differs from the reference"
+    # as_rows: each pick's row id (what the attention reads), -1 kept; twin-equal and equal to a gather.
+    got_rows = _tri_topk(q, w, keys, rows, limits, topk, scale, as_rows=True)
+    want_rows = torch.where(want >= 0, rows.long().gather(1, want.clamp(min=0)), -1)
+    assert torch.equal(got_rows, want_rows)
+    assert torch.equal(ref_indexer_topk(q, w, keys, rows, limits, topk, scale, as_rows=True), want_rows)
     return want.cpu()
 
 

@@ -17,6 +17,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.kv.spec import WINDOW, build_layout
 from deepinfer.model.batch import ForwardBatch, SeqRun
 from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.fused import use_batched_path
 from deepinfer.model.step_index import build_step_index
 from deepinfer.runner.sequences import SequenceCache
 from tests.oracle.hf import tiny_native_config
@@ -29,7 +30,7 @@ NATIVE = tiny_native_config(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4, 
 def _pair() -> tuple[DeepseekV4, DeepseekV4]:
     ref = _model()
     batched = copy.deepcopy(ref)
-    batched.indexed = True
+    use_batched_path(batched)
     return ref, batched
 
 

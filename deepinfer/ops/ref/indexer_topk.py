@@ -30,13 +30,19 @@ def indexer_scores_indexed(q: torch.Tensor, weights: torch.Tensor, keys: torch.T
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
                  limits: torch.Tensor, topk: int, softmax_scale: float,
-                 query_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 query_rows: torch.Tensor | None = None, as_rows: bool = False) -> torch.Tensor:
     """-> [L, min(topk, E)] int64 entry numbers (not row ids), best first, -1 where fewer are visible.
 
     ``query_rows`` [L] (optional): query l reads row ``query_rows[l]`` of ``key_rows`` (then [B, E], one
     row per sequence), so the queries of one sequence share its entry list instead of each carrying a copy.
+    ``as_rows``: return each pick's row id ``key_rows[., pick]`` instead of its entry number (-1 stays -1):
+    what the sparse attention reads, since entries and index keys share one row numbering.
     """
     if query_rows is not None:
         key_rows = key_rows[query_rows.long()]
     scores = indexer_scores_indexed(q, weights, keys, key_rows, softmax_scale)
-    return topk_with_tiebreak(scores, limits.to(scores.device).long(), topk)
+    picks = topk_with_tiebreak(scores, limits.to(scores.device).long(), topk)
+    if not as_rows:
+        return picks
+    rows = key_rows.long().gather(1, picks.clamp(min=0))
+    return torch.where(picks >= 0, rows, -1)

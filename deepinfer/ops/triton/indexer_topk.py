@@ -122,18 +122,45 @@ def scores_from_keys(sort_keys: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+@triton.jit
+def _picks_kernel(best_ptr, lim_ptr, rows_ptr, qrows_ptr, out_ptr, e, k, stride_b, stride_r, stride_o,
+                  AS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Sort keys of the top k -> entry numbers (or their row ids), -1 past the query's limit."""
+    lq = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < k
+    best = tl.load(best_ptr + lq * stride_b + offs, mask=ok, other=0)
+    entry = (e - 1) - (best & 0xFFFFFFFF)
+    valid = entry < tl.load(lim_ptr + lq)
+    if AS_ROWS:
+        r = tl.load(qrows_ptr + lq)
+        row = tl.load(rows_ptr + r * stride_r + entry, mask=ok & valid, other=-1).to(tl.int64)
+        entry = tl.where(valid, row, -1)
+    else:
+        entry = tl.where(valid, entry, -1)
+    tl.store(out_ptr + lq * stride_o + offs, entry, mask=ok)
+
+
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
                  limits: torch.Tensor, topk: int, softmax_scale: float,
-                 query_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 query_rows: torch.Tensor | None = None, as_rows: bool = False) -> torch.Tensor:
     """q [L, Hi, Di], weights [L, Hi] fp32, keys [R, Di], key_rows [L, E] int32 (-1 absent), limits [L]
     -> [L, min(topk, E)] int64 entry numbers, best first, -1 where fewer than that are visible.
-    With ``query_rows`` [L], key_rows is [B, E] and query l reads its row query_rows[l]."""
+    With ``query_rows`` [L], key_rows is [B, E] and query l reads its row query_rows[l]. ``as_rows``: each
+    pick's row id instead of its entry number (see the reference)."""
     L, e = q.shape[0], key_rows.shape[1]
     k = min(topk, e)
-    if k <= 0:
-        return torch.empty((L, 0), dtype=torch.long, device=q.device)
+    if k <= 0 or L == 0:
+        return torch.empty((L, max(k, 0)), dtype=torch.long, device=q.device)
     sort_keys = indexer_sort_keys(q, weights, keys, key_rows, limits, softmax_scale, query_rows)
     best = torch.topk(sort_keys, k, dim=1, largest=True, sorted=True).values
-    entry = (e - 1) - (best & 0xFFFFFFFF)
-    lims = limits.to(device=q.device, dtype=torch.long).unsqueeze(1)
-    return torch.where(entry >= lims, torch.full_like(entry, -1), entry)
+    rows = key_rows.to(torch.int32).contiguous()
+    lims = limits.to(device=q.device, dtype=torch.int32).contiguous()
+    if query_rows is not None:
+        qrows = query_rows.to(device=q.device, dtype=torch.int32).contiguous()
+    else:  # key_rows holds one row per query (only read with as_rows)
+        qrows = torch.arange(L, device=q.device, dtype=torch.int32) if as_rows else lims
+    out = torch.empty((L, k), dtype=torch.long, device=q.device)
+    _picks_kernel[(L,)](best, lims, rows, qrows, out, e, k, best.stride(0), rows.stride(0), out.stride(0),
+                        AS_ROWS=as_rows, BLOCK=triton.next_power_of_2(k), num_warps=4)
+    return out

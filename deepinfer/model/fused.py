@@ -1,0 +1,72 @@
+"""Weight layouts of the batched step path: projections that read the same input run as one GEMM.
+
+A decode step of one layer is a chain of small kernels, so each launch saved is time saved. Two places
+read one input through several weights the checkpoint stores separately:
+  * a compressed layer's input x feeds the compressor's kv and gate projections, and in CSA layers also
+    the indexer compressor's kv and gate and the indexer's head weights (all bf16 in V4 checkpoints);
+  * the shared expert's gate (w1) and up (w3) projections.
+``fuse_projections`` stacks each set once, after loading, into one weight and points the original modules
+at row slices of it (views: no second copy), so the reference modules keep working unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.model.linear import Linear
+
+
+class StackedLinear(nn.Module):
+    """Row-stacked projections of one input: ``forward(x)`` -> [T, sum(out)]; ``cols[name]`` -> column start."""
+
+    def __init__(self, parts: list[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        kinds = {type(m) for _, m in parts}
+        if len(kinds) != 1:
+            raise TypeError(f"cannot stack {sorted(k.__name__ for k in kinds)}: one weight format per stack")
+        self.cols: dict[str, int] = {}
+        start = 0
+        for name, module in parts:
+            self.cols[name] = start
+            start += _rows(module)
+        first = parts[0][1]
+        if isinstance(first, Linear):
+            self.inner = Linear(first.in_features, start, dtype=first.weight.dtype)
+            self.inner.weight = nn.Parameter(torch.cat([m.weight.detach() for _, m in parts]), requires_grad=False)
+            for name, module in parts:
+                a = self.cols[name]
+                module.weight = nn.Parameter(self.inner.weight[a : a + _rows(module)], requires_grad=False)
+        else:  # FP8Linear: rows of each part must be whole 128-row scale blocks
+            self.inner = type(first).stacked([m for _, m in parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _rows(module: nn.Module) -> int:
+    w = module.weight if hasattr(module, "weight") else module.weight_fp8
+    return w.shape[0]
+
+
+def use_batched_path(model: nn.Module) -> None:
+    """Switch a loaded model to the batched step path (``model/attention_indexed.py``) with stacked weights."""
+    fuse_projections(model)
+    model.indexed = True
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Stack the projections above in every block (idempotent)."""
+    from deepinfer.model.attention import Attention
+    from deepinfer.model.moe import MoE
+
+    for module in list(model.modules()):
+        if isinstance(module, Attention) and hasattr(module, "compressor") and module.side_proj is None:
+            parts = [("kv", module.compressor.wkv), ("gate", module.compressor.wgate)]
+            if hasattr(module, "indexer"):
+                ix = module.indexer
+                parts += [("ix_kv", ix.compressor.wkv), ("ix_gate", ix.compressor.wgate), ("ix_w", ix.weights_proj)]
+            module.side_proj = StackedLinear(parts)
+        elif isinstance(module, MoE) and module.shared_experts is not None and module.shared_w13 is None:
+            e = module.shared_experts
+            module.shared_w13 = StackedLinear([("w1", e.w1), ("w3", e.w3)])

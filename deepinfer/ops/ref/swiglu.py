@@ -1,0 +1,19 @@
+"""Clamped SwiGLU of a stacked gate/up projection (the shared expert's activation); twin of
+``ops/triton/swiglu.py``.
+
+  swiglu(gate_up [T, 2I], limit) -> [T, I] in gate_up's dtype
+
+Exactly ``Expert.forward``'s steps (model/moe.py) on the two halves: gate clamped from above, up clamped
+on both sides, silu(gate) rounded to the dtype, times up, rounded again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    assert gate_up.shape[-1] % 2 == 0, f"gate_up last dim {gate_up.shape[-1]} must be even"
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
