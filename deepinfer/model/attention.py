@@ -51,7 +51,10 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         if kind in (CSA, HCA):
             self.compressor = Compressor(h, d, ratio, overlap=kind == CSA, eps=cfg.rms_norm_eps, dtype=dtype)
-        # The batched path's one GEMM over every bf16 projection of x above (model/fused.py).
+        # The batched path's stacked projections (model/fused.py): x -> wq_a|wkv, q latent -> wq_b (|indexer
+        # wq_b), x -> every bf16 compressor/indexer projection.
+        self.x_proj: nn.Module | None = None
+        self.q_proj: nn.Module | None = None
         self.side_proj: nn.Module | None = None
         if kind == CSA:
             self.indexer = Indexer(h, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, ratio,

@@ -19,11 +19,14 @@ from deepinfer.model.step_index import CompressIndex
 def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -> torch.Tensor:
     idx, ops, storage = ctx.index, attn.ops, ctx.storage
     cos, sin = ctx.rope[attn.table]
-    q_res = attn.q_norm(attn.wq_a(x))
-    q = attn.wq_b(q_res).view(len(x), attn.n_heads, attn.head_dim)
+    # Stacked projections (model/fused.py): x -> [q latent | kv], q latent -> [q heads | indexer q heads].
+    xq = attn.x_proj(x)
+    q_res = attn.q_norm(xq[:, : attn.x_proj.cols["kv"]])
+    q_all = attn.q_proj(q_res)
+    q = q_all[:, : attn.n_heads * attn.head_dim].view(len(x), attn.n_heads, attn.head_dim)
     # Fused norm + RoPE (one launch each on the GPU; may write q in place): see ops/ref/rope_norm.py.
     q = ops.norm_rope_heads(q, cos, sin, attn.eps)
-    kv = ops.norm_rope(attn.wkv(x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)
+    kv = ops.norm_rope(xq[:, attn.x_proj.cols["kv"] :], attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)
     window = storage.get(layer_key, "window_kv")
     window.index_copy_(0, idx.window_rows, kv)
 
@@ -46,7 +49,8 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
                       emit_cos, emit_sin, ops)
             weights = side[:, cols["ix_w"] : cols["ix_w"] + ix.n_heads]
             # Entries and index keys share the history pool's row numbering: the picks come back as rows.
-            extra_idx = _indexer_rows(ix, weights, q_res, ctx, layer_key, ci, cos, sin)
+            q_ix = q_all[:, attn.q_proj.cols["ix_q"] :]
+            extra_idx = _indexer_rows(ix, weights, q_ix, ctx, layer_key, ci, cos, sin)
     out = ops.sparse_attention_indexed(q, window, idx.window_keys, attn.attn_sink, attn.head_dim**-0.5,
                                        extra_kv, extra_idx)
     out = ops.rope(out, cos, sin, inverse=True)  # rope channels only, in place on the GPU
@@ -63,10 +67,11 @@ def _compress(comp, side: torch.Tensor, col: int, ctx: StepContext, layer_key: s
                       comp.norm.weight, comp.norm.eps, cos, sin, comp.overlap)
 
 
-def _indexer_rows(ix, weights: torch.Tensor, q_res: torch.Tensor, ctx: StepContext, layer_key: str,
+def _indexer_rows(ix, weights: torch.Tensor, q_ix: torch.Tensor, ctx: StepContext, layer_key: str,
                   ci: CompressIndex, cos, sin) -> torch.Tensor:
-    """History rows of each query's top-k entries ([T, k], -1 where fewer are visible); see ``Indexer.select``."""
-    q = ix.ops.rope(ix.wq_b(q_res).view(len(q_res), ix.n_heads, ix.head_dim), cos, sin)
+    """History rows of each query's top-k entries ([T, k], -1 where fewer are visible); see ``Indexer.select``.
+    ``q_ix``: the indexer's query heads (ix.wq_b of the query latent), flat [T, Hi*Di]."""
+    q = ix.ops.rope(q_ix.view(len(q_ix), ix.n_heads, ix.head_dim), cos, sin)
     weights = weights.float() * ix.n_heads**-0.5
     keys = ctx.storage.get(layer_key, "index_keys")
     return ix.ops.indexer_topk(q, weights, keys, ci.seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,

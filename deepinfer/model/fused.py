@@ -1,12 +1,16 @@
 """Weight layouts of the batched step path: projections that read the same input run as one GEMM.
 
-A decode step of one layer is a chain of small kernels, so each launch saved is time saved. Two places
-read one input through several weights the checkpoint stores separately:
-  * a compressed layer's input x feeds the compressor's kv and gate projections, and in CSA layers also
-    the indexer compressor's kv and gate and the indexer's head weights (all bf16 in V4 checkpoints);
+A decode step of one layer is a chain of small kernels, so each launch saved is time saved. Several
+places read one input through weights the checkpoint stores separately:
+  * the attention input x feeds wq_a and wkv (FP8), and in compressed layers the compressor's kv and
+    gate projections, in CSA layers also the indexer compressor's kv and gate and the indexer's head
+    weights (bf16): one stack per weight format;
+  * the normalised query latent feeds wq_b and, in CSA layers, the indexer's wq_b (FP8);
   * the shared expert's gate (w1) and up (w3) projections.
 ``fuse_projections`` stacks each set once, after loading, into one weight and points the original modules
-at row slices of it (views: no second copy), so the reference modules keep working unchanged.
+at row slices of it (views: no second copy), so the reference modules keep working unchanged. Parts that
+cannot share one weight (FP8 rows that are not whole 128-row scale blocks, in tiny test models) run one
+GEMM each and are concatenated: the caller sees the same [T, sum of rows] layout either way.
 """
 
 from __future__ import annotations
@@ -31,16 +35,23 @@ class StackedLinear(nn.Module):
             self.cols[name] = start
             start += _rows(module)
         first = parts[0][1]
-        if isinstance(first, Linear):
+        self.parts: list[nn.Module] | None = None
+        if len(parts) == 1:
+            self.inner = first
+        elif isinstance(first, Linear):
             self.inner = Linear(first.in_features, start, dtype=first.weight.dtype)
             self.inner.weight = nn.Parameter(torch.cat([m.weight.detach() for _, m in parts]), requires_grad=False)
             for name, module in parts:
                 a = self.cols[name]
                 module.weight = nn.Parameter(self.inner.weight[a : a + _rows(module)], requires_grad=False)
-        else:  # FP8Linear: rows of each part must be whole 128-row scale blocks
+        elif all(_rows(m) % 128 == 0 for _, m in parts):  # FP8Linear: whole 128-row scale blocks
             self.inner = type(first).stacked([m for _, m in parts])
+        else:
+            self.parts = nn.ModuleList(m for _, m in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            return torch.cat([m(x) for m in self.parts], dim=-1)
         return self.inner(x)
 
 
@@ -61,12 +72,15 @@ def fuse_projections(model: nn.Module) -> None:
     from deepinfer.model.moe import MoE
 
     for module in list(model.modules()):
-        if isinstance(module, Attention) and hasattr(module, "compressor") and module.side_proj is None:
-            parts = [("kv", module.compressor.wkv), ("gate", module.compressor.wgate)]
-            if hasattr(module, "indexer"):
-                ix = module.indexer
-                parts += [("ix_kv", ix.compressor.wkv), ("ix_gate", ix.compressor.wgate), ("ix_w", ix.weights_proj)]
-            module.side_proj = StackedLinear(parts)
+        if isinstance(module, Attention) and module.x_proj is None:
+            ix = getattr(module, "indexer", None)
+            module.x_proj = StackedLinear([("q", module.wq_a), ("kv", module.wkv)])
+            module.q_proj = StackedLinear([("q", module.wq_b)] + ([("ix_q", ix.wq_b)] if ix is not None else []))
+            if hasattr(module, "compressor"):
+                parts = [("kv", module.compressor.wkv), ("gate", module.compressor.wgate)]
+                if ix is not None:
+                    parts += [("ix_kv", ix.compressor.wkv), ("ix_gate", ix.compressor.wgate), ("ix_w", ix.weights_proj)]
+                module.side_proj = StackedLinear(parts)
         elif isinstance(module, MoE) and module.shared_experts is not None and module.shared_w13 is None:
             e = module.shared_experts
             module.shared_w13 = StackedLinear([("w1", e.w1), ("w3", e.w3)])

@@ -203,7 +203,7 @@ def _check_exact(q, w, keys, rows, limits, topk, scale) -> torch.Tensor:
     assert torch.equal(got, want), "selection or order differs from the reference"
     # as_rows: each pick's row id (what the attention reads), -1 kept; twin-equal and equal to a gather.
     got_rows = _tri_topk(q, w, keys, rows, limits, topk, scale, as_rows=True)
-    want_rows = torch.where(want >= 0, rows.long().gather(1, want.clamp(min=0)), -1)
+    want_rows = torch.where(want >= 0, rows.long().gather(1, want.clamp(min=0)), -1).to(torch.int32)
     assert torch.equal(got_rows, want_rows)
     assert torch.equal(ref_indexer_topk(q, w, keys, rows, limits, topk, scale, as_rows=True), want_rows)
     return want.cpu()

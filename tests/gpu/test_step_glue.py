@@ -77,4 +77,5 @@ def test_indexer_rows_with_shared_entry_lists(device) -> None:
     got = indexer_topk(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args), as_rows=True)
     assert torch.equal(got.cpu(), want)
     picks = ref_topk(*args)
-    assert torch.equal(want, torch.where(picks >= 0, seq_rows[qrows].long().gather(1, picks.clamp(min=0)), -1))
+    rows = seq_rows[qrows].long().gather(1, picks.clamp(min=0))
+    assert torch.equal(want, torch.where(picks >= 0, rows, -1).to(torch.int32))

@@ -35,8 +35,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
 
     ``query_rows`` [L] (optional): query l reads row ``query_rows[l]`` of ``key_rows`` (then [B, E], one
     row per sequence), so the queries of one sequence share its entry list instead of each carrying a copy.
-    ``as_rows``: return each pick's row id ``key_rows[., pick]`` instead of its entry number (-1 stays -1):
-    what the sparse attention reads, since entries and index keys share one row numbering.
+    ``as_rows``: return each pick's row id ``key_rows[., pick]`` instead of its entry number (-1 stays -1),
+    as int32 like every row list: what the sparse attention reads (entries and index keys share rows).
     """
     if query_rows is not None:
         key_rows = key_rows[query_rows.long()]
@@ -45,4 +45,4 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     if not as_rows:
         return picks
     rows = key_rows.long().gather(1, picks.clamp(min=0))
-    return torch.where(picks >= 0, rows, -1)
+    return torch.where(picks >= 0, rows, -1).to(torch.int32)

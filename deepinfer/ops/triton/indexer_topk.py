@@ -134,7 +134,7 @@ def _picks_kernel(best_ptr, lim_ptr, rows_ptr, qrows_ptr, out_ptr, e, k, stride_
     valid = entry < tl.load(lim_ptr + lq)
     if AS_ROWS:
         r = tl.load(qrows_ptr + lq)
-        row = tl.load(rows_ptr + r * stride_r + entry, mask=ok & valid, other=-1).to(tl.int64)
+        row = tl.load(rows_ptr + r * stride_r + entry, mask=ok & valid, other=-1)
         entry = tl.where(valid, row, -1)
     else:
         entry = tl.where(valid, entry, -1)
@@ -147,7 +147,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     """q [L, Hi, Di], weights [L, Hi] fp32, keys [R, Di], key_rows [L, E] int32 (-1 absent), limits [L]
     -> [L, min(topk, E)] int64 entry numbers, best first, -1 where fewer than that are visible.
     With ``query_rows`` [L], key_rows is [B, E] and query l reads its row query_rows[l]. ``as_rows``: each
-    pick's row id instead of its entry number (see the reference)."""
+    pick's row id (int32) instead of its entry number (see the reference)."""
     L, e = q.shape[0], key_rows.shape[1]
     k = min(topk, e)
     if k <= 0 or L == 0:
@@ -160,7 +160,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
         qrows = query_rows.to(device=q.device, dtype=torch.int32).contiguous()
     else:  # key_rows holds one row per query (only read with as_rows)
         qrows = torch.arange(L, device=q.device, dtype=torch.int32) if as_rows else lims
-    out = torch.empty((L, k), dtype=torch.long, device=q.device)
+    out = torch.empty((L, k), dtype=torch.int32 if as_rows else torch.long, device=q.device)
     _picks_kernel[(L,)](best, lims, rows, qrows, out, e, k, best.stride(0), rows.stride(0), out.stride(0),
                         AS_ROWS=as_rows, BLOCK=triton.next_power_of_2(k), num_warps=4)
     return out
