@@ -105,9 +105,11 @@ class FusedFP4Experts(nn.Module):
             self.register_buffer(name, torch.stack(parts).contiguous())
         self.limit, self.ops = limit, ops
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts' output, plus ``add`` (the shared expert's output) when given."""
         return self.ops.moe_experts_fp4(x.contiguous(), ids.long(), weights.float(), self.w13, self.s13, self.w2,
-                                        self.s2, self.limit)
+                                        self.s2, self.limit, add=None if add is None else add.contiguous())
 
 
 def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:

@@ -68,13 +68,11 @@ class MoE(nn.Module):
             bias=None if self.gate.is_hash else self.gate.bias,
             hash_indices=self.gate.tid2eid[input_ids] if self.gate.is_hash else None,
         )
-        if self.fused is not None:
-            routed = self.fused(x, indices, weights)
-        else:
-            routed = self._experts_loop(x, indices, weights)
-        if self.shared_experts is not None:
-            routed = routed + self._shared(x)
-        return routed
+        shared = self._shared(x) if self.shared_experts is not None else None
+        if self.fused is not None:  # the kernels' combine adds the shared expert (no extra launch)
+            return self.fused(x, indices, weights, add=shared)
+        routed = self._experts_loop(x, indices, weights)
+        return routed if shared is None else routed + shared
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         e = self.shared_experts

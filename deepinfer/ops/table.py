@@ -7,7 +7,7 @@ the Triton kernels, imported lazily so that only a CUDA process loads Triton. En
   indexer_select(q [L,Hi,Di], weights [L,Hi] fp32, keys [E,Di], limits [L], topk, scale) -> [L,k] int64
   fp8_linear(x [M,K], weight e4m3 [N,K], scale fp32 [N/128,K/128]) -> [M,N]
   fp8_linear_grouped(x [M,G*K], weight [G*r,K], scale, G) -> [M,G*r] (block-diagonal, one launch)
-  moe_experts_fp4(x, topk_ids, topk_weights, w13, s13, w2, s2, limit) -> [T,H]
+  moe_experts_fp4(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, out=None, add=None) -> [T,H]
 
 The index-list entries serve the batched step path (``model/attention_indexed.py``), which reads the paged
 cache through per-step row lists instead of gathered per-sequence tensors:

@@ -58,8 +58,9 @@ def check_moe_experts_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights
 
 def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                    limit: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H] -> [T, H] in x.dtype (written into ``out`` when given)."""
+                    limit: float, *, out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H] in x.dtype (written into ``out`` when given). ``add`` [T, H] in x.dtype (the
+    shared expert's output) is added after the rounding to x.dtype: ``routed + add`` as two tensors."""
     n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13, s13, w2, s2)
     t, h = x.shape
     k = topk_ids.shape[1]
@@ -77,6 +78,8 @@ def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     for j in range(1, k):  # the combine: slot order, fp32
         acc = acc + per_slot[:, j]
     res = acc.to(x.dtype)
+    if add is not None:
+        res = res + add
     if out is None:
         return res
     out.copy_(res)

@@ -18,6 +18,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from deepinfer.ops.triton.launch import PDL, pdl_wait
 
 SCALE_BLOCK = 128
 # Triton's CPU interpreter mis-converts fp32 -> bf16 inside kernels, so interpreted runs use fp32 dots.
@@ -32,6 +33,7 @@ def _fp8_linear_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
+    pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -74,6 +76,9 @@ def _fp8_linear_kernel(
         part_tile = part_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
         tl.store(part_tile + pid_k * stride_psplit, acc, mask=mn_mask)
         tile = pid_m * tl.num_programs(1) + pid_n
+        # Release covers the issuing thread's own writes (and those it has observed): a CTA barrier first
+        # puts every thread's partial stores before the ticket.
+        tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
         if ticket == num_splits - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -96,6 +101,7 @@ def _fp8_linear_wa_kernel(
     power-of-two scale keeps it exact), so all K blocks chain into one accumulator and the MMAs pipeline,
     instead of one MMA per K block followed by an fp32 rescale.
     """
+    pdl_wait()
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -199,8 +205,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         _fp8_linear_wa_kernel[grid](
             x, weight, scale, y, m, n, k, group_rows, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
             BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=128, GROUP_M=c["GROUP_M"], IEEE=_INTERPRET,
-            num_warps=c["num_warps"], num_stages=c["num_stages"],
-        )
+            num_warps=c["num_warps"], num_stages=c["num_stages"], **PDL)
         return y
     bm, bn, split, warps, stages = _config(m, n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
@@ -212,6 +217,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         x, weight, scale, y, part, _tickets(x.device), m, n, k, k_per_split, group_rows,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET,
-        num_warps=warps, num_stages=stages,
-    )
+        num_warps=warps, num_stages=stages, **PDL)
     return y
