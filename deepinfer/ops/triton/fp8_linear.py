@@ -18,7 +18,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from deepinfer.ops.triton.launch import PDL, pdl_wait
 
 SCALE_BLOCK = 128
 # Triton's CPU interpreter mis-converts fp32 -> bf16 inside kernels, so interpreted runs use fp32 dots.
@@ -33,7 +32,6 @@ def _fp8_linear_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pdl_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -101,7 +99,6 @@ def _fp8_linear_wa_kernel(
     power-of-two scale keeps it exact), so all K blocks chain into one accumulator and the MMAs pipeline,
     instead of one MMA per K block followed by an fp32 rescale.
     """
-    pdl_wait()
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -205,7 +202,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         _fp8_linear_wa_kernel[grid](
             x, weight, scale, y, m, n, k, group_rows, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
             BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=128, GROUP_M=c["GROUP_M"], IEEE=_INTERPRET,
-            num_warps=c["num_warps"], num_stages=c["num_stages"], **PDL)
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
         return y
     bm, bn, split, warps, stages = _config(m, n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
@@ -217,5 +215,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         x, weight, scale, y, part, _tickets(x.device), m, n, k, k_per_split, group_rows,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET,
-        num_warps=warps, num_stages=stages, **PDL)
+        num_warps=warps, num_stages=stages,
+    )
     return y

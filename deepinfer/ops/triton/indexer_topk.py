@@ -25,7 +25,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from deepinfer.ops.triton.launch import PDL, pdl_wait
 
 # Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -40,7 +39,6 @@ def _index_score_kernel(
     SHARED_ROWS: tl.constexpr,
 ):
     # One flat axis (no 65535 limit on the number of queries); a query's entry blocks are adjacent.
-    pdl_wait()
     n_eb = tl.cdiv(E, BLOCK_E)
     eb = tl.program_id(0) % n_eb
     lq = (tl.program_id(0) // n_eb).to(tl.int64)
@@ -112,7 +110,8 @@ def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), rows.stride(0), out.stride(0),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(di)),
         IEEE=q.dtype == torch.float32 or _INTERPRET, SHARED_ROWS=shared, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **PDL)
+        num_stages=cfg["num_stages"],
+    )
     return out
 
 
@@ -126,12 +125,13 @@ def scores_from_keys(sort_keys: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _picks_kernel(best_ptr, lim_ptr, rows_ptr, qrows_ptr, out_ptr, e, k, stride_b, stride_r, stride_o,
                   AS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Sort keys of the top k -> entry numbers (or their row ids), -1 past the query's limit."""
-    pdl_wait()
+    """Sort keys of the top k (any order) -> entry numbers (or their row ids) best first, -1 past the query's
+    limit. Keys are unique per entry, so the in-register sort gives exactly a sorted top-k's order."""
     lq = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < k
-    best = tl.load(best_ptr + lq * stride_b + offs, mask=ok, other=0)
+    best = tl.load(best_ptr + lq * stride_b + offs, mask=ok, other=-9223372036854775808)  # pads sort last
+    best = tl.sort(best, descending=True)
     entry = (e - 1) - (best & 0xFFFFFFFF)
     valid = entry < tl.load(lim_ptr + lq)
     if AS_ROWS:
@@ -155,7 +155,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     if k <= 0 or L == 0:
         return torch.empty((L, max(k, 0)), dtype=torch.long, device=q.device)
     sort_keys = indexer_sort_keys(q, weights, keys, key_rows, limits, softmax_scale, query_rows)
-    best = torch.topk(sort_keys, k, dim=1, largest=True, sorted=True).values
+    # Unsorted: torch's sort of the k winners costs more than the selection (two radix-sort launches); the
+    # picks kernel orders them best first instead.
+    best = torch.topk(sort_keys, k, dim=1, largest=True, sorted=False).values
     rows = key_rows.to(torch.int32).contiguous()
     lims = limits.to(device=q.device, dtype=torch.int32).contiguous()
     if query_rows is not None:
@@ -164,5 +166,5 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
         qrows = torch.arange(L, device=q.device, dtype=torch.int32) if as_rows else lims
     out = torch.empty((L, k), dtype=torch.int32 if as_rows else torch.long, device=q.device)
     _picks_kernel[(L,)](best, lims, rows, qrows, out, e, k, best.stride(0), rows.stride(0), out.stride(0),
-                        AS_ROWS=as_rows, BLOCK=triton.next_power_of_2(k), num_warps=4, **PDL)
+                        AS_ROWS=as_rows, BLOCK=triton.next_power_of_2(k), num_warps=4)
     return out

@@ -88,7 +88,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from deepinfer.ops.triton.launch import PDL, pdl_wait
 
 # Triton 3.6's CPU interpreter truncates fp32 -> bf16; interpreted runs round the bits first (``_to_out``).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -120,7 +119,6 @@ def _to_out(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 def _mixes_kernel(x_ptr, fn_ptr, part_ptr, T, K, ROWS,
                   K_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr):
     """part[s, t, :ROWS] = x[t, chunk s] @ fn[:, chunk s].T and part[s, t, ROWS] = sum x[t, chunk s]^2."""
-    pdl_wait()
     s = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_m = tl.arange(0, MP)
@@ -148,7 +146,6 @@ def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb
                    N: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr,
                    BLOCK_H: tl.constexpr, HEAD: tl.constexpr, INTERPRET: tl.constexpr):
     """Token t, program p: collapsed for H blocks [p*BLOCKS, (p+1)*BLOCKS); post and comb if p == SINK."""
-    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     b0 = p * BLOCKS
@@ -216,7 +213,6 @@ def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 def _post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, H,
                  N: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
     """y[t, k, h-block] = rnd(rnd(rnd(post_k) * out) + rnd(sum_j rnd(comb[j, k]) * x_j)), rnd = stream dtype."""
-    pdl_wait()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -267,7 +263,7 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     part = _empty((split, t, rows + 1), torch.float32, dev)
     _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
                                                     K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
-                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1), **PDL)
+                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
     block_h = min(BLOCK_H, triton.next_power_of_2(h))
     n_blocks = triton.cdiv(h, block_h)
     # Collapse programs per token: every H block apart for small T, one program per token once T fills the
@@ -278,7 +274,7 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     _finish_kernel[(t, progs + (sink > 0))](
         x, part, base, scale, collapsed, post, comb, t, h, rows, int(iters), float(hc_eps), float(norm_eps),
         per_prog, sink, N=n, NP=triton.next_power_of_2(n), SPLIT=split, SP=triton.next_power_of_2(split),
-        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, num_warps=1, **PDL)
+        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, num_warps=1)
     return collapsed, post, comb
 
 
@@ -315,5 +311,5 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
     _post_kernel[(t, triton.cdiv(h, block_h))](x, out.contiguous(), post.float().contiguous(),
                                                comb.float().contiguous(), y, h,
                                                N=n, NP=triton.next_power_of_2(n), BLOCK_H=block_h,
-                                               INTERPRET=_INTERPRET, num_warps=4, enable_fp_fusion=False, **PDL)
+                                               INTERPRET=_INTERPRET, num_warps=4, enable_fp_fusion=False)
     return y

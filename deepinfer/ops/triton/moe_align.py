@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.moe_align import num_align_blocks
-from deepinfer.ops.triton.launch import PDL, pdl_wait
 
 # Pairs per program. One program covers decode (T * k <= 1024, e.g. T <= 170 at k = 6) in a single launch;
 # the three-launch path only starts where the MoE GEMMs take far longer than two extra launches.
@@ -112,7 +111,6 @@ def _fill_blocks(pair_ptr, expert_ptr, b0, b1, counts, block_start, block_end,
 def _align_one_program_kernel(ids_ptr, pair_ptr, expert_ptr, n_pairs, num_blocks,
                               E_PAD: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
                               NB_TILE: tl.constexpr):
-    pdl_wait()
     counts = _count_range(ids_ptr, 0, n_pairs, E_PAD, CHUNK)
     block_start, block_end = _block_bounds(counts, BM)
     _place_range(ids_ptr, pair_ptr, 0, n_pairs, block_start * BM, E_PAD, CHUNK)
@@ -122,7 +120,6 @@ def _align_one_program_kernel(ids_ptr, pair_ptr, expert_ptr, n_pairs, num_blocks
 @triton.jit
 def _count_kernel(ids_ptr, hist_ptr, n_pairs, PER: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """hist[c] = pairs per expert in range c."""
-    pdl_wait()
     c = tl.program_id(0)
     p0 = c * PER
     counts = _count_range(ids_ptr, p0, tl.minimum(p0 + PER, n_pairs), E_PAD, CHUNK)
@@ -132,7 +129,6 @@ def _count_kernel(ids_ptr, hist_ptr, n_pairs, PER: tl.constexpr, E_PAD: tl.const
 @triton.jit
 def _scan_kernel(hist_ptr, n_ranges, E_PAD: tl.constexpr, ROWS: tl.constexpr):
     """hist[c] -> pairs per expert in ranges before c (exclusive scan); row n_ranges <- totals."""
-    pdl_wait()
     e = tl.arange(0, E_PAD)
     carry = tl.zeros([E_PAD], dtype=tl.int32)
     for r0 in range(0, n_ranges, ROWS):
@@ -149,7 +145,6 @@ def _scan_kernel(hist_ptr, n_ranges, E_PAD: tl.constexpr, ROWS: tl.constexpr):
 def _place_kernel(ids_ptr, hist_ptr, pair_ptr, expert_ptr, n_pairs, n_ranges, num_blocks,
                   PER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
                   NB_TILE: tl.constexpr):
-    pdl_wait()
     c = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     counts = tl.load(hist_ptr + n_ranges * E_PAD + e)
@@ -191,14 +186,14 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     warps = 8 if e_pad >= 256 else 4
     if n_pairs <= ONE_PROGRAM_PAIRS:
         _align_one_program_kernel[(1,)](flat, pair_of_row, expert_of_block, n_pairs, num_blocks, E_PAD=e_pad,
-                                        BM=block_m, CHUNK=chunk, NB_TILE=nb_tile, num_warps=warps, **PDL)
+                                        BM=block_m, CHUNK=chunk, NB_TILE=nb_tile, num_warps=warps)
         return pair_of_row, expert_of_block
     n_ranges = triton.cdiv(n_pairs, ONE_PROGRAM_PAIRS)
     hist = torch.empty((n_ranges + 1, e_pad), dtype=torch.int32, device=dev)  # last row: totals
     _count_kernel[(n_ranges,)](flat, hist, n_pairs, PER=ONE_PROGRAM_PAIRS, E_PAD=e_pad, CHUNK=chunk,
-                               num_warps=warps, **PDL)
-    _scan_kernel[(1,)](hist, n_ranges, E_PAD=e_pad, ROWS=SCAN_ROWS, num_warps=4, **PDL)
+                               num_warps=warps)
+    _scan_kernel[(1,)](hist, n_ranges, E_PAD=e_pad, ROWS=SCAN_ROWS, num_warps=4)
     _place_kernel[(n_ranges,)](flat, hist, pair_of_row, expert_of_block, n_pairs, n_ranges, num_blocks,
                                PER=ONE_PROGRAM_PAIRS, E_PAD=e_pad, BM=block_m, CHUNK=chunk, NB_TILE=nb_tile,
-                               num_warps=warps, **PDL)
+                               num_warps=warps)
     return pair_of_row, expert_of_block

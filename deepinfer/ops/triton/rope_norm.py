@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.triton.launch import PDL, pdl_wait
 from deepinfer.ops.triton.rounding import round_to
 
 # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even: see ``ops/triton/rounding.py``.
@@ -61,7 +60,6 @@ def _norm_rope_kernel(
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Axis 0 = token * head blocks + head block (axis 0 has no 65535 limit; prefill has many tokens).
-    pdl_wait()
     n_hb = tl.cdiv(H, BLOCK_H)
     t = (tl.program_id(0) // n_hb).to(tl.int64)
     offs_h = ((tl.program_id(0) % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
@@ -134,7 +132,8 @@ def _launch(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, no
         h, width, col0, (width - rope_dim) // 2, 1.0 / width, float(eps),
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
         NORM=norm, ROPE=rope_dim > 0, INVERSE=inverse, BLOCK_H=block_h, BLOCK_W=block_w,
-        INTERPRET=_INTERPRET, num_warps=num_warps, enable_fp_fusion=False, **PDL)
+        INTERPRET=_INTERPRET, num_warps=num_warps, enable_fp_fusion=False,
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from deepinfer.ops.triton.launch import PDL, pdl_wait
 
 # Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -89,7 +88,6 @@ def _sparse_attn_kernel(
 ):
     # Axis 0 = query * head groups + head group (axis 0 has no 65535 limit, prefill needs that), head group
     # fastest: the programs that read the same key rows run side by side and share them through L2.
-    pdl_wait()
     n_hg = tl.cdiv(H, BLOCK_H)
     hg = tl.program_id(0) % n_hg
     lq = (tl.program_id(0) // n_hg).to(tl.int64)
@@ -134,7 +132,6 @@ def _sparse_attn_kernel(
 def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_splits,
                   stride_ol, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merge split partials in split order (fixed), then the same epilogue as the fused path."""
-    pdl_wait()
     n_hg = tl.cdiv(H, BLOCK_H)
     hg = tl.program_id(0) % n_hg
     lq = (tl.program_id(0) // n_hg).to(tl.int64)
@@ -235,12 +232,12 @@ def sparse_attention_indexed(
         out.stride(0), out.stride(1),
         HAS_EXTRA=has_extra, FUSED=fused, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **PDL,
     )
     if not fused:
         _merge_kernel[(triton.cdiv(H, block_h) * L,)](
             mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
-            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, **PDL)
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        )
     return out
 
 
