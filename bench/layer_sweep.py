@@ -278,9 +278,12 @@ def rerun_hf(native: dict, src: Path, out: Path) -> None:
     data = json.loads(src.read_text())
     rows = [r for r in data["rows"] if not r["kind"].startswith("hf_")]
     old = [r for r in data["rows"] if r["kind"].startswith("hf_")]
-    batches = sorted({r["batch"] for r in old if r["kind"] == "hf_decode"})
-    contexts = {r["context"] for r in old if r["kind"] == "hf_decode"}
-    prefill = sorted({r["tokens"] for r in old if r["kind"] == "hf_prefill"})
+    # The HF shapes of the JSON's earlier peer rows, else the ones --hf would have run (see main).
+    src_rows = old or [{**r, "kind": "hf_" + r["kind"]} for r in rows
+                       if (r["kind"] == "decode" and r["batch"] <= 32) or (r["kind"] == "prefill" and r["tokens"] <= 4096)]
+    batches = sorted({r["batch"] for r in src_rows if r["kind"] == "hf_decode"})
+    contexts = {r["context"] for r in src_rows if r["kind"] == "hf_decode"}
+    prefill = sorted({r["tokens"] for r in src_rows if r["kind"] == "hf_prefill"})
     rows += hf_peer(native, data["meta"]["layers"], batches, min(contexts), prefill)
     data["meta"]["hf_transformers"] = transformers.__version__
     out.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,6 @@ from deepinfer.ops.triton.rounding import round_to
 # mis-converts bf16 subnormals, so interpreted runs take fp32 detours with the same exact values
 # (see ``_mma``, ``_to_out`` and ``_dequant_fp4``); the GPU code path is the other branch of each.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Packed weights loaded one K step ahead by hand (see _gate_up_kernel); DEEPINFER_MOE_PREFETCH=0 for A/B.
-PREFETCH = os.environ.get("DEEPINFER_MOE_PREFETCH", "1") != "0"
 # Tests set this: scratch buffers (h, y) start as NaN so an element no program wrote cannot pass unnoticed.
 POISON_SCRATCH = False
 
@@ -175,7 +173,7 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     limit, topk,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
@@ -198,22 +196,15 @@ def _gate_up_kernel(
     su = tl.load(u_s + s_off, mask=w_mask, other=0)
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    pg = tl.load(g_w + w_off, mask=w_mask, other=0)
-    pu = tl.load(u_w + w_off, mask=w_mask, other=0)
     for k0 in range(0, K, BK):  # the full reduction, always in this order (no split-K)
-        # Triton does not stage these loads through shared memory (their values feed integer dequantization,
-        # not the MMA directly), so each step would wait a full memory latency for its own bytes. The next
-        # step's packed weights and scales are loaded here by hand, one step ahead, while this step computes.
+        # Weights and activations are software-pipelined by Triton (cp.async, num_stages deep). The scale
+        # tiles are too narrow for that (4 bytes per row), so the next step's scales are fetched here by
+        # hand, one step ahead, instead of stalling every step on a fresh load.
         kn = k0 + BK
-        more = kn < K
-        sg_n = tl.load(g_s + kn // 32 + s_off, mask=w_mask & more, other=0)
-        su_n = tl.load(u_s + kn // 32 + s_off, mask=w_mask & more, other=0)
-        if PREFETCH:
-            pg_n = tl.load(g_w + kn // 2 + w_off, mask=w_mask & more, other=0)
-            pu_n = tl.load(u_w + kn // 2 + w_off, mask=w_mask & more, other=0)
-        else:
-            pg = tl.load(g_w + k0 // 2 + w_off, mask=w_mask, other=0)
-            pu = tl.load(u_w + k0 // 2 + w_off, mask=w_mask, other=0)
+        sg_n = tl.load(g_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
+        su_n = tl.load(u_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
+        pg = tl.load(g_w + k0 // 2 + w_off, mask=w_mask, other=0)
+        pu = tl.load(u_w + k0 // 2 + w_off, mask=w_mask, other=0)
         wg = _dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
         wu = _dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
         xt = tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0)
@@ -230,8 +221,6 @@ def _gate_up_kernel(
             acc_u = _mma(wu, x_mid, acc_u, INTERPRET)
             acc_u = _mma(wu, x_lo, acc_u, INTERPRET)
         sg, su = sg_n, su_n
-        if PREFETCH:
-            pg, pu = pg_n, pu_n
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
     hval = gate * tl.sigmoid(gate) * up
@@ -245,7 +234,7 @@ def _down_kernel(
     K, N,  # K = I (reduction), N = H
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
@@ -262,14 +251,10 @@ def _down_kernel(
     s_base = s2_ptr + e.to(tl.int64) * stride_se
     sw = tl.load(s_base + s_off, mask=w_mask, other=0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    pw = tl.load(w_base + w_off, mask=w_mask, other=0)
-    for k0 in range(0, K, BK):  # one step ahead, as in _gate_up_kernel
+    for k0 in range(0, K, BK):
         kn = k0 + BK
-        sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
-        if PREFETCH:
-            pw_n = tl.load(w_base + kn // 2 + w_off, mask=w_mask & (kn < K), other=0)
-        else:
-            pw = tl.load(w_base + k0 // 2 + w_off, mask=w_mask, other=0)
+        sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)  # one step ahead
+        pw = tl.load(w_base + k0 // 2 + w_off, mask=w_mask, other=0)
         w = _dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
         at = tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0)
         if SPLIT == 1:
@@ -280,8 +265,6 @@ def _down_kernel(
             acc = _mma(w, a_mid, acc, INTERPRET)
             acc = _mma(w, a_lo, acc, INTERPRET)
         sw = sw_n
-        if PREFETCH:
-            pw = pw_n
     tl.store(y_ptr + row[None, :] * stride_y + offs_n[:, None], acc, mask=a_mask & w_mask)
 
 
@@ -351,13 +334,13 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hid.stride(0),
         float(limit), k,
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-        PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2))](
         hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
         hid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
-        PREFETCH=PREFETCH, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     block_h = min(1024, triton.next_power_of_2(h))
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()):
