@@ -23,7 +23,9 @@ def report(data: dict) -> str:
     floor_ms = meta["weight_bytes_per_layer_b1"] / bw * 1e3 if bw else None
     hf_dec = {(r["context"], r["batch"]): r["ms_per_layer"] for r in rows if r["kind"] == "hf_decode"}
     hf_pre = {r["tokens"]: r["ms_per_layer"] for r in rows if r["kind"] == "hf_prefill"}
-    out = [f"# Layer sweep: V4-Flash shapes, {meta['layers']} layers, random native-format weights on the device",
+    first = meta.get("first_layer", 0)
+    out = [f"# Layer sweep: V4-Flash shapes, {meta['layers']} layers (its layers {first}..{first + meta['layers'] - 1}), "
+           "random native-format weights on the device",
            "", f"{meta['date']}, {meta['device']}, torch {meta.get('torch', '?')}, commit {meta['commit'] or '?'}, HF peer: "
            f"transformers {meta.get('hf_transformers', '?')} (bf16, eager attention, same shapes and random weights). "
            f"Measured in the same run: copy bandwidth {_fmt(bw and bw / 1e12, '.2f')} TB/s, bf16 GEMM "
@@ -31,8 +33,9 @@ def report(data: dict) -> str:
            f"{meta['weight_bytes_per_layer_b1'] / 1e6:.0f} MB of weights per layer -> floor {_fmt(floor_ms)} ms.",
            *(["", meta["note"]] if meta.get("note") else []),
            "", "## Decode (ms per layer; 43-layer model tokens/s)", "",
-           "Per layer = a 43-layer step / 43 = (43 x (replay - LM head) / layers + LM head + host work per step)"
-           " / 43; eager = the same batched path launched from Python.", "",
+           "Per layer = a 43-layer step / 43 = (43 x (replay - LM head - preamble) / layers + LM head + preamble"
+           " + host work per step) / 43, the preamble being the step's row lists, RoPE tables and embedding (where"
+           " timed); eager = the same batched path launched from Python.", "",
            "| context | batch | ms/layer | bare replay | eager | TPOT 43 layers (ms) | tok/s (43 layers) "
            "| MB read/layer (model) | % of measured bw | HF | vs HF |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -83,9 +83,11 @@ def test_per_range_path(device, monkeypatch, per, n_tok, k, n_exp, routing) -> N
 
 
 @pytest.mark.interpret_ok
-@pytest.mark.parametrize("n_pairs", [1023, 1024, 1025, 2048, 2500])
-def test_path_boundary(device, n_pairs) -> None:
+@pytest.mark.parametrize("offset", [-1, 0, 1, "x2", "x2.5"])
+def test_path_boundary(device, offset) -> None:
     """Around ONE_PROGRAM_PAIRS with the real range size (k = 1 gives any P)."""
+    per = tri.ONE_PROGRAM_PAIRS
+    n_pairs = per + offset if isinstance(offset, int) else int(per * float(offset[1:]))
     ids = make_ids(n_pairs, 1, 256, "router", seed=n_pairs)
     check(ids, 256, 16, device)
     check(make_ids(n_pairs, 1, 8, "skewed", seed=n_pairs), 8, 64, device)
