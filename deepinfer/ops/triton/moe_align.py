@@ -16,7 +16,7 @@ a decode MoE call. No sort is needed, only counting:
           own no block), else -1; its rows past that expert's count are padding and get -1. Placement
           writes exactly the other rows, so the two never write the same element and need no ordering.
 
-Up to ONE_PROGRAM_PAIRS pairs (decode, small prefill) one program does all three steps: one launch. Beyond
+Up to ONE_PROGRAM_PAIRS pairs (small decode batches) one program does all three steps: one launch. Beyond
 that, one program per ONE_PROGRAM_PAIRS pairs counts its range, a single program turns the counts into
 per-range starting rows (an exclusive scan over ranges), and the range programs then place their pairs and
 fill their share of the blocks: three launches whose cost grows linearly with P. Both paths run the same
@@ -33,9 +33,11 @@ import triton.language as tl
 
 from deepinfer.ops.ref.moe_align import num_align_blocks
 
-# Pairs per program. One program covers decode (T * k <= 1024, e.g. T <= 170 at k = 6) in a single launch;
-# the three-launch path only starts where the MoE GEMMs take far longer than two extra launches.
-ONE_PROGRAM_PAIRS = 1024
+# Pairs per program. One program's work grows with its pairs (place and fill are loops over pairs and
+# blocks), so beyond a few dozen pairs the three-launch path with one program per 64 pairs is faster:
+# bench/kernels/bench_align.py on the H200 (bench/results/NOTES.md, run 18): 192 pairs (T=32) 33.2 -> 16.2 µs,
+# 768 pairs 72.8 -> 12.9 µs, 24576 pairs 87.6 -> 46.7 µs; up to 64 pairs (T <= 10) it stays one launch.
+ONE_PROGRAM_PAIRS = 64
 # Scan tile: ranges per step of the exclusive scan over range programs.
 SCAN_ROWS = 16
 # Tests set this: outputs start filled with a value no kernel writes, so a missed element cannot pass by
