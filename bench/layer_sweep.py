@@ -261,10 +261,14 @@ def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
     ``active_experts`` routed FP4 experts with their scales, and the bf16/fp32 rest."""
     total = 0
     for layer in model.layers:
+        # Each storage once: stacked projections (model/fused.py) leave the original modules holding views.
+        seen: set[int] = set()
         for name, t in list(layer.named_buffers()) + list(layer.named_parameters()):
-            if ".fused." in f".{name}":
+            storage = t.untyped_storage()
+            if ".fused." in f".{name}" or storage.data_ptr() in seen:
                 continue
-            total += t.numel() * t.element_size()
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
         fused = layer.ffn.fused
         per_expert = sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("w13", "w2"))
         per_expert += sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("s13", "s2"))
