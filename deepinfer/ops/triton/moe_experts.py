@@ -14,7 +14,10 @@ Why these choices:
   deep), each tile is dequantized in registers right before its MMA and fed to ``tl.dot`` as bf16: the
   packed bytes are the only weight traffic (4.25 bits/weight with UE8M0 scales) and dequantized weights
   never touch global memory. e2m1 times a power of two is exact in bf16, so dequantization rounds nothing
-  (scales must be powers of two, as UE8M0 ones are, and at most 2; see ``_dequant_fp4``).
+  (scales must be powers of two, as UE8M0 ones are, and at most 2; see ``_dequant_fp4``). Within each
+  BLOCK_K step the inputs are taken in a fixed permuted order (same for weights and activations) that
+  makes every thread's share of the packed tile one 16-byte run: 16-byte copies and shared-memory loads
+  instead of one instruction per byte (decode 13-22% faster, bench/results/NOTES.md run 20).
 * Swap-AB: the weight tile is the MMA's M side (64-row multiples, what Hopper's wgmma wants) and the
   tokens are its N side (16..128). Decode then wastes no MMA rows on padding tokens, and every tile
   config uses the same instruction family (wgmma m64nNk16, bf16 -> fp32), differing only in N.
@@ -62,9 +65,11 @@ class TileConfig:
 CONFIG_TABLE: tuple[tuple[float, TileConfig], ...] = (
     (8.0, TileConfig(block_m=16, block_n1=64, block_n2=64, num_warps=4, num_stages=4)),
     (24.0, TileConfig(block_m=32, block_n1=64, block_n2=64, num_warps=4, num_stages=4)),
-    (64.0, TileConfig(block_m=64, block_n1=64, block_n2=64, num_warps=4, num_stages=3)),
-    (math.inf, TileConfig(block_m=128, block_n1=64, block_n2=128, num_warps=8, num_stages=3)),
+    (64.0, TileConfig(block_m=64, block_n1=128, block_n2=128, num_warps=8, num_stages=3)),
+    (math.inf, TileConfig(block_m=128, block_n1=128, block_n2=128, num_warps=8, num_stages=3)),
 )
+# The wide-token rows were re-swept after the K-order change (bench/results/NOTES.md, run 20): at T=4096,
+# 128-row weight tiles with 8 warps beat 64-row ones (m128: 4626 vs 6117 µs; m64: 5975 vs 6178 µs).
 # fp32 activations triple the MMA operands (three bf16 parts); wider token tiles spill registers, and the
 # fp32 path exists for parity checks, not speed, so it always runs the narrowest config.
 FP32_CONFIG = CONFIG_TABLE[0][1]
@@ -82,6 +87,14 @@ def block_k(dim: int) -> int:
     return next(bk for bk in (128, 64, 32) if dim % bk == 0)
 
 
+def k_order(bk: int) -> torch.Tensor:
+    """The input index each column of a dequantized [*, bk] tile holds (see ``_dequant_fp4``)."""
+    q = bk // 32
+    col = torch.arange(bk)
+    i, rem = col // (2 * q), col % (2 * q)
+    return 32 * (rem // 2) + 2 * i + rem % 2
+
+
 def _check_config(cfg: TileConfig) -> None:
     for n in (cfg.block_n1, cfg.block_n2):
         if n % 64:
@@ -93,10 +106,17 @@ def _check_config(cfg: TileConfig) -> None:
 @triton.jit
 def _dequant_fp4(packed, scale, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl.constexpr,
                  INTERPRET: tl.constexpr):
-    """int8 [BN, BK/2] (two e2m1 codes per byte, low nibble first) and scales [BN, BK/32] -> bf16 [BN, BK].
+    """int8 [BN, BK/2] (two e2m1 codes per byte, low nibble first) and scales [BN, BK/32] -> bf16 [BN, BK]
+    with its columns in the kernels' K order: column 2Q*i + 2q + t holds input 32q + 2i + t.
 
-    Dequantization is the decode bottleneck (every weight byte needs it, and the bytes stream at
-    4.25 TB/s), so it is done by bit placement, a handful of integer ops per byte, no table:
+    Why that order: the MMA's register operand gives each thread pairs of adjacent columns, 8 apart, four
+    threads side by side (the wgmma A fragment). In the natural order a thread's bytes sit 4 apart and are
+    read from shared memory one byte per instruction; in this order each thread's 32 weights of a row are one
+    16-byte run of the packed tile (one vector load) and share one scale. The activations take the same
+    order (``_k_order_rows``), so the dot is the same sum, only its terms are added in another order, the
+    same for every tile config and batch (BK depends on the model shape alone).
+
+    Dequantization is done by bit placement, a handful of integer ops per byte, no table:
     * bf16 bits (sign << 15) | (magnitude << 6) put the e2m1 exponent in bf16's exponent field and its
       mantissa bit in bf16's top mantissa bit; that bf16 is the e2m1 value times 2^-126 for all 16 codes
       (0.5 becomes the bf16 subnormal 2^-127, which Hopper's bf16 multiply keeps).
@@ -107,25 +127,34 @@ def _dequant_fp4(packed, scale, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl
     * One bf16 multiply by 2^126 * scale = 2^(e-1) then gives the exact weight. That factor must fit in
       bf16: scales <= 2 (UE8M0 bytes <= 128), far above any real expert weight's scale.
     """
-    b = packed.to(tl.uint8, bitcast=True).to(tl.uint32)
+    Q: tl.constexpr = BK // 32
+    b = tl.reshape(packed, [BN, Q, 16]).to(tl.uint8, bitcast=True).to(tl.uint32)
     pair = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
     if SCALE_U8:  # 2^(e-1) as bf16 bits: exponent field e - 1 + 127
         e = scale.to(tl.uint8, bitcast=True).to(tl.uint32)
         m = ((e + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         m = (scale * 8.507059173023462e37).to(tl.bfloat16)  # scale * 2^126, exact for powers of two
-    m = tl.reshape(tl.broadcast_to(m[:, :, None], [BN, BK // 32, 32]), [BN, BK])
+    m = m[:, :, None]  # [BN, Q, 1]: one scale per 32 inputs, i.e. per (row, q)
     if INTERPRET:
         # The interpreter neither multiplies bf16 tensors nor converts bf16 subnormals; the same bits read
         # as the upper half of an fp32 give the same (exact) values through numpy.
-        lo = (pair << 16).to(tl.float32, bitcast=True)
-        hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
-        w = tl.reshape(tl.join(lo, hi), [BN, BK])
-        return (w * m.to(tl.float32)).to(tl.bfloat16)
-    lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
-                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    w = tl.reshape(tl.join(lo, hi), [BN, BK])  # [n, j, 0] -> 2j (low nibble), [n, j, 1] -> 2j + 1
-    return w * m
+        lo = ((pair << 16).to(tl.float32, bitcast=True) * m.to(tl.float32)).to(tl.bfloat16)
+        hi = ((pair & 0xFFFF0000).to(tl.float32, bitcast=True) * m.to(tl.float32)).to(tl.bfloat16)
+    else:
+        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        lo, hi = lo * m, hi * m
+    w = tl.permute(tl.join(lo, hi), (0, 2, 1, 3))  # (n, q, i, t) -> (n, i, q, t)
+    return tl.reshape(w, [BN, BK])
+
+
+@triton.jit
+def _k_order_rows(a, BK: tl.constexpr, BM: tl.constexpr):
+    """An activation tile [BK, BM] in input order -> its rows in ``_dequant_fp4``'s column order."""
+    Q: tl.constexpr = BK // 32
+    a = tl.permute(tl.reshape(a, [Q, 16, 2, BM]), (1, 0, 2, 3))  # (q, i, t, m) -> (i, q, t, m)
+    return tl.reshape(a, [BK, BM])
 
 
 @triton.jit
@@ -207,7 +236,7 @@ def _gate_up_kernel(
         pu = tl.load(u_w + k0 // 2 + w_off, mask=w_mask, other=0)
         wg = _dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
         wu = _dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
-        xt = tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0)
+        xt = _k_order_rows(tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0), BK, BM)
         if SPLIT == 1:
             xb = xt.to(tl.bfloat16)
             acc_g = _mma(wg, xb, acc_g, INTERPRET)
@@ -256,7 +285,7 @@ def _down_kernel(
         sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)  # one step ahead
         pw = tl.load(w_base + k0 // 2 + w_off, mask=w_mask, other=0)
         w = _dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
-        at = tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0)
+        at = _k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
         if SPLIT == 1:
             acc = _mma(w, at.to(tl.bfloat16), acc, INTERPRET)
         else:
