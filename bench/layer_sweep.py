@@ -125,15 +125,23 @@ def timed(fn, device: str, reps: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
+def decode_tokens(batch: int, vocab: int) -> list[int]:
+    """One distinct input token per sequence, as in real decoding. (With one shared id, a hash-routed layer would
+    send the whole batch to the same k experts and read a fraction of the expert bytes a real batch reads.)"""
+    return [3 + (7919 * i + 11) % (vocab - 3) for i in range(batch)]
+
+
 def decode_ms(model, batch: int, context: int, device: str, max_model_len: int) -> dict[str, float]:
     """Median ms of one decode step: eager (batched path launched from Python) and, on CUDA, the engine's
     CUDA-graph step (host index build + copies + replay) and the bare replay."""
     cache, sids = random_cache(model, batch, context, device)
 
+    toks = decode_tokens(batch, model.cfg.vocab_size)
+
     def plan():
         for sid in sids:
             cache.truncate(sid, context)  # same position every repetition
-        return cache.plan({sid: [5] for sid in sids})
+        return cache.plan({sid: [tok] for sid, tok in zip(sids, toks)})
 
     def eager():
         ids, fb = plan()
@@ -224,7 +232,7 @@ def hf_peer(native: dict, layers: int, batches: list[int], context: int, prefill
                 ids = torch.randint(3, cfg.vocab_size, (b, context), device="cuda")
                 cache = DynamicCache(config=cfg)
                 model(ids, past_key_values=cache, use_cache=True)
-                nxt = torch.full((b, 1), 5, device="cuda")
+                nxt = torch.tensor(decode_tokens(b, cfg.vocab_size), device="cuda")[:, None]
                 ms = timed(lambda: model(nxt, past_key_values=cache, use_cache=True), "cuda") / layers
                 rows.append({"kind": "hf_decode", "context": context, "batch": b, "ms_per_layer": ms})
             except torch.OutOfMemoryError:

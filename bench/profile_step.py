@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.layer_sweep import FLASH, build, from_layer, random_cache  # noqa: E402
+from bench.layer_sweep import FLASH, build, decode_tokens, from_layer, random_cache  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
         new = {sids[0]: [3 + i % 1000 for i in range(args.prefill)]}
     else:
         cache, sids = random_cache(model, args.batch, args.context, "cuda")
-        new = {sid: [5] for sid in sids}
+        new = {sid: [tok] for sid, tok in zip(sids, decode_tokens(len(sids), model.cfg.vocab_size))}
 
     def step():
         for sid in sids:

@@ -14,7 +14,7 @@ UE8M0 bytes the checkpoint ships):
   peer    torch with all experts pre-dequantized to bf16, a per-expert loop (model/moe.py's scheme):
           eager µs (it syncs to the host for its expert list, so no graph).
 Each timed call cycles through --rotate routing sets, so the 78-94 MB a decode step touches is not served
-from the 50 MB L2 on repeat. A short sweep of tile configs at T = 1, 32, 4096 follows (--no-sweep skips it).
+from the 50 MB L2 on repeat. A short sweep of tile configs at T = 1, 8, 32, 128, 4096 follows (--no-sweep skips it).
 Prints markdown tables last; writes $OUT/bench_moe.json when $OUT is set.
 """
 
@@ -127,12 +127,15 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
     return row
 
 
-SWEEP = {  # (block_m, block_n1, block_n2, num_warps, num_stages); the table's pick is timed as well
-    1: [(16, 64, 64, 4, 3), (16, 64, 64, 4, 5), (16, 64, 64, 4, 6), (16, 128, 64, 8, 4), (16, 64, 128, 4, 4),
-        (16, 128, 128, 8, 4), (32, 64, 64, 4, 4)],
-    32: [(16, 64, 64, 4, 3), (16, 64, 64, 4, 5), (16, 128, 128, 8, 4), (32, 64, 64, 4, 4)],
-    4096: [(64, 64, 64, 4, 3), (64, 64, 128, 8, 3), (128, 64, 128, 8, 2), (128, 128, 128, 8, 3),
-           (128, 64, 64, 8, 3), (64, 128, 128, 8, 3)],
+SWEEP = {  # (block_m, block_n1, block_n2, num_warps, num_stages[, max_regs]); the table's pick is timed as well
+    1: [(16, 64, 64, 4, 3), (16, 64, 64, 4, 4, 96), (16, 64, 64, 4, 3, 96), (16, 64, 128, 4, 4),
+        (16, 128, 128, 8, 4)],
+    8: [(16, 64, 64, 4, 4, 96), (16, 64, 64, 4, 5, 96), (16, 128, 128, 8, 4)],
+    32: [(16, 64, 64, 4, 3), (16, 64, 64, 4, 4, 96), (16, 64, 64, 4, 3, 96), (16, 64, 64, 4, 5, 96),
+         (16, 64, 128, 4, 4), (16, 128, 128, 8, 4)],
+    128: [(16, 64, 64, 4, 4, 96), (16, 64, 64, 4, 3, 96), (32, 64, 64, 4, 4)],
+    4096: [(64, 64, 64, 4, 3), (64, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 2),
+           (128, 64, 128, 8, 3)],
 }
 
 
@@ -163,7 +166,8 @@ def sweep(wts: dict, rotate: int) -> list[dict]:
 
 
 def cfg_str(c: dict) -> str:
-    return f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}"
+    regs = f" r{c['max_regs']}" if c.get("max_regs") else ""
+    return f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}{regs}"
 
 
 def main() -> None:

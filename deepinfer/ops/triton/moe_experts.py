@@ -57,6 +57,7 @@ class TileConfig:
     block_n2: int  # rows of W2 per program (kernel 2)
     num_warps: int
     num_stages: int
+    max_regs: int | None = None  # register cap per thread (more resident programs per SM); None: compiler's pick
 
 
 # Keyed on the mean number of pairs per expert (T*k / E), i.e. on shapes only, never on routing data.
@@ -363,13 +364,13 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hid.stride(0),
         float(limit), k,
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2))](
         hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
         hid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     block_h = min(1024, triton.next_power_of_2(h))
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()):
