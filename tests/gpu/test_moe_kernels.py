@@ -106,7 +106,7 @@ def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 def _dequant_probe(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl.constexpr,
                    INTERPRET: tl.constexpr):
     n = tl.arange(0, BN)
-    packed = tl.load(w_ptr + n[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+    packed = tl.load(w_ptr + n[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :])  # int32 words
     scale = tl.load(s_ptr + n[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
     w = _dequant_fp4(packed, scale, BN, BK, SCALE_U8, INTERPRET)
     tl.store(o_ptr + n[:, None] * BK + tl.arange(0, BK)[None, :], w)
@@ -123,7 +123,7 @@ def test_dequant_every_byte_and_scale_is_exact(device, scale_fmt) -> None:
     want = dequant_fp4(packed, e8.view(torch.float8_e8m0fnu))
     scale = ue8m0_to_float(e8) if scale_fmt == "fp32" else e8
     got = torch.full((bn, bk), float("nan"), dtype=torch.bfloat16, device=device)
-    _dequant_probe[(1,)](packed.to(device), scale.to(device), got, BN=bn, BK=bk, SCALE_U8=scale_fmt == "e8m0",
+    _dequant_probe[(1,)](packed.to(device).view(torch.int32), scale.to(device), got, BN=bn, BK=bk, SCALE_U8=scale_fmt == "e8m0",
                          INTERPRET=tri._INTERPRET)
     # The kernels' tiles hold the inputs in their own column order (the activations get the same order).
     assert torch.equal(got.float().cpu(), want[:, tri.k_order(bk)]), "FP4 dequantization is not exact"

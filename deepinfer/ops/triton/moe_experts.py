@@ -92,8 +92,8 @@ def k_order(bk: int) -> torch.Tensor:
     """The input index each column of a dequantized [*, bk] tile holds (see ``_dequant_fp4``)."""
     q = bk // 32
     col = torch.arange(bk)
-    i, rem = col // (2 * q), col % (2 * q)
-    return 32 * (rem // 2) + 2 * i + rem % 2
+    t, grp, i = col % 2, (col // 2) % q, col // (2 * q)
+    return 32 * grp + 8 * (i // 4) + 4 * t + i % 4
 
 
 def _check_config(cfg: TileConfig) -> None:
@@ -105,38 +105,49 @@ def _check_config(cfg: TileConfig) -> None:
 
 
 @triton.jit
+def _nibble_pairs(w, MAG_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
+    """bf16 bit pairs of the nibbles a and a + 4 of each 32-bit word (see ``_dequant_fp4``): a shift puts both
+    magnitudes (bits 4a..4a+2 and 4a+16..) at bf16 bits 6..8 and 22..24, another both signs at 15 and 31."""
+    mag = (w << MAG_SHIFT) if MAG_SHIFT >= 0 else (w >> -MAG_SHIFT)
+    sign = w << SIGN_SHIFT
+    return (mag & 0x01C001C0) | (sign & 0x80008000)
+
+
+@triton.jit
 def _dequant_fp4(packed, scale, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl.constexpr,
                  INTERPRET: tl.constexpr):
-    """int8 [BN, BK/2] (two e2m1 codes per byte, low nibble first) and scales [BN, BK/32] -> bf16 [BN, BK]
-    with its columns in the kernels' K order: column 2Q*i + 2q + t holds input 32q + 2i + t.
+    """Packed words int32 [BN, BK/8] (eight e2m1 codes per word, element 0 in the lowest nibble: the int8
+    checkpoint layout read four bytes at a time) and scales [BN, BK/32] -> bf16 [BN, BK] with its columns in
+    the kernels' K order (``k_order``): column 2Q*i + 2q + t holds input 32q + 8(i // 4) + 4t + i % 4.
 
     Why that order: the MMA's register operand gives each thread pairs of adjacent columns, 8 apart, four
-    threads side by side (the wgmma A fragment). In the natural order a thread's bytes sit 4 apart and are
-    read from shared memory one byte per instruction; in this order each thread's 32 weights of a row are one
-    16-byte run of the packed tile (one vector load) and share one scale. The activations take the same
-    order (``_k_order_rows``), so the dot is the same sum, only its terms are added in another order, the
-    same for every tile config and batch (BK depends on the model shape alone).
+    threads side by side (the wgmma A fragment). In the natural order a thread's codes are scattered over
+    the packed tile and are read from shared memory one byte per instruction; in this order each thread's
+    32 weights of a row are one 16-byte run (one vector load, four words) and share one scale, and each bf16
+    pair a thread holds is nibbles a and a + 4 of one word. The activations take the same order
+    (``_k_order_rows``), so the dot is the same sum, only its terms are added in another order, the same
+    for every tile config and batch (BK depends on the model shape alone).
 
-    Dequantization is done by bit placement, a handful of integer ops per byte, no table:
+    Dequantization is done by bit placement, about two integer ops per weight, no table:
     * bf16 bits (sign << 15) | (magnitude << 6) put the e2m1 exponent in bf16's exponent field and its
       mantissa bit in bf16's top mantissa bit; that bf16 is the e2m1 value times 2^-126 for all 16 codes
       (0.5 becomes the bf16 subnormal 2^-127, which Hopper's bf16 multiply keeps).
-    * Both nibbles of a byte b at once: v = b * 0x1001 holds copies of b at bits 0 and 12, so
-      (v << 6) & 0x01C001C0 puts both magnitudes and (v << 12) & 0x80008000 both signs where a bf16 pair
-      (low half = element 2k, high half = element 2k+1) wants them. The shifts are folded into the
-      multipliers (b * 0x40040 == v << 6, b * 0x1001000 == v << 12).
+    * Nibbles a and a + 4 of a word are 16 bits apart, like the halves of a bf16 pair, so one shift of the
+      word places both magnitudes (6 - 4a) and one both signs (12 - 4a); two masks and an or finish the pair.
     * One bf16 multiply by 2^126 * scale = 2^(e-1) then gives the exact weight. That factor must fit in
       bf16: scales <= 2 (UE8M0 bytes <= 128), far above any real expert weight's scale.
     """
     Q: tl.constexpr = BK // 32
-    b = tl.reshape(packed, [BN, Q, 16]).to(tl.uint8, bitcast=True).to(tl.uint32)
-    pair = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
+    w = tl.reshape(packed, [BN, Q, 4]).to(tl.uint32, bitcast=True)
+    p01 = tl.join(_nibble_pairs(w, 6, 12), _nibble_pairs(w, 2, 8))
+    p23 = tl.join(_nibble_pairs(w, -2, 4), _nibble_pairs(w, -6, 0))
+    pair = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 2, 4, 3)), [BN, Q, 4, 4])  # (n, q, word, a)
     if SCALE_U8:  # 2^(e-1) as bf16 bits: exponent field e - 1 + 127
         e = scale.to(tl.uint8, bitcast=True).to(tl.uint32)
         m = ((e + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         m = (scale * 8.507059173023462e37).to(tl.bfloat16)  # scale * 2^126, exact for powers of two
-    m = m[:, :, None]  # [BN, Q, 1]: one scale per 32 inputs, i.e. per (row, q)
+    m = m[:, :, None, None]  # [BN, Q, 1, 1]: one scale per 32 inputs, i.e. per (row, q)
     if INTERPRET:
         # The interpreter neither multiplies bf16 tensors nor converts bf16 subnormals; the same bits read
         # as the upper half of an fp32 give the same (exact) values through numpy.
@@ -146,16 +157,16 @@ def _dequant_fp4(packed, scale, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl
         lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
         lo, hi = lo * m, hi * m
-    w = tl.permute(tl.join(lo, hi), (0, 2, 1, 3))  # (n, q, i, t) -> (n, i, q, t)
-    return tl.reshape(w, [BN, BK])
+    wt = tl.permute(tl.join(lo, hi), (0, 2, 3, 1, 4))  # (n, q, word, a, t) -> (n, word, a, q, t)
+    return tl.reshape(wt, [BN, BK])
 
 
 @triton.jit
 def _k_order_rows(a, BK: tl.constexpr, BM: tl.constexpr):
     """An activation tile [BK, BM] in input order -> its rows in ``_dequant_fp4``'s column order."""
     Q: tl.constexpr = BK // 32
-    a = tl.permute(tl.reshape(a, [Q, 16, 2, BM]), (1, 0, 2, 3))  # (q, i, t, m) -> (i, q, t, m)
-    return tl.reshape(a, [BK, BM])
+    a = tl.reshape(a, [Q, 4, 2, 4, BM])  # input 32q + 8 word + 4t + a
+    return tl.reshape(tl.permute(a, (1, 3, 0, 2, 4)), [BK, BM])  # -> (word, a, q, t, m)
 
 
 @triton.jit
@@ -215,7 +226,7 @@ def _gate_up_kernel(
     x_mask = valid[None, :]
     # Loop-invariant offset tiles plus scalar bases: strides arrive as (16-divisible) arguments, so Triton
     # can prove 16-byte alignment and issue vector loads; carrying 64-bit pointer tiles would cost registers.
-    w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
+    w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # int32 words
     s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     x_off = tok[None, :] * stride_x + tl.arange(0, BK)[:, None]  # x^T tile [BK, BM]: the MMA's B operand
     g_w = w13_ptr + e.to(tl.int64) * stride_we
@@ -233,8 +244,8 @@ def _gate_up_kernel(
         kn = k0 + BK
         sg_n = tl.load(g_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
         su_n = tl.load(u_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
-        pg = tl.load(g_w + k0 // 2 + w_off, mask=w_mask, other=0)
-        pu = tl.load(u_w + k0 // 2 + w_off, mask=w_mask, other=0)
+        pg = tl.load(g_w + k0 // 8 + w_off, mask=w_mask, other=0)
+        pu = tl.load(u_w + k0 // 8 + w_off, mask=w_mask, other=0)
         wg = _dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
         wu = _dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
         xt = _k_order_rows(tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0), BK, BM)
@@ -274,7 +285,7 @@ def _down_kernel(
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     w_mask = (offs_n < N)[:, None]
     a_mask = valid[None, :]
-    w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
+    w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # int32 words
     s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     a_off = row[None, :] * stride_h + tl.arange(0, BK)[:, None]  # h^T tile [BK, BM]
     w_base = w2_ptr + e.to(tl.int64) * stride_we
@@ -284,7 +295,7 @@ def _down_kernel(
     for k0 in range(0, K, BK):
         kn = k0 + BK
         sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)  # one step ahead
-        pw = tl.load(w_base + k0 // 2 + w_off, mask=w_mask, other=0)
+        pw = tl.load(w_base + k0 // 8 + w_off, mask=w_mask, other=0)
         w = _dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
         at = _k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
         if SPLIT == 1:
@@ -355,6 +366,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     bk1, bk2 = block_k(h), block_k(inter)
     assert h % bk1 == 0 and inter % bk2 == 0 and bk1 % FP4_GROUP == 0 and bk2 % FP4_GROUP == 0
 
+    w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # the kernels read the codes as 32-bit words
     pair_of_row, expert_of_block = align_pairs(topk_ids, n_exp, cfg.block_m)
     num_blocks = expert_of_block.numel()
     hid = _scratch((t * k, inter), act_dtype, x.device)
