@@ -1,0 +1,133 @@
+"""Hot-loop instruction mix of the weight-streaming Triton kernels, compiled for the H200 on any machine.
+
+    python bench/kernels/loop_sass.py            (no GPU needed: Triton's bundled ptxas and nvdisasm)
+
+Device time is scarce; the compiled code is not. Per kernel and tile config this compiles for sm_90 with the
+argument specialisation a real launch gets (pointers and the 16-divisible sizes and strides marked so),
+finds the main loop (the longest backward branch in the SASS) and prints: instructions per loop iteration
+and per streamed weight byte, the instruction classes that matter for these kernels (byte-wide shared
+loads, 4-byte vs 16-byte async copies, barriers, MMAs), registers and shared memory per program.
+Instructions per byte against 4 issue slots per SM per cycle bound the bandwidth a kernel can reach
+(bench/results/NOTES.md, runs 20-24: 0.26 instructions/byte caps the FP4 experts near 4 TB/s).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+WATCH = ("LDS.U8", "LDS.128", "LDGSTS.E", "LDGSTS.E.BYPASS.128", "BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA",
+         "HGMMA.64", "HMMA.16816.F32.BF16", "WARPGROUP.DEPBAR.LE", "LDL", "STL")
+
+
+@dataclass(frozen=True)
+class LoopMix:
+    instructions: int  # per loop iteration, per warp
+    classes: dict[str, int]
+    registers: int
+    shared_bytes: int
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, divisible: tuple[str, ...],
+                 num_warps: int, num_stages: int, maxnreg: int | None = None):
+    """``fn`` compiled for sm_90, its pointers and the named integer arguments marked 16-divisible (what the
+    launcher's specialisation gives real calls with such sizes)."""
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n in names if signature[n].startswith("*") or n in divisible}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
+
+
+def loop_mix(kernel, workdir: Path) -> LoopMix:
+    cubin = workdir / f"{kernel.name}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run([str(NVIDIA_BIN / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+    labels = {line.strip().rstrip(":"): i for i, line in enumerate(sass) if line.startswith(".L")}
+    loop = (0, len(sass) - 1)
+    best = -1
+    for i, line in enumerate(sass):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best:
+            best, loop = i - labels[m.group(1)], (labels[m.group(1)], i)
+    classes: collections.Counter = collections.Counter()
+    for line in sass[loop[0]: loop[1] + 1]:
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(\.[A-Z0-9_]+)*)", line)
+        if m:
+            classes[m.group(2)] += 1
+    usage = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                           capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    return LoopMix(sum(classes.values()), dict(classes), regs, kernel.metadata.shared)
+
+
+def expert_kernels():
+    """(label, kernel, signature, constexprs, divisible, warps, stages, weight bytes per program-iteration)."""
+    from deepinfer.ops.triton import moe_experts as moe
+
+    common = {"pair_ptr": "*i32", "expert_ptr": "*i32", "K": "i32", "N": "i32"}
+    gate_up = {"x_ptr": "*bf16", "w13_ptr": "*i32", "s13_ptr": "*u8", "h_ptr": "*bf16", **common,
+               "stride_x": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
+               "stride_h": "i32", "limit": "fp32", "topk": "i32"}
+    down = {"h_ptr": "*bf16", "w2_ptr": "*i32", "s2_ptr": "*u8", "y_ptr": "*fp32", **common, "stride_h": "i32",
+            "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_y": "i32"}
+    div = ("K", "N", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h", "stride_y")
+    cx = ("SCALE_U8", "SPLIT", "INTERPRET", "BM", "BN", "BK")
+    for _, cfg in moe.CONFIG_TABLE:
+        for name, fn, sig, bn, tiles in (("gate_up", moe._gate_up_kernel, gate_up, cfg.block_n1, 2),
+                                         ("down", moe._down_kernel, down, cfg.block_n2, 1)):
+            consts = {"SCALE_U8": True, "SPLIT": 1, "INTERPRET": False, "BM": cfg.block_m, "BN": bn, "BK": 128}
+            yield (f"experts {name} m{cfg.block_m} n{bn} w{cfg.num_warps} s{cfg.num_stages}", fn,
+                   {**sig, **{c: "constexpr" for c in cx}}, consts, div, cfg.num_warps, cfg.num_stages,
+                   tiles * bn * 128 // 2)
+
+
+def fp8_kernels():
+    from deepinfer.ops.triton import fp8_linear as fp8
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+           "ticket_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "group_rows": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "stride_pm": "i32",
+           "stride_psplit": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "IEEE": "constexpr", "SPLIT": "constexpr"}
+    div = ("N", "K", "k_per_split", "group_rows", "stride_xm", "stride_wn", "stride_ym", "stride_pm", "stride_psplit")
+    for bucket in (16, 64):
+        bm, bn, warps, stages = fp8.CONFIGS[bucket]
+        yield (f"fp8 linear m{bm} n{bn} w{warps} s{stages}", fp8._fp8_linear_kernel, sig,
+               {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "IEEE": False, "SPLIT": 4}, div, warps, stages, bn * 128)
+
+
+def main() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = []
+        for label, fn, sig, consts, div, warps, stages, wbytes in [*expert_kernels(), *fp8_kernels()]:
+            mix = loop_mix(compile_sm90(fn, sig, consts, div, warps, stages), Path(tmp))
+            per_byte = mix.instructions * warps / wbytes
+            rows.append((label, mix, per_byte))
+            print(f"{label}: {mix.instructions} instr/iteration/warp, {per_byte:.3f} instr/weight byte, "
+                  f"{mix.registers} regs, {mix.shared_bytes} B shared", flush=True)
+    print("\n| kernel | instr/iter/warp | instr/byte | regs | shared KB | " + " | ".join(WATCH) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(WATCH))
+    for label, mix, per_byte in rows:
+        cells = " | ".join(str(mix.classes.get(c, 0)) for c in WATCH)
+        print(f"| {label} | {mix.instructions} | {per_byte:.3f} | {mix.registers} | {mix.shared_bytes / 1024:.0f} | "
+              f"{cells} |")
+
+
+if __name__ == "__main__":
+    main()
