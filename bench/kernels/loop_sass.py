@@ -14,6 +14,7 @@ Instructions per byte against 4 issue slots per SM per cycle bound the bandwidth
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-WATCH = ("LDS.U8", "LDS.128", "LDGSTS.E", "LDGSTS.E.BYPASS.128", "BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA",
+WATCH = ("LDG.E.U16", "LDS.U8", "LDS.128", "LDGSTS.E", "LDGSTS.E.BYPASS.128", "BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA",
          "HGMMA.64", "HMMA.16816.F32.BF16", "WARPGROUP.DEPBAR.LE", "LDL", "STL")
 
 
@@ -85,14 +86,19 @@ def expert_kernels():
     down = {"h_ptr": "*bf16", "w2_ptr": "*i32", "s2_ptr": "*u8", "y_ptr": "*fp32", **common, "stride_h": "i32",
             "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_y": "i32"}
     div = ("K", "N", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h", "stride_y")
-    cx = ("SCALE_U8", "SPLIT", "INTERPRET", "BM", "BN", "BK")
-    for _, cfg in moe.CONFIG_TABLE:
+    cx = ("SCALE_U8", "SPLIT", "INTERPRET", "BM", "BN", "BK", "SCALE_WORDS")
+    cfgs = [cfg for _, cfg in moe.CONFIG_TABLE]
+    cfgs.append(dataclasses.replace(cfgs[0], scale_words=True))  # the opt-in scale path at the decode tile
+    for cfg in cfgs:
         for name, fn, sig, bn, tiles in (("gate_up", moe._gate_up_kernel, gate_up, cfg.block_n1, 2),
                                          ("down", moe._down_kernel, down, cfg.block_n2, 1)):
-            consts = {"SCALE_U8": True, "SPLIT": 1, "INTERPRET": False, "BM": cfg.block_m, "BN": bn, "BK": 128}
-            yield (f"experts {name} m{cfg.block_m} n{bn} w{cfg.num_warps} s{cfg.num_stages}", fn,
-                   {**sig, **{c: "constexpr" for c in cx}}, consts, div, cfg.num_warps, cfg.num_stages,
-                   tiles * bn * 128 // 2)
+            consts = {"SCALE_U8": True, "SPLIT": 1, "INTERPRET": False, "BM": cfg.block_m, "BN": bn, "BK": 128,
+                      "SCALE_WORDS": cfg.scale_words}
+            scales = "s13_ptr" if name == "gate_up" else "s2_ptr"
+            sig = {**sig, scales: "*i32" if cfg.scale_words else "*u8", **{c: "constexpr" for c in cx}}
+            words = " words" if cfg.scale_words else ""
+            yield (f"experts {name} m{cfg.block_m} n{bn} w{cfg.num_warps} s{cfg.num_stages}{words}", fn, sig,
+                   consts, div, cfg.num_warps, cfg.num_stages, tiles * bn * 128 // 2)
 
 
 def fp8_kernels():

@@ -11,6 +11,7 @@ Every run writes into NaN-filled outputs and NaN-filled scratch buffers, so an u
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -260,6 +261,22 @@ def test_every_table_config_gives_the_same_bits(device, n_exp, hidden, inter, k)
     outs = [run_both(x, ids, w, weights, cfg)[0] for _, cfg in tri.CONFIG_TABLE]
     for cfg_out, (_, cfg) in zip(outs[1:], tri.CONFIG_TABLE[1:]):
         assert torch.equal(outs[0], cfg_out), f"{cfg} differs from {tri.CONFIG_TABLE[0][1]}"
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("n_tok,k", [(1, 2), (9, 3)])
+def test_scale_words_give_the_same_bits(device, n_tok, k) -> None:
+    """Scales read as 32-bit words (``TileConfig.scale_words``, 128-wide K steps) give exactly the bits of
+    the byte path, at a decode and a wide-token tile, and match the reference."""
+    n_exp, hidden, inter = 4, 128, 128
+    weights = make_weights(n_exp, hidden, inter, device, seed=7, scale_fmt="e8m0")
+    x, ids, w = make_tokens(n_tok, hidden, k, n_exp, device, seed=8, dtype=torch.bfloat16)
+    assert tri.block_k(hidden) == tri.block_k(inter) == 128
+    for cfg in (tri.CONFIG_TABLE[0][1], tri.CONFIG_TABLE[-1][1]):
+        plain, ref = run_both(x, ids, w, weights, cfg)
+        words, _ = run_both(x, ids, w, weights, dataclasses.replace(cfg, scale_words=True))
+        check(words, ref, torch.bfloat16)
+        assert torch.equal(words, plain), f"{cfg}: scale words change the result"
 
 
 @pytest.mark.interpret_ok

@@ -58,6 +58,10 @@ class TileConfig:
     num_warps: int
     num_stages: int
     max_regs: int | None = None  # register cap per thread (more resident programs per SM); None: compiler's pick
+    # UE8M0 scales read as one 32-bit word per row and 128-wide K step, staged by Triton's cp.async pipeline
+    # like the weights (the byte path fetches them by hand one step ahead with 2-byte loads, the loop's main
+    # long-scoreboard stall in bench/results/NOTES.md run 26). Same values, so bit-identical results.
+    scale_words: bool = False
 
 
 # Keyed on the mean number of pairs per expert (T*k / E), i.e. on shapes only, never on routing data.
@@ -170,6 +174,14 @@ def _k_order_rows(a, BK: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _scale_bytes(ptr, off, mask):
+    """The [BN, 4] UE8M0 scale bytes of one 128-wide K step from one 32-bit word per row: every column of
+    ``off`` points at its row's word, so the load already has the tile's shape (no layout shuffle)."""
+    word = tl.load(ptr + off, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    return ((word >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, :]) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
 def _split_bf16(a):
     """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == a exactly (8 + 8 + 8 significand bits)."""
     a = a.to(tl.float32)
@@ -214,7 +226,7 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     limit, topk,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
@@ -227,23 +239,31 @@ def _gate_up_kernel(
     # Loop-invariant offset tiles plus scalar bases: strides arrive as (16-divisible) arguments, so Triton
     # can prove 16-byte alignment and issue vector loads; carrying 64-bit pointer tiles would cost registers.
     w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # int32 words
-    s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+    if SCALE_WORDS:  # int32 words of 4 scales (BK == 128): each row's word, once per column
+        s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
+    else:
+        s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     x_off = tok[None, :] * stride_x + tl.arange(0, BK)[:, None]  # x^T tile [BK, BM]: the MMA's B operand
     g_w = w13_ptr + e.to(tl.int64) * stride_we
     u_w = g_w + N * stride_wn
     g_s = s13_ptr + e.to(tl.int64) * stride_se
     u_s = g_s + N * stride_sn
-    sg = tl.load(g_s + s_off, mask=w_mask, other=0)
-    su = tl.load(u_s + s_off, mask=w_mask, other=0)
+    if not SCALE_WORDS:
+        sg = tl.load(g_s + s_off, mask=w_mask, other=0)
+        su = tl.load(u_s + s_off, mask=w_mask, other=0)
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, K, BK):  # the full reduction, always in this order (no split-K)
-        # Weights and activations are software-pipelined by Triton (cp.async, num_stages deep). The scale
-        # tiles are too narrow for that (4 bytes per row), so the next step's scales are fetched here by
-        # hand, one step ahead, instead of stalling every step on a fresh load.
-        kn = k0 + BK
-        sg_n = tl.load(g_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
-        su_n = tl.load(u_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
+        # Weights and activations are software-pipelined by Triton (cp.async, num_stages deep). Scale
+        # bytes are too narrow for that (2-byte loads per thread), so the byte path fetches the next step's
+        # by hand, one step ahead; scale words are 32 bits wide and join the pipeline.
+        if SCALE_WORDS:
+            sg = _scale_bytes(g_s + k0 // 128, s_off, w_mask)
+            su = _scale_bytes(u_s + k0 // 128, s_off, w_mask)
+        else:
+            kn = k0 + BK
+            sg_n = tl.load(g_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
+            su_n = tl.load(u_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
         pg = tl.load(g_w + k0 // 8 + w_off, mask=w_mask, other=0)
         pu = tl.load(u_w + k0 // 8 + w_off, mask=w_mask, other=0)
         wg = _dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
@@ -261,7 +281,8 @@ def _gate_up_kernel(
             acc_u = _mma(wu, x_hi, acc_u, INTERPRET)
             acc_u = _mma(wu, x_mid, acc_u, INTERPRET)
             acc_u = _mma(wu, x_lo, acc_u, INTERPRET)
-        sg, su = sg_n, su_n
+        if not SCALE_WORDS:
+            sg, su = sg_n, su_n
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
     hval = gate * tl.sigmoid(gate) * up
@@ -275,7 +296,7 @@ def _down_kernel(
     K, N,  # K = I (reduction), N = H
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_y,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
@@ -286,15 +307,22 @@ def _down_kernel(
     w_mask = (offs_n < N)[:, None]
     a_mask = valid[None, :]
     w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # int32 words
-    s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+    if SCALE_WORDS:
+        s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
+    else:
+        s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
     a_off = row[None, :] * stride_h + tl.arange(0, BK)[:, None]  # h^T tile [BK, BM]
     w_base = w2_ptr + e.to(tl.int64) * stride_we
     s_base = s2_ptr + e.to(tl.int64) * stride_se
-    sw = tl.load(s_base + s_off, mask=w_mask, other=0)
+    if not SCALE_WORDS:
+        sw = tl.load(s_base + s_off, mask=w_mask, other=0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        kn = k0 + BK
-        sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)  # one step ahead
+        if SCALE_WORDS:
+            sw = _scale_bytes(s_base + k0 // 128, s_off, w_mask)
+        else:
+            kn = k0 + BK
+            sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)  # one step ahead
         pw = tl.load(w_base + k0 // 8 + w_off, mask=w_mask, other=0)
         w = _dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
         at = _k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
@@ -305,7 +333,8 @@ def _down_kernel(
             acc = _mma(w, a_hi, acc, INTERPRET)
             acc = _mma(w, a_mid, acc, INTERPRET)
             acc = _mma(w, a_lo, acc, INTERPRET)
-        sw = sw_n
+        if not SCALE_WORDS:
+            sw = sw_n
     tl.store(y_ptr + row[None, :] * stride_y + offs_n[:, None], acc, mask=a_mask & w_mask)
 
 
@@ -367,6 +396,12 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     assert h % bk1 == 0 and inter % bk2 == 0 and bk1 % FP4_GROUP == 0 and bk2 % FP4_GROUP == 0
 
     w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # the kernels read the codes as 32-bit words
+    words1 = cfg.scale_words and scale_u8 and bk1 == 128
+    words2 = cfg.scale_words and scale_u8 and bk2 == 128
+    if words1:
+        s13 = s13.view(torch.int32)
+    if words2:
+        s2 = s2.view(torch.int32)
     pair_of_row, expert_of_block = align_pairs(topk_ids, n_exp, cfg.block_m)
     num_blocks = expert_of_block.numel()
     hid = _scratch((t * k, inter), act_dtype, x.device)
@@ -376,12 +411,14 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hid.stride(0),
         float(limit), k,
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
+        SCALE_WORDS=words1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2))](
         hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
         hid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
+        SCALE_WORDS=words2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     block_h = min(1024, triton.next_power_of_2(h))
