@@ -29,7 +29,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-WATCH = ("LDG.E.U16", "LDS.U8", "LDS.128", "LDGSTS.E", "LDGSTS.E.BYPASS.128", "BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA",
+WATCH = ("LDG.E.U16", "LDS.U8", "LDS.128", "LDGSTS.E", "LDGSTS.E.BYPASS.128", "BAR.SYNC.DEFER_BLOCKING",
+         "MEMBAR.ALL.CTA",
          "HGMMA.64", "HMMA.16816.F32.BF16", "WARPGROUP.DEPBAR.LE", "LDL", "STL")
 
 

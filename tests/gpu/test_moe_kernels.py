@@ -118,14 +118,15 @@ def _dequant_probe(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, SCAL
 def test_dequant_every_byte_and_scale_is_exact(device, scale_fmt) -> None:
     """All 256 bytes (both nibbles, -0 and the subnormal 0.5 included) at scales 2^-27 .. 2^1, bitwise."""
     bn, bk = 64, 128
-    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).repeat(bn * bk // 512).view(bn, bk // 2)
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
+    packed = every_byte.repeat(bn * bk // 512).view(bn, bk // 2)
     exps = torch.tensor([100, 117, 120, 124, 126, 127, 128, 110], dtype=torch.uint8)
     e8 = exps.repeat_interleave(bn * (bk // 32) // len(exps)).view(bn, bk // 32)
     want = dequant_fp4(packed, e8.view(torch.float8_e8m0fnu))
     scale = ue8m0_to_float(e8) if scale_fmt == "fp32" else e8
     got = torch.full((bn, bk), float("nan"), dtype=torch.bfloat16, device=device)
-    _dequant_probe[(1,)](packed.to(device).view(torch.int32), scale.to(device), got, BN=bn, BK=bk, SCALE_U8=scale_fmt == "e8m0",
-                         INTERPRET=tri._INTERPRET)
+    _dequant_probe[(1,)](packed.to(device).view(torch.int32), scale.to(device), got, BN=bn, BK=bk,
+                         SCALE_U8=scale_fmt == "e8m0", INTERPRET=tri._INTERPRET)
     # The kernels' tiles hold the inputs in their own column order (the activations get the same order).
     assert torch.equal(got.float().cpu(), want[:, tri.k_order(bk)]), "FP4 dequantization is not exact"
 

@@ -3,7 +3,8 @@
 Compiles the decode tile config for sm_90 with Triton's bundled ptxas (``bench/kernels/loop_sass.py``) and
 checks the SASS: each thread's packed weights arrive as 16-byte async copies and 16-byte shared loads
 (the K order of ``ops/triton/moe_experts.py``), never as byte-wide shared loads or 4-byte copies, the
-loop spills nothing, and with ``scale_words`` the scales too come through the async-copy pipeline. Skipped where Triton is not installed or runs interpreted.
+loop spills nothing, and with ``scale_words`` the scales too come through the async-copy pipeline.
+Skipped where Triton is not installed or runs interpreted.
 """
 
 from __future__ import annotations
