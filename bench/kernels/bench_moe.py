@@ -127,13 +127,20 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
     return row
 
 
-SWEEP = {  # (block_m, block_n1, block_n2, num_warps, num_stages[, max_regs[, scale_words]]); the table's pick too
-    1: [(16, 64, 64, 4, 3, 96), (16, 64, 128, 4, 4), (16, 64, 64, 4, 4, None, True), (16, 64, 128, 4, 4, None, True)],
-    8: [(16, 64, 128, 4, 4), (16, 64, 64, 4, 4, None, True), (16, 64, 128, 4, 4, None, True)],
-    32: [(16, 64, 64, 4, 3, 96), (16, 64, 128, 4, 4), (16, 64, 64, 4, 4, None, True),
-         (16, 64, 128, 4, 4, None, True), (16, 64, 64, 4, 3, None, True)],
-    128: [(16, 64, 128, 4, 4), (16, 64, 64, 4, 4, None, True), (16, 64, 128, 4, 4, None, True)],
-    4096: [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3, None, True), (128, 128, 128, 8, 4, None, True)],
+SWEEP = {  # TileConfig fields in order: (block_m, block_n1, block_n2, num_warps, num_stages[, max_regs[, scale_words
+    # [, split_gate_up]]]); the table's pick is timed first and every other config must give its bits
+    1: [(16, 64, 64, 4, 4, None, True), (16, 64, 64, 4, 4, None, False, True), (16, 64, 64, 4, 4, None, True, True),
+        (16, 64, 64, 4, 3, None, True, True), (16, 64, 64, 4, 5, None, True, True),
+        (16, 64, 128, 4, 4, None, True, True), (16, 64, 128, 4, 4, None, True)],
+    8: [(16, 64, 64, 4, 4, None, True), (16, 64, 64, 4, 4, None, True, True), (16, 64, 64, 4, 3, None, True, True),
+        (16, 64, 128, 4, 4, None, True, True)],
+    32: [(16, 64, 64, 4, 4, None, True), (16, 64, 64, 4, 4, None, False, True), (16, 64, 64, 4, 4, None, True, True),
+         (16, 64, 64, 4, 3, None, True, True), (16, 64, 64, 4, 5, None, True, True),
+         (16, 64, 128, 4, 4, None, True, True), (16, 64, 128, 4, 4, None, True)],
+    128: [(16, 64, 64, 4, 4, None, True), (16, 64, 64, 4, 4, None, True, True), (16, 64, 64, 4, 3, None, True, True),
+          (16, 64, 128, 4, 4, None, True, True)],
+    4096: [(128, 128, 128, 8, 3, None, True), (128, 128, 128, 8, 4, None, True),
+           (128, 128, 128, 8, 3, None, True, True)],
 }
 
 
@@ -166,7 +173,8 @@ def sweep(wts: dict, rotate: int) -> list[dict]:
 def cfg_str(c: dict) -> str:
     regs = f" r{c['max_regs']}" if c.get("max_regs") else ""
     words = " words" if c.get("scale_words") else ""
-    return f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}{regs}{words}"
+    split = " split" if c.get("split_gate_up") else ""
+    return f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}{regs}{words}{split}"
 
 
 def main() -> None:

@@ -86,14 +86,15 @@ def expert_kernels():
                "stride_x": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
                "stride_h": "i32", "limit": "fp32", "topk": "i32"}
     down = {"h_ptr": "*bf16", "w2_ptr": "*i32", "s2_ptr": "*u8", "y_ptr": "*fp32", **common, "stride_h": "i32",
-            "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_y": "i32"}
+            "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_y": "i32",
+            "row_div": "i32"}
     div = ("K", "N", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h", "stride_y")
     cx = ("SCALE_U8", "SPLIT", "INTERPRET", "BM", "BN", "BK", "SCALE_WORDS")
     cfgs = [cfg for _, cfg in moe.CONFIG_TABLE]
     cfgs.append(dataclasses.replace(cfgs[0], scale_words=True))  # the opt-in scale path at the decode tile
     for cfg in cfgs:
         for name, fn, sig, bn, tiles in (("gate_up", moe._gate_up_kernel, gate_up, cfg.block_n1, 2),
-                                         ("down", moe._down_kernel, down, cfg.block_n2, 1)):
+                                         ("down", moe._matmul_kernel, down, cfg.block_n2, 1)):
             consts = {"SCALE_U8": True, "SPLIT": 1, "INTERPRET": False, "BM": cfg.block_m, "BN": bn, "BK": 128,
                       "SCALE_WORDS": cfg.scale_words}
             scales = "s13_ptr" if name == "gate_up" else "s2_ptr"

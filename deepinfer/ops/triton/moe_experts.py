@@ -6,7 +6,9 @@ Plan (all on the device, no host sync, so the whole call can be captured in a CU
                  counting kernels in ``moe_align.py`` (one launch at decode sizes).
   kernel 1       per (m-block, n-block of I): gate and up tiles over the full H in fixed BLOCK_K steps, clamped
                  SwiGLU in fp32, h[pair, n] stored in bf16 (fp32 when x is fp32).
-  kernel 2       per (m-block, n-block of H): y[pair, n] = W2 h, fp32.
+                 (``split_gate_up``: gate and up rows in separate programs of ``_matmul_kernel`` into fp32
+                 sums, then ``_swiglu_kernel``; bit-identical, more programs per SM at decode.)
+  kernel 2       per (m-block, n-block of H): y[pair, n] = W2 h, fp32 (``_matmul_kernel``).
   combine        per token: out[t] = sum_j w[t, j] * y[t*k + j] in slot order, fp32, one cast to x.dtype.
 
 Why these choices:
@@ -62,6 +64,10 @@ class TileConfig:
     # like the weights (the byte path fetches them by hand one step ahead with 2-byte loads, the loop's main
     # long-scoreboard stall in bench/results/NOTES.md run 26). Same values, so bit-identical results.
     scale_words: bool = False
+    # Gate rows and up rows in separate programs (one accumulator and one weight stream each: fewer registers
+    # and less shared memory per program, so more programs per SM), their fp32 sums joined by a small SwiGLU
+    # kernel. The same fp32 values meet the same epilogue code, so results are bit-identical to the fused form.
+    split_gate_up: bool = False
 
 
 # Keyed on the mean number of pairs per expert (T*k / E), i.e. on shapes only, never on routing data.
@@ -201,6 +207,26 @@ def _mma(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _clamped_swiglu(g, u, limit):
+    """The experts' activation on fp32 sums; one definition for the fused and the split gate/up paths."""
+    gate = tl.minimum(g, limit)
+    up = tl.minimum(tl.maximum(u, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, h_ptr, N, limit, stride_gu, stride_h, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """h[pair] = swiglu(gu[pair, :N], gu[pair, N:]) for split gate/up: fp32 sums in, one rounding out."""
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    g = tl.load(gu_ptr + p * stride_gu + offs, mask=ok, other=0.0)
+    u = tl.load(gu_ptr + p * stride_gu + N + offs, mask=ok, other=0.0)
+    hval = _clamped_swiglu(g, u, limit)
+    tl.store(h_ptr + p * stride_h + offs, _to_out(hval, h_ptr.dtype.element_ty, INTERPRET), mask=ok)
+
+
+@triton.jit
 def _to_out(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 -> dtype, round to nearest even (the interpreter truncates fp32 -> bf16: round its bits first)."""
     if INTERPRET:
@@ -283,26 +309,28 @@ def _gate_up_kernel(
             acc_u = _mma(wu, x_lo, acc_u, INTERPRET)
         if not SCALE_WORDS:
             sg, su = sg_n, su_n
-    gate = tl.minimum(acc_g, limit)
-    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    hval = gate * tl.sigmoid(gate) * up
+    hval = _clamped_swiglu(acc_g, acc_u, limit)
     h_ptrs = h_ptr + tl.where(valid, pair, 0).to(tl.int64)[None, :] * stride_h + offs_n[:, None]
     tl.store(h_ptrs, _to_out(hval, h_ptr.dtype.element_ty, INTERPRET), mask=x_mask & w_mask)
 
 
 @triton.jit
-def _down_kernel(
+def _matmul_kernel(
     h_ptr, w2_ptr, s2_ptr, y_ptr, pair_ptr, expert_ptr,
-    K, N,  # K = I (reduction), N = H
+    K, N,  # K = I (reduction), N = H; or, for split gate/up, K = H, N = 2I
     stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_y,
+    row_div,  # activation row of a pair: pair // row_div (1: h is per pair; topk: x is per token)
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):
+    """y[pair, n] = sum_k W_e[n, k] a[pair // row_div, k] in fp32: the down projection (kernel 2), and with
+    ``split_gate_up`` also kernel 1's gate|up rows as one [2I, H] matrix."""
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
         return
     valid = pair >= 0
-    row = tl.where(valid, pair, 0).to(tl.int64)
+    row = tl.where(valid, pair // row_div, 0).to(tl.int64)
+    out_row = tl.where(valid, pair, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     w_mask = (offs_n < N)[:, None]
     a_mask = valid[None, :]
@@ -335,7 +363,7 @@ def _down_kernel(
             acc = _mma(w, a_lo, acc, INTERPRET)
         if not SCALE_WORDS:
             sw = sw_n
-    tl.store(y_ptr + row[None, :] * stride_y + offs_n[:, None], acc, mask=a_mask & w_mask)
+    tl.store(y_ptr + out_row[None, :] * stride_y + offs_n[:, None], acc, mask=a_mask & w_mask)
 
 
 @triton.jit
@@ -406,17 +434,30 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     num_blocks = expert_of_block.numel()
     hid = _scratch((t * k, inter), act_dtype, x.device)
     y = _scratch((t * k, h), torch.float32, x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n1))](
-        x, w13, s13, hid, pair_of_row, expert_of_block, h, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hid.stride(0),
-        float(limit), k,
-        SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-        SCALE_WORDS=words1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
-    )
-    _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2))](
+    if cfg.split_gate_up:  # gate|up as one [2I, H] matrix into fp32 sums, then the activation
+        gu = _scratch((t * k, 2 * inter), torch.float32, x.device)
+        _matmul_kernel[(num_blocks, triton.cdiv(2 * inter, cfg.block_n1))](
+            x, w13, s13, gu, pair_of_row, expert_of_block, h, 2 * inter,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), gu.stride(0), k,
+            SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
+            SCALE_WORDS=words1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
+        )
+        block = min(1024, triton.next_power_of_2(inter))
+        _swiglu_kernel[(t * k, triton.cdiv(inter, block))](gu, hid, inter, float(limit), gu.stride(0), hid.stride(0),
+                                                           BLOCK=block, INTERPRET=_INTERPRET, num_warps=4)
+    else:
+        _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n1))](
+            x, w13, s13, hid, pair_of_row, expert_of_block, h, inter,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hid.stride(0),
+            float(limit), k,
+            SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
+            SCALE_WORDS=words1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
+        )
+    _matmul_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2))](
         hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
-        hid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        hid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), 1,
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
         SCALE_WORDS=words2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
