@@ -87,21 +87,25 @@ def expert_kernels():
                "stride_h": "i32", "limit": "fp32", "topk": "i32"}
     down = {"h_ptr": "*bf16", "w2_ptr": "*i32", "s2_ptr": "*u8", "y_ptr": "*fp32", **common, "stride_h": "i32",
             "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_y": "i32",
-            "row_div": "i32"}
-    div = ("K", "N", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h", "stride_y")
-    cx = ("SCALE_U8", "SPLIT", "INTERPRET", "BM", "BN", "BK", "SCALE_WORDS")
+            "row_div": "i32", "k_per_split": "i32", "stride_split": "i32"}
+    div = ("K", "N", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h", "stride_y",
+           "k_per_split", "stride_split")
     cfgs = [cfg for _, cfg in moe.CONFIG_TABLE]
     cfgs.append(dataclasses.replace(cfgs[0], scale_words=True))  # the opt-in scale path at the decode tile
+    cfgs.append(dataclasses.replace(cfgs[0], split_gate_up=True, splits1=4, splits2=2))  # K-split decode
     for cfg in cfgs:
-        for name, fn, sig, bn, tiles in (("gate_up", moe._gate_up_kernel, gate_up, cfg.block_n1, 2),
-                                         ("down", moe._matmul_kernel, down, cfg.block_n2, 1)):
+        first = (("gate|up", moe._matmul_kernel, down, cfg.block_n1, 1, cfg.splits1) if cfg.split_gate_up
+                 else ("gate_up", moe._gate_up_kernel, gate_up, cfg.block_n1, 2, None))
+        for name, fn, sig, bn, tiles, k_splits in (first, ("down", moe._matmul_kernel, down, cfg.block_n2, 1,
+                                                           cfg.splits2)):
             consts = {"SCALE_U8": True, "SPLIT": 1, "INTERPRET": False, "BM": cfg.block_m, "BN": bn, "BK": 128,
-                      "SCALE_WORDS": cfg.scale_words}
+                      "SCALE_WORDS": cfg.scale_words, **({} if k_splits is None else {"K_SPLITS": k_splits})}
             scales = "s13_ptr" if name == "gate_up" else "s2_ptr"
-            sig = {**sig, scales: "*i32" if cfg.scale_words else "*u8", **{c: "constexpr" for c in cx}}
+            sig = {**sig, scales: "*i32" if cfg.scale_words else "*u8", **{c: "constexpr" for c in consts}}
             words = " words" if cfg.scale_words else ""
-            yield (f"experts {name} m{cfg.block_m} n{bn} w{cfg.num_warps} s{cfg.num_stages}{words}", fn, sig,
-                   consts, div, cfg.num_warps, cfg.num_stages, tiles * bn * 128 // 2)
+            chunks = f" k/{k_splits}" if k_splits and k_splits > 1 else ""
+            yield (f"experts {name} m{cfg.block_m} n{bn} w{cfg.num_warps} s{cfg.num_stages}{words}{chunks}", fn,
+                   sig, consts, div, cfg.num_warps, cfg.num_stages, tiles * bn * 128 // 2)
 
 
 def fp8_kernels():

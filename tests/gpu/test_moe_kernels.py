@@ -298,6 +298,25 @@ def test_split_gate_up_gives_the_same_bits(device, dtype, scale_fmt) -> None:
 
 
 @pytest.mark.interpret_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_k_splits_match_the_reference_and_repeat(device, dtype) -> None:
+    """K chunks (``splits1`` / ``splits2``) add their fp32 partials in chunk order: within tolerance of the
+    reference, the same bits run to run; chunks that do not tile K are refused."""
+    n_exp, hidden, inter, k = 4, 256, 192, 3  # gate|up: 2 steps of 128; down: 3 steps of 64
+    weights = make_weights(n_exp, hidden, inter, device, seed=11, scale_fmt="e8m0")
+    x, ids, w = make_tokens(5, hidden, k, n_exp, device, seed=12, dtype=dtype)
+    base = tri.FP32_CONFIG if dtype == torch.float32 else tri.CONFIG_TABLE[0][1]
+    cfg = dataclasses.replace(base, split_gate_up=True, splits1=2, splits2=3)
+    got, ref = run_both(x, ids, w, weights, cfg)
+    check(got, ref, dtype)
+    assert torch.equal(run_both(x, ids, w, weights, cfg)[0], got)
+    with pytest.raises(ValueError, match="chunks"):
+        run_both(x, ids, w, weights, dataclasses.replace(cfg, splits2=2))
+    with pytest.raises(ValueError, match="split_gate_up"):
+        run_both(x, ids, w, weights, dataclasses.replace(base, splits1=2))
+
+
+@pytest.mark.interpret_ok
 def test_align_pairs_groups_and_pads(device) -> None:
     ids = torch.tensor([[3, 0], [2, 3], [1, 3], [0, 1], [0, 0]], device=device)
     pair_of_row, expert_of_block = tri.align_pairs(ids, 4, 16)
