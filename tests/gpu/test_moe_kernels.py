@@ -317,6 +317,31 @@ def test_k_splits_match_the_reference_and_repeat(device, dtype) -> None:
 
 
 @pytest.mark.interpret_ok
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("scale_fmt", ["e8m0", "fp32"])
+def test_tiled_weights_give_the_same_bits(device, dtype, scale_fmt) -> None:
+    """Tile-major packed codes (``tile_weights``) give exactly the checkpoint layout's bits: fused, split
+    gate/up with K chunks, and a wide-token tile; a tile width that is not the kernels' K step is refused."""
+    n_exp, hidden, inter, k = 4, 256, 64, 3  # gate|up: 2 steps of 128 over 128 rows; down: 1 step of 64
+    weights = make_weights(n_exp, hidden, inter, device, seed=13, scale_fmt=scale_fmt)
+    w13, s13, w2, s2 = weights
+    tiled = (tri.tile_weights(w13), s13, tri.tile_weights(w2), s2)
+    assert tiled[0].shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 64)
+    x, ids, w = make_tokens(7, hidden, k, n_exp, device, seed=14, dtype=dtype)
+    base = tri.FP32_CONFIG if dtype == torch.float32 else tri.CONFIG_TABLE[0][1]
+    for cfg in (base, dataclasses.replace(base, split_gate_up=True, splits1=2), tri.CONFIG_TABLE[-1][1]):
+        if dtype == torch.float32 and cfg is tri.CONFIG_TABLE[-1][1]:
+            continue
+        plain, ref = run_both(x, ids, w, weights, cfg)
+        got = tri.moe_experts_fp4_with_config(x, ids, w, *tiled, LIMIT, cfg)
+        check(got, ref, dtype)
+        assert torch.equal(got, plain), f"{cfg}: tiled weights change the result"
+    bad = w2.view(n_exp, hidden // 64, 64, 2, 16).transpose(2, 3).contiguous()  # 32-wide steps, not 64
+    with pytest.raises(ValueError, match="tiled for"):
+        tri.moe_experts_fp4(x, ids, w, tiled[0], s13, bad, s2, LIMIT)
+
+
+@pytest.mark.interpret_ok
 def test_align_pairs_groups_and_pads(device) -> None:
     ids = torch.tensor([[3, 0], [2, 3], [1, 3], [0, 1], [0, 0]], device=device)
     pair_of_row, expert_of_block = tri.align_pairs(ids, 4, 16)

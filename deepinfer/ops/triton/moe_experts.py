@@ -50,6 +50,8 @@ from deepinfer.ops.triton.rounding import round_to
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: scratch buffers (h, y) start as NaN so an element no program wrote cannot pass unnoticed.
 POISON_SCRATCH = False
+# Rows per band of the tile-major weight layout (``tile_weights``): one wgmma M tile.
+TILE_ROWS = tl.constexpr(64)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,32 @@ def pick_config(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.bfl
 def block_k(dim: int) -> int:
     """The reduction step over ``dim``: depends on the model shape only (fixed reduction order)."""
     return next(bk for bk in (128, 64, 32) if dim % bk == 0)
+
+
+def tile_weights(w: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 codes int8 [E, N, K/2] (the checkpoint layout) -> the same bytes tile-major, int8
+    [E, N/64, K/BK, 64, BK/2]: each program's K step (64 rows x BK/2 bytes) becomes one contiguous block.
+
+    Why: in the checkpoint layout a K step reads 64 bytes from each of 64 rows 2 KB apart; a streaming read
+    in that pattern reached ~3.1 TB/s on the H200, the same bytes in contiguous 4 KB blocks ~4.4 TB/s
+    (bench/kernels/bench_stream.py, bench/results/NOTES.md run 29). Codes and scales are unchanged (scales
+    keep their layout), so results are bit-identical to the checkpoint layout. Needs N % 64 == 0.
+    """
+    e, n, half_k = w.shape
+    bk = block_k(2 * half_k)
+    rows = TILE_ROWS.value
+    if w.dtype != torch.int8 or n % rows:
+        raise ValueError(f"tile_weights: expected int8 [E, N, K/2] with N % {rows} == 0, "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    return w.view(e, n // rows, rows, half_k * 2 // bk, bk // 2).transpose(2, 3).contiguous()
+
+
+def _logical(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(a stand-in with the checkpoint layout's shape, for argument checks; whether ``w`` is tiled)."""
+    if w.dim() != 5:
+        return w, False
+    e, bands, steps, rows, half_bk = w.shape
+    return torch.empty((), dtype=w.dtype, device=w.device).expand(e, bands * rows, steps * half_bk), True
 
 
 def k_order(bk: int) -> torch.Tensor:
@@ -258,13 +286,31 @@ def _block_rows(pair_ptr, expert_ptr, BM: tl.constexpr):
 
 
 @triton.jit
+def _w_offsets(offs_n, stride_wn, BK: tl.constexpr, W_TILED: tl.constexpr):
+    """Word offsets of rows ``offs_n``' first K step ([BN, BK/8]); see ``tile_weights`` for the tiled layout."""
+    cols = tl.arange(0, BK // 8)[None, :]
+    if W_TILED:  # 64-row bands of stride_wn * 64 words; inside a band, step-major [64, BK/8] blocks
+        band, row = offs_n // TILE_ROWS, offs_n % TILE_ROWS
+        return band[:, None] * (stride_wn * TILE_ROWS) + row[:, None] * (BK // 8) + cols
+    return offs_n[:, None] * stride_wn + cols
+
+
+@triton.jit
+def _w_step(k0, W_TILED: tl.constexpr):
+    """Word offset of the K step starting at input k0 (a multiple of BK)."""
+    if W_TILED:
+        return k0 * (TILE_ROWS // 8)  # one [64, BK/8]-word block per BK inputs
+    return k0 // 8
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, s13_ptr, h_ptr, pair_ptr, expert_ptr,
     K, N,  # K = H (reduction), N = I (rows of W1; W3 follows at row N)
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     limit, topk,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr, W_TILED: tl.constexpr,
 ):
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
@@ -276,7 +322,7 @@ def _gate_up_kernel(
     x_mask = valid[None, :]
     # Loop-invariant offset tiles plus scalar bases: strides arrive as (16-divisible) arguments, so Triton
     # can prove 16-byte alignment and issue vector loads; carrying 64-bit pointer tiles would cost registers.
-    w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # int32 words
+    w_off = _w_offsets(offs_n, stride_wn, BK, W_TILED)  # int32 words
     if SCALE_WORDS:  # int32 words of 4 scales (BK == 128): each row's word, once per column
         s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
     else:
@@ -302,8 +348,8 @@ def _gate_up_kernel(
             kn = k0 + BK
             sg_n = tl.load(g_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
             su_n = tl.load(u_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
-        pg = tl.load(g_w + k0 // 8 + w_off, mask=w_mask, other=0)
-        pu = tl.load(u_w + k0 // 8 + w_off, mask=w_mask, other=0)
+        pg = tl.load(g_w + _w_step(k0, W_TILED) + w_off, mask=w_mask, other=0)
+        pu = tl.load(u_w + _w_step(k0, W_TILED) + w_off, mask=w_mask, other=0)
         wg = _dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
         wu = _dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
         xt = _k_order_rows(tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0), BK, BM)
@@ -335,6 +381,7 @@ def _matmul_kernel(
     k_per_split, stride_split,  # K chunk of program_id(2) (a multiple of BK) and where its partial goes
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr, K_SPLITS: tl.constexpr,
+    W_TILED: tl.constexpr,
 ):
     """y[s, pair, n] = sum over k in chunk s of W_e[n, k] a[pair // row_div, k], fp32: the down projection
     (kernel 2), and with ``split_gate_up`` also kernel 1's gate|up rows as one [2I, H] matrix. One chunk
@@ -348,7 +395,7 @@ def _matmul_kernel(
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     w_mask = (offs_n < N)[:, None]
     a_mask = valid[None, :]
-    w_off = offs_n[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # int32 words
+    w_off = _w_offsets(offs_n, stride_wn, BK, W_TILED)  # int32 words
     if SCALE_WORDS:
         s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
     else:
@@ -371,7 +418,7 @@ def _matmul_kernel(
         else:
             kn = k0 + BK
             sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < k_hi), other=0)  # one step ahead
-        pw = tl.load(w_base + k0 // 8 + w_off, mask=w_mask, other=0)
+        pw = tl.load(w_base + _w_step(k0, W_TILED) + w_off, mask=w_mask, other=0)
         w = _dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
         at = _k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
         if SPLIT == 1:
@@ -430,9 +477,13 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
                                 limit: float, cfg: TileConfig, *, out: torch.Tensor | None = None,
                                 add: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_experts_fp4`` with an explicit tile config (benchmarks, invariance tests across configs)."""
-    n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13, s13, w2, s2)
+    (w13_shape, tiled1), (w2_shape, tiled2) = _logical(w13), _logical(w2)
+    n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13_shape, s13, w2_shape, s2)
     _check_config(cfg)
     t, h = x.shape
+    for name, w, tiled, k_dim in (("w13", w13, tiled1, h), ("w2", w2, tiled2, inter)):
+        if tiled and w.shape[-1] * 2 != block_k(k_dim):
+            raise ValueError(f"{name}: tiled for {w.shape[-1] * 2}-wide K steps, the kernels take {block_k(k_dim)}")
     k = topk_ids.shape[1]
     # The router's outputs are often column slices of a sort; they are tiny, so copy rather than refuse.
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
@@ -471,10 +522,10 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         gu = _scratch((cfg.splits1, t * k, 2 * inter), torch.float32, x.device)
         _matmul_kernel[(num_blocks, triton.cdiv(2 * inter, cfg.block_n1), cfg.splits1)](
             x, w13, s13, gu, pair_of_row, expert_of_block, h, 2 * inter,
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), gu.stride(1), k,
+            x.stride(0), w13.stride(0), h // 8, s13.stride(0), s13.stride(1), gu.stride(1), k,
             _k_chunk(h, bk1, cfg.splits1), gu.stride(0),
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-            SCALE_WORDS=words1, K_SPLITS=cfg.splits1,
+            SCALE_WORDS=words1, K_SPLITS=cfg.splits1, W_TILED=tiled1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
         block = min(1024, triton.next_power_of_2(inter))
@@ -484,18 +535,18 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     else:
         _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n1))](
             x, w13, s13, hid, pair_of_row, expert_of_block, h, inter,
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), hid.stride(0),
+            x.stride(0), w13.stride(0), h // 8, s13.stride(0), s13.stride(1), hid.stride(0),
             float(limit), k,
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-            SCALE_WORDS=words1,
+            SCALE_WORDS=words1, W_TILED=tiled1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
     _matmul_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2), cfg.splits2)](
         hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
-        hid.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(1), 1,
+        hid.stride(0), w2.stride(0), inter // 8, s2.stride(0), s2.stride(1), y.stride(1), 1,
         _k_chunk(inter, bk2, cfg.splits2), y.stride(0),
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
-        SCALE_WORDS=words2, K_SPLITS=cfg.splits2,
+        SCALE_WORDS=words2, K_SPLITS=cfg.splits2, W_TILED=tiled2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     block_h = min(1024, triton.next_power_of_2(h))
