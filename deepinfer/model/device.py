@@ -102,7 +102,9 @@ class FusedFP4Experts(nn.Module):
             w2.append(q2.data)
             s2.append(scales(q2))
         for name, parts in (("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2)):
-            self.register_buffer(name, torch.stack(parts).contiguous())
+            stacked = torch.stack(parts).contiguous()
+            del parts[:]  # the per-expert copies, before the layout pass copies once more
+            self.register_buffer(name, ops.fp4_expert_layout(stacked) if name in ("w13", "w2") else stacked)
         self.limit, self.ops = limit, ops
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -31,6 +31,11 @@ MoE routing after the gate GEMM (``ops/ref/moe.py``; weights in the logits dtype
   moe_route(logits [T,E], scoring_func, top_k, norm_topk_prob, routed_scaling_factor, bias, hash_indices)
       -> (weights [T,k], indices [T,k] int64)
   swiglu(gate_up [T,2I], limit) -> [T,I]   (the shared expert's clamped activation)
+
+Weight layout, applied once when the model is prepared (not per call):
+
+  fp4_expert_layout(w int8 [E,N,K/2]) -> the packed codes in the layout moe_experts_fp4 reads (the same
+      tensor for ``REF``; tile-major for Triton, see ``ops/triton/moe_experts.tile_weights``)
 """
 
 from __future__ import annotations
@@ -75,6 +80,11 @@ class OpTable:
     rope: Callable
     moe_route: Callable
     swiglu: Callable
+    fp4_expert_layout: Callable
+
+
+def _checkpoint_layout(w: torch.Tensor) -> torch.Tensor:
+    return w
 
 
 def _ref_indexer_select(q, weights, keys, limits, topk, scale):
@@ -86,7 +96,8 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
               ref_attn.sparse_attention_indexed, ref_index.indexer_topk, ref_emit.compress_emit,
               ref_state.compress_state, ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
               rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
-              rope=ref_rn.rope, moe_route=ref_route.route, swiglu=ref_swiglu.swiglu)
+              rope=ref_rn.rope, moe_route=ref_route.route, swiglu=ref_swiglu.swiglu,
+              fp4_expert_layout=_checkpoint_layout)
 
 
 def triton_ops() -> OpTable:
@@ -118,7 +129,8 @@ def triton_ops() -> OpTable:
                    tri_attn.sparse_attention_indexed, tri_index.indexer_topk, tri_emit.compress_emit,
                    tri_state.compress_state, tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
-                   rope=tri_rn.rope, moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu)
+                   rope=tri_rn.rope, moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
+                   fp4_expert_layout=tri_moe.expert_layout)
 
 
 def select(device: str) -> OpTable:

@@ -3,7 +3,8 @@
 Compiles the decode tile config for sm_90 with Triton's bundled ptxas (``bench/kernels/loop_sass.py``) and
 checks the SASS: each thread's packed weights arrive as 16-byte async copies and 16-byte shared loads
 (the K order of ``ops/triton/moe_experts.py``), never as byte-wide shared loads or 4-byte copies, the
-loop spills nothing, and with ``scale_words`` the scales too come through the async-copy pipeline.
+loop spills nothing, and with ``scale_words`` the scales too come through the async-copy pipeline; in the
+checkpoint and the tile-major weight layouts, and for the K-chunk option.
 Skipped where Triton is not installed or runs interpreted.
 """
 
@@ -22,8 +23,9 @@ from bench.kernels.loop_sass import compile_sm90, expert_kernels, loop_mix  # no
 
 def test_expert_decode_loops_use_wide_copies(tmp_path) -> None:
     decode = [k for k in expert_kernels() if " m16 " in k[0]]
-    assert {(label.split()[1], label.endswith("words")) for label, *_ in decode} == {
-        ("gate_up", False), ("down", False), ("gate_up", True), ("down", True)}
+    tile = "m16 n64 w4 s4"
+    assert {f"experts {kernel} {tile}{variant}" for kernel in ("gate_up", "down")
+            for variant in ("", " tiled", " words")} <= {label for label, *_ in decode}
     for label, fn, sig, consts, div, warps, stages, _ in decode:
         mix = loop_mix(compile_sm90(fn, sig, consts, div, warps, stages), tmp_path)
         c = mix.classes

@@ -7,7 +7,8 @@ Plan (all on the device, no host sync, so the whole call can be captured in a CU
   kernel 1       per (m-block, n-block of I): gate and up tiles over the full H in fixed BLOCK_K steps, clamped
                  SwiGLU in fp32, h[pair, n] stored in bf16 (fp32 when x is fp32).
                  (``split_gate_up``: gate and up rows in separate programs of ``_matmul_kernel`` into fp32
-                 sums, then ``_swiglu_kernel``; bit-identical, more programs per SM at decode.)
+                 sums, optionally in K chunks, then ``_swiglu_kernel``. Measured slower, kept as options:
+                 bench/results/NOTES.md runs 27-28.)
   kernel 2       per (m-block, n-block of H): y[pair, n] = W2 h, fp32 (``_matmul_kernel``).
   combine        per token: out[t] = sum_j w[t, j] * y[t*k + j] in slot order, fp32, one cast to x.dtype.
 
@@ -20,12 +21,16 @@ Why these choices:
   BLOCK_K step the inputs are taken in a fixed permuted order (same for weights and activations) that
   makes every thread's share of the packed tile one 16-byte run: 16-byte copies and shared-memory loads
   instead of one instruction per byte (decode 13-22% faster, bench/results/NOTES.md run 20).
+* The model stores the packed codes tile-major (``tile_weights``): a K step of a program is one contiguous
+  4 KB block instead of 64 pieces of 64 bytes 2 KB apart, 9-10% faster at T = 8..128 (run 30). The
+  kernels also read the checkpoint layout (tests, the reference's tensors), with the same bits.
 * Swap-AB: the weight tile is the MMA's M side (64-row multiples, what Hopper's wgmma wants) and the
   tokens are its N side (16..128). Decode then wastes no MMA rows on padding tokens, and every tile
   config uses the same instruction family (wgmma m64nNk16, bf16 -> fp32), differing only in N.
 * Batch invariance (determinism.md §2.2): a pair's row is one column of a tile; its value depends on its
   own activations, the expert's weights and BLOCK_K only. BLOCK_K is a function of (H, I) alone; BLOCK_M
   and the rest vary with the shape bucket. No split-K, no atomics; the combine is a fixed slot-order sum.
+  (The K-chunk options, ``splits1`` / ``splits2``, give up this property; no table config uses them.)
 * fp32 activations are split into three bf16 parts (hi + mid + lo == x exactly), so fp32 inputs get
   fp32-grade results from bf16 MMAs (3x the MMA work; only when x is fp32).
 """
@@ -121,6 +126,11 @@ def tile_weights(w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"tile_weights: expected int8 [E, N, K/2] with N % {rows} == 0, "
                          f"got {w.dtype} {tuple(w.shape)}")
     return w.view(e, n // rows, rows, half_k * 2 // bk, bk // 2).transpose(2, 3).contiguous()
+
+
+def expert_layout(w: torch.Tensor) -> torch.Tensor:
+    """The op table's ``fp4_expert_layout``: tile-major where the shape allows (N % 64 == 0), else as is."""
+    return tile_weights(w) if w.shape[1] % TILE_ROWS.value == 0 else w
 
 
 def _logical(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
