@@ -128,37 +128,35 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
     return row
 
 
-# Per T, TileConfig fields to change in the table's pick (timed first); "tiled": True runs on tile-major
-# weights (``tile_weights``). Configs without K splits must give the pick's bits; K-split ones (not batch
-# invariant) report their relative difference instead.
+# Per T, TileConfig fields to change in the table's pick (timed first); "tiled" runs on tile-major weights
+# (``tile_weights``): "codes" tiles the packed codes only, "all" their scales too. Configs without K splits
+# must give the pick's bits; K-split ones (not batch invariant) report their relative difference instead.
 SWEEP: dict[int, list[dict]] = {
-    1: [dict(tiled=True), dict(tiled=True, num_stages=3),
-        dict(tiled=True, split_gate_up=True, splits1=4, splits2=2, num_stages=3)],
-    8: [dict(tiled=True), dict(tiled=True, num_stages=3)],
-    32: [dict(tiled=True), dict(tiled=True, num_stages=3), dict(tiled=True, block_n2=128)],
-    128: [dict(tiled=True), dict(tiled=True, block_m=32)],
-    4096: [dict(tiled=True), dict(tiled=True, num_stages=4)],
+    1: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
+    8: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
+    32: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
+    128: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
+    4096: [dict(tiled="codes"), dict(tiled="all")],
 }
 
 
 def sweep(wts: dict, rotate: int) -> list[dict]:
     rows = []
     s13, s2 = wts["e13"].view(torch.float8_e8m0fnu), wts["e2"].view(torch.float8_e8m0fnu)
-    layouts = {False: (wts["w13"], wts["w2"]), True: (tri.tile_weights(wts["w13"]), tri.tile_weights(wts["w2"]))}
+    (t13, ts13), (t2, ts2) = tri.expert_layout(wts["w13"], s13), tri.expert_layout(wts["w2"], s2)
+    layouts = {"": (wts["w13"], s13, wts["w2"], s2), "codes": (t13, s13, t2, s2), "all": (t13, ts13, t2, ts2)}
     for n_tok, cands in SWEEP.items():
         sets = [routing(n_tok, 1000 * n_tok + r) for r in range(rotate)]
         hit = sum(torch.unique(ids).numel() for _, ids, _ in sets) / rotate
         floor_bytes = hit * expert_bytes(1) + 2 * n_tok * H * 2
         base = tri.pick_config(n_tok * K, E)
         runs = [(base, False)] + [(dataclasses.replace(base, **{f: v for f, v in c.items() if f != "tiled"}),
-                                   c.get("tiled", False)) for c in cands]
+                                   c.get("tiled", "")) for c in cands]
         ref = None
         for cfg, tiled in runs:
-            w13, w2 = layouts[tiled]
-
-            def op(r: int, cfg=cfg, w13=w13, w2=w2) -> torch.Tensor:
+            def op(r: int, cfg=cfg, weights=layouts[tiled]) -> torch.Tensor:
                 x, ids, w = sets[r]
-                return tri.moe_experts_fp4_with_config(x, ids, w, w13, s13, w2, s2, LIMIT, cfg)
+                return tri.moe_experts_fp4_with_config(x, ids, w, *weights, LIMIT, cfg)
             row = {"T": n_tok, "config": {**vars(cfg), "tiled": tiled}}
             try:
                 out = op(0)
@@ -179,7 +177,7 @@ def cfg_str(c: dict) -> str:
     split = " split" if c.get("split_gate_up") else ""
     s1, s2 = c.get("splits1", 1), c.get("splits2", 1)
     chunks = f" k/{s1}/{s2}" if max(s1, s2) > 1 else ""
-    chunks += " tiled" if c.get("tiled") else ""
+    chunks += f" tiled {c['tiled']}" if c.get("tiled") else ""
     return (f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}{regs}{words}"
             f"{split}{chunks}")
 

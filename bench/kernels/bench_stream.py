@@ -5,8 +5,8 @@
 The expert kernels read each program's weight rows in K steps: 64 rows x 64 bytes per step (BK = 128 FP4
 codes), rows H/2 = 2048 bytes apart, Triton's cp.async pipeline num_stages deep. This bench runs the same
 loop with the dequantization replaced by a bitcast (the bits go to one MMA, so Triton pipelines the loads
-the same way and nothing is optimised away) over the same bytes in three layouts and reports GB/s against a device-to-device copy (bytes read + written) measured in
-the same run:
+the same way and nothing is optimised away) over the same bytes in three layouts and reports GB/s
+against a device-to-device copy (bytes read + written) measured in the same run:
   rows       the checkpoint layout: [rows, K/2] bytes, a program's step is 64 strided 64-byte pieces;
   rows-128   the same layout, 128 bytes per row and step (BK = 256): whole 128-byte lines;
   tiles      tile-major: each program's step is one contiguous 4 KB block (64 rows x 64 bytes).

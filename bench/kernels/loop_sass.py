@@ -99,7 +99,7 @@ def expert_kernels():
         for name, fn, sig, bn, tiles, k_splits in (first, ("down", moe._matmul_kernel, down, cfg.block_n2, 1,
                                                            cfg.splits2)):
             consts = {"SCALE_U8": True, "SPLIT": 1, "INTERPRET": False, "BM": cfg.block_m, "BN": bn, "BK": 128,
-                      "SCALE_WORDS": cfg.scale_words, "W_TILED": tiled,
+                      "SCALE_WORDS": cfg.scale_words, "W_TILED": tiled, "S_TILED": tiled,
                       **({} if k_splits is None else {"K_SPLITS": k_splits})}
             scales = "s13_ptr" if name == "gate_up" else "s2_ptr"
             sig = {**sig, scales: "*i32" if cfg.scale_words else "*u8", **{c: "constexpr" for c in consts}}

@@ -101,10 +101,13 @@ class FusedFP4Experts(nn.Module):
             s13.append(torch.cat([scales(q1), scales(q3)]))
             w2.append(q2.data)
             s2.append(scales(q2))
-        for name, parts in (("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2)):
-            stacked = torch.stack(parts).contiguous()
-            del parts[:]  # the per-expert copies, before the layout pass copies once more
-            self.register_buffer(name, ops.fp4_expert_layout(stacked) if name in ("w13", "w2") else stacked)
+        parts = {"w13": w13, "s13": s13, "w2": w2, "s2": s2}
+        for codes, scale in (("w13", "s13"), ("w2", "s2")):
+            stacked = torch.stack(parts[codes]), torch.stack(parts[scale])
+            parts[codes].clear()  # drop the per-expert copies before the layout pass copies once more
+            parts[scale].clear()
+            for name, t in zip((codes, scale), ops.fp4_expert_layout(*stacked)):
+                self.register_buffer(name, t.contiguous())
         self.limit, self.ops = limit, ops
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

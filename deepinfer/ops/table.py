@@ -34,8 +34,9 @@ MoE routing after the gate GEMM (``ops/ref/moe.py``; weights in the logits dtype
 
 Weight layout, applied once when the model is prepared (not per call):
 
-  fp4_expert_layout(w int8 [E,N,K/2]) -> the packed codes in the layout moe_experts_fp4 reads (the same
-      tensor for ``REF``; tile-major for Triton, see ``ops/triton/moe_experts.tile_weights``)
+  fp4_expert_layout(codes int8 [E,N,K/2], scales [E,N,K/32]) -> (codes, scales) in the layout
+      moe_experts_fp4 reads (the same tensors for ``REF``; tile-major for Triton, see
+      ``ops/triton/moe_experts.tile_weights``)
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class OpTable:
     fp4_expert_layout: Callable
 
 
-def _checkpoint_layout(w: torch.Tensor) -> torch.Tensor:
-    return w
+def _checkpoint_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return codes, scales
 
 
 def _ref_indexer_select(q, weights, keys, limits, topk, scale):

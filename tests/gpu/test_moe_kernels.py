@@ -320,25 +320,29 @@ def test_k_splits_match_the_reference_and_repeat(device, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("scale_fmt", ["e8m0", "fp32"])
 def test_tiled_weights_give_the_same_bits(device, dtype, scale_fmt) -> None:
-    """Tile-major packed codes (``tile_weights``) give exactly the checkpoint layout's bits: fused, split
-    gate/up with K chunks, and a wide-token tile; a tile width that is not the kernels' K step is refused."""
+    """Tile-major packed codes and scales (``tile_weights``, ``expert_layout``), and tiled codes with
+    checkpoint-layout scales, give exactly the checkpoint layout's bits: fused, split gate/up with K chunks,
+    and a wide-token tile; a tile width that is not the kernels' K step is refused."""
     n_exp, hidden, inter, k = 4, 256, 64, 3  # gate|up: 2 steps of 128 over 128 rows; down: 1 step of 64
     weights = make_weights(n_exp, hidden, inter, device, seed=13, scale_fmt=scale_fmt)
     w13, s13, w2, s2 = weights
-    tiled = (tri.tile_weights(w13), s13, tri.tile_weights(w2), s2)
-    assert tiled[0].shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 64)
+    (t13, ts13), (t2, ts2) = tri.expert_layout(w13, s13), tri.expert_layout(w2, s2)
+    assert t13.shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 64)
+    assert ts13.shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 4) and ts2.shape == (n_exp, hidden // 64, 1, 64, 2)
+    layouts = [(t13, ts13, t2, ts2), (t13, s13, t2, s2)]
     x, ids, w = make_tokens(7, hidden, k, n_exp, device, seed=14, dtype=dtype)
     base = tri.FP32_CONFIG if dtype == torch.float32 else tri.CONFIG_TABLE[0][1]
     for cfg in (base, dataclasses.replace(base, split_gate_up=True, splits1=2), tri.CONFIG_TABLE[-1][1]):
         if dtype == torch.float32 and cfg is tri.CONFIG_TABLE[-1][1]:
             continue
         plain, ref = run_both(x, ids, w, weights, cfg)
-        got = tri.moe_experts_fp4_with_config(x, ids, w, *tiled, LIMIT, cfg)
-        check(got, ref, dtype)
-        assert torch.equal(got, plain), f"{cfg}: tiled weights change the result"
+        for tiled in layouts:
+            got = tri.moe_experts_fp4_with_config(x, ids, w, *tiled, LIMIT, cfg)
+            check(got, ref, dtype)
+            assert torch.equal(got, plain), f"{cfg}: tiled weights change the result"
     bad = w2.view(n_exp, hidden // 64, 64, 2, 16).transpose(2, 3).contiguous()  # 32-wide steps, not 64
     with pytest.raises(ValueError, match="tiled for"):
-        tri.moe_experts_fp4(x, ids, w, tiled[0], s13, bad, s2, LIMIT)
+        tri.moe_experts_fp4(x, ids, w, t13, ts13, bad, ts2, LIMIT)
 
 
 @pytest.mark.interpret_ok

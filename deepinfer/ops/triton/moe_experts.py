@@ -110,35 +110,40 @@ def block_k(dim: int) -> int:
     return next(bk for bk in (128, 64, 32) if dim % bk == 0)
 
 
-def tile_weights(w: torch.Tensor) -> torch.Tensor:
-    """Packed FP4 codes int8 [E, N, K/2] (the checkpoint layout) -> the same bytes tile-major, int8
-    [E, N/64, K/BK, 64, BK/2]: each program's K step (64 rows x BK/2 bytes) becomes one contiguous block.
+def tile_weights(w: torch.Tensor, per_byte: int = 2) -> torch.Tensor:
+    """Rows of K-ordered elements [E, N, K/per_byte] (the checkpoint layout) -> the same elements tile-major,
+    [E, N/64, K/BK, 64, BK/per_byte]: each program's K step (64 rows x BK/per_byte elements) becomes one
+    contiguous block. Packed codes (int8, two inputs per byte) by default; ``per_byte=32`` tiles their
+    scales (one per 32 inputs, UE8M0 bytes or fp32).
 
     Why: in the checkpoint layout a K step reads 64 bytes from each of 64 rows 2 KB apart; a streaming read
     in that pattern reached ~3.1 TB/s on the H200, the same bytes in contiguous 4 KB blocks ~4.4 TB/s
-    (bench/kernels/bench_stream.py, bench/results/NOTES.md run 29). Codes and scales are unchanged (scales
-    keep their layout), so results are bit-identical to the checkpoint layout. Needs N % 64 == 0.
+    (bench/kernels/bench_stream.py, bench/results/NOTES.md run 29). A step's scales likewise become one
+    256-byte block instead of 64 pieces of 4 bytes. Same values, same sums: results are bit-identical to the
+    checkpoint layout. Needs N % 64 == 0.
     """
-    e, n, half_k = w.shape
-    bk = block_k(2 * half_k)
+    e, n, cols = w.shape
+    bk = block_k(cols * per_byte)
     rows = TILE_ROWS.value
-    if w.dtype != torch.int8 or n % rows:
-        raise ValueError(f"tile_weights: expected int8 [E, N, K/2] with N % {rows} == 0, "
-                         f"got {w.dtype} {tuple(w.shape)}")
-    return w.view(e, n // rows, rows, half_k * 2 // bk, bk // 2).transpose(2, 3).contiguous()
+    if w.dim() != 3 or n % rows:
+        raise ValueError(f"tile_weights: expected [E, N, K/{per_byte}] with N % {rows} == 0, got {tuple(w.shape)}")
+    return w.view(e, n // rows, rows, cols * per_byte // bk, bk // per_byte).transpose(2, 3).contiguous()
 
 
-def expert_layout(w: torch.Tensor) -> torch.Tensor:
-    """The op table's ``fp4_expert_layout``: tile-major where the shape allows (N % 64 == 0), else as is."""
-    return tile_weights(w) if w.shape[1] % TILE_ROWS.value == 0 else w
+def expert_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op table's ``fp4_expert_layout``: codes and scales tile-major where the shape allows
+    (N % 64 == 0), else as they are."""
+    if codes.shape[1] % TILE_ROWS.value:
+        return codes, scales
+    return tile_weights(codes), tile_weights(scales, per_byte=FP4_GROUP)
 
 
 def _logical(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(a stand-in with the checkpoint layout's shape, for argument checks; whether ``w`` is tiled)."""
     if w.dim() != 5:
         return w, False
-    e, bands, steps, rows, half_bk = w.shape
-    return torch.empty((), dtype=w.dtype, device=w.device).expand(e, bands * rows, steps * half_bk), True
+    e, bands, steps, rows, step_cols = w.shape
+    return torch.empty((), dtype=w.dtype, device=w.device).expand(e, bands * rows, steps * step_cols), True
 
 
 def k_order(bk: int) -> torch.Tensor:
@@ -296,21 +301,22 @@ def _block_rows(pair_ptr, expert_ptr, BM: tl.constexpr):
 
 
 @triton.jit
-def _w_offsets(offs_n, stride_wn, BK: tl.constexpr, W_TILED: tl.constexpr):
-    """Word offsets of rows ``offs_n``' first K step ([BN, BK/8]); see ``tile_weights`` for the tiled layout."""
-    cols = tl.arange(0, BK // 8)[None, :]
-    if W_TILED:  # 64-row bands of stride_wn * 64 words; inside a band, step-major [64, BK/8] blocks
+def _tile_offsets(offs_n, stride_n, COLS: tl.constexpr, TILED: tl.constexpr):
+    """Offsets [BN, COLS] of rows ``offs_n``' first K step, COLS elements per row and step (packed words or
+    scales); ``stride_n`` is the checkpoint layout's row stride. See ``tile_weights`` for the tiled layout."""
+    cols = tl.arange(0, COLS)[None, :]
+    if TILED:  # 64-row bands of stride_n * 64 elements; inside a band, step-major [64, COLS] blocks
         band, row = offs_n // TILE_ROWS, offs_n % TILE_ROWS
-        return band[:, None] * (stride_wn * TILE_ROWS) + row[:, None] * (BK // 8) + cols
-    return offs_n[:, None] * stride_wn + cols
+        return band[:, None] * (stride_n * TILE_ROWS) + row[:, None] * COLS + cols
+    return offs_n[:, None] * stride_n + cols
 
 
 @triton.jit
-def _w_step(k0, W_TILED: tl.constexpr):
-    """Word offset of the K step starting at input k0 (a multiple of BK)."""
-    if W_TILED:
-        return k0 * (TILE_ROWS // 8)  # one [64, BK/8]-word block per BK inputs
-    return k0 // 8
+def _tile_step(k0, BK: tl.constexpr, COLS: tl.constexpr, TILED: tl.constexpr):
+    """Offset of the K step that starts at input k0 (a multiple of BK)."""
+    if TILED:
+        return (k0 // BK) * (TILE_ROWS * COLS)  # one [64, COLS] block per step
+    return (k0 // BK) * COLS
 
 
 @triton.jit
@@ -321,6 +327,7 @@ def _gate_up_kernel(
     limit, topk,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr, W_TILED: tl.constexpr,
+    S_TILED: tl.constexpr,
 ):
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
@@ -332,11 +339,11 @@ def _gate_up_kernel(
     x_mask = valid[None, :]
     # Loop-invariant offset tiles plus scalar bases: strides arrive as (16-divisible) arguments, so Triton
     # can prove 16-byte alignment and issue vector loads; carrying 64-bit pointer tiles would cost registers.
-    w_off = _w_offsets(offs_n, stride_wn, BK, W_TILED)  # int32 words
+    w_off = _tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
     if SCALE_WORDS:  # int32 words of 4 scales (BK == 128): each row's word, once per column
         s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
     else:
-        s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+        s_off = _tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
     x_off = tok[None, :] * stride_x + tl.arange(0, BK)[:, None]  # x^T tile [BK, BM]: the MMA's B operand
     g_w = w13_ptr + e.to(tl.int64) * stride_we
     u_w = g_w + N * stride_wn
@@ -356,10 +363,11 @@ def _gate_up_kernel(
             su = _scale_bytes(u_s + k0 // 128, s_off, w_mask)
         else:
             kn = k0 + BK
-            sg_n = tl.load(g_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
-            su_n = tl.load(u_s + kn // 32 + s_off, mask=w_mask & (kn < K), other=0)
-        pg = tl.load(g_w + _w_step(k0, W_TILED) + w_off, mask=w_mask, other=0)
-        pu = tl.load(u_w + _w_step(k0, W_TILED) + w_off, mask=w_mask, other=0)
+            s_next = _tile_step(kn, BK, BK // 32, S_TILED)
+            sg_n = tl.load(g_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
+            su_n = tl.load(u_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
+        pg = tl.load(g_w + _tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
+        pu = tl.load(u_w + _tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
         wg = _dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
         wu = _dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
         xt = _k_order_rows(tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0), BK, BM)
@@ -391,7 +399,7 @@ def _matmul_kernel(
     k_per_split, stride_split,  # K chunk of program_id(2) (a multiple of BK) and where its partial goes
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr, K_SPLITS: tl.constexpr,
-    W_TILED: tl.constexpr,
+    W_TILED: tl.constexpr, S_TILED: tl.constexpr,
 ):
     """y[s, pair, n] = sum over k in chunk s of W_e[n, k] a[pair // row_div, k], fp32: the down projection
     (kernel 2), and with ``split_gate_up`` also kernel 1's gate|up rows as one [2I, H] matrix. One chunk
@@ -405,11 +413,11 @@ def _matmul_kernel(
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     w_mask = (offs_n < N)[:, None]
     a_mask = valid[None, :]
-    w_off = _w_offsets(offs_n, stride_wn, BK, W_TILED)  # int32 words
+    w_off = _tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
     if SCALE_WORDS:
         s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
     else:
-        s_off = offs_n[:, None] * stride_sn + tl.arange(0, BK // 32)[None, :]
+        s_off = _tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
     a_off = row[None, :] * stride_h + tl.arange(0, BK)[:, None]  # h^T tile [BK, BM]
     w_base = w2_ptr + e.to(tl.int64) * stride_we
     s_base = s2_ptr + e.to(tl.int64) * stride_se
@@ -420,15 +428,16 @@ def _matmul_kernel(
         k_lo = tl.program_id(2) * k_per_split
         k_hi = k_lo + k_per_split
     if not SCALE_WORDS:
-        sw = tl.load(s_base + k_lo // 32 + s_off, mask=w_mask, other=0)
+        sw = tl.load(s_base + _tile_step(k_lo, BK, BK // 32, S_TILED) + s_off, mask=w_mask, other=0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if SCALE_WORDS:
             sw = _scale_bytes(s_base + k0 // 128, s_off, w_mask)
         else:
             kn = k0 + BK
-            sw_n = tl.load(s_base + kn // 32 + s_off, mask=w_mask & (kn < k_hi), other=0)  # one step ahead
-        pw = tl.load(w_base + _w_step(k0, W_TILED) + w_off, mask=w_mask, other=0)
+            sw_n = tl.load(s_base + _tile_step(kn, BK, BK // 32, S_TILED) + s_off,  # one step ahead
+                           mask=w_mask & (kn < k_hi), other=0)
+        pw = tl.load(w_base + _tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
         w = _dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
         at = _k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
         if SPLIT == 1:
@@ -488,12 +497,16 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
                                 add: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_experts_fp4`` with an explicit tile config (benchmarks, invariance tests across configs)."""
     (w13_shape, tiled1), (w2_shape, tiled2) = _logical(w13), _logical(w2)
-    n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13_shape, s13, w2_shape, s2)
+    (s13_shape, s_tiled1), (s2_shape, s_tiled2) = _logical(s13), _logical(s2)
+    n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13_shape, s13_shape, w2_shape, s2_shape)
     _check_config(cfg)
     t, h = x.shape
-    for name, w, tiled, k_dim in (("w13", w13, tiled1, h), ("w2", w2, tiled2, inter)):
-        if tiled and w.shape[-1] * 2 != block_k(k_dim):
-            raise ValueError(f"{name}: tiled for {w.shape[-1] * 2}-wide K steps, the kernels take {block_k(k_dim)}")
+    for name, w, tiled, k_dim, per in (("w13", w13, tiled1, h, 2), ("w2", w2, tiled2, inter, 2),
+                                       ("s13", s13, s_tiled1, h, FP4_GROUP), ("s2", s2, s_tiled2, inter, FP4_GROUP)):
+        if tiled and w.shape[-1] * per != block_k(k_dim):
+            raise ValueError(f"{name}: tiled for {w.shape[-1] * per}-wide K steps, the kernels take {block_k(k_dim)}")
+    if cfg.scale_words and (s_tiled1 or s_tiled2):
+        raise ValueError(f"{cfg}: scale words read the checkpoint layout's scales, these are tiled")
     k = topk_ids.shape[1]
     # The router's outputs are often column slices of a sort; they are tiny, so copy rather than refuse.
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
@@ -524,6 +537,8 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         s13 = s13.view(torch.int32)
     if words2:
         s2 = s2.view(torch.int32)
+    # Row strides of the checkpoint layout (the tiled offsets are derived from them), in elements read.
+    sn1, sn2 = h // FP4_GROUP // (4 if words1 else 1), inter // FP4_GROUP // (4 if words2 else 1)
     pair_of_row, expert_of_block = align_pairs(topk_ids, n_exp, cfg.block_m)
     num_blocks = expert_of_block.numel()
     hid = _scratch((t * k, inter), act_dtype, x.device)
@@ -532,10 +547,10 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         gu = _scratch((cfg.splits1, t * k, 2 * inter), torch.float32, x.device)
         _matmul_kernel[(num_blocks, triton.cdiv(2 * inter, cfg.block_n1), cfg.splits1)](
             x, w13, s13, gu, pair_of_row, expert_of_block, h, 2 * inter,
-            x.stride(0), w13.stride(0), h // 8, s13.stride(0), s13.stride(1), gu.stride(1), k,
+            x.stride(0), w13.stride(0), h // 8, s13.stride(0), sn1, gu.stride(1), k,
             _k_chunk(h, bk1, cfg.splits1), gu.stride(0),
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-            SCALE_WORDS=words1, K_SPLITS=cfg.splits1, W_TILED=tiled1,
+            SCALE_WORDS=words1, K_SPLITS=cfg.splits1, W_TILED=tiled1, S_TILED=s_tiled1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
         block = min(1024, triton.next_power_of_2(inter))
@@ -545,18 +560,18 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     else:
         _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n1))](
             x, w13, s13, hid, pair_of_row, expert_of_block, h, inter,
-            x.stride(0), w13.stride(0), h // 8, s13.stride(0), s13.stride(1), hid.stride(0),
+            x.stride(0), w13.stride(0), h // 8, s13.stride(0), sn1, hid.stride(0),
             float(limit), k,
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-            SCALE_WORDS=words1, W_TILED=tiled1,
+            SCALE_WORDS=words1, W_TILED=tiled1, S_TILED=s_tiled1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
     _matmul_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2), cfg.splits2)](
         hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
-        hid.stride(0), w2.stride(0), inter // 8, s2.stride(0), s2.stride(1), y.stride(1), 1,
+        hid.stride(0), w2.stride(0), inter // 8, s2.stride(0), sn2, y.stride(1), 1,
         _k_chunk(inter, bk2, cfg.splits2), y.stride(0),
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
-        SCALE_WORDS=words2, K_SPLITS=cfg.splits2, W_TILED=tiled2,
+        SCALE_WORDS=words2, K_SPLITS=cfg.splits2, W_TILED=tiled2, S_TILED=s_tiled2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     block_h = min(1024, triton.next_power_of_2(h))
