@@ -150,7 +150,7 @@ def sweep(wts: dict, rotate: int) -> list[dict]:
         hit = sum(torch.unique(ids).numel() for _, ids, _ in sets) / rotate
         floor_bytes = hit * expert_bytes(1) + 2 * n_tok * H * 2
         base = tri.pick_config(n_tok * K, E)
-        runs = [(base, False)] + [(dataclasses.replace(base, **{f: v for f, v in c.items() if f != "tiled"}),
+        runs = [(base, "")] + [(dataclasses.replace(base, **{f: v for f, v in c.items() if f != "tiled"}),
                                    c.get("tiled", "")) for c in cands]
         ref = None
         for cfg, tiled in runs:
