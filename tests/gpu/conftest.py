@@ -45,6 +45,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="too large for the Triton interpreter"))
 
 
+def poison_scratch_exact_fp32(monkeypatch: pytest.MonkeyPatch, kernels) -> None:
+    """Scratch buffers of ``kernels`` (a module with ``POISON_SCRATCH``) start as NaN, so an element no program
+    wrote cannot pass; and fp32 references run without tf32 (which would put 1e-3 error in them)."""
+    monkeypatch.setattr(kernels, "POISON_SCRATCH", True)
+    if torch.cuda.is_available():
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN anywhere fails."""
     out64, ref64 = out.double(), ref.double()

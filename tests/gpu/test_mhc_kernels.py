@@ -38,18 +38,15 @@ pytest.importorskip("triton")
 
 from deepinfer.ops.ref import mhc as ref  # noqa: E402
 from deepinfer.ops.triton import mhc as tri  # noqa: E402
-from tests.gpu.conftest import rel_err  # noqa: E402
+from tests.gpu.conftest import poison_scratch_exact_fp32, rel_err  # noqa: E402
 
 EPS = 1e-6
 ITERS = 20  # hc_sinkhorn_iters of V4 (config/parse.py default)
 
 
 @pytest.fixture(autouse=True)
-def _poison_and_no_tf32(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(tri, "POISON_SCRATCH", True)
-    if torch.cuda.is_available():  # the fp32 reference must not run in tf32 (1e-3 error)
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    yield
+def _poison_and_no_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
+    poison_scratch_exact_fp32(monkeypatch, tri)
 
 
 def _case(T: int, N: int, H: int, dtype: torch.dtype, seed: int, device: str, head: bool = False):

@@ -26,18 +26,15 @@ from deepinfer.model.quant import dequant_fp4, quant_fp4, ue8m0_to_float  # noqa
 from deepinfer.ops.ref.moe_experts import moe_experts_fp4 as ref_moe  # noqa: E402
 from deepinfer.ops.triton import moe_experts as tri  # noqa: E402
 from deepinfer.ops.triton.moe_experts import _dequant_fp4  # noqa: E402
-from tests.gpu.conftest import rel_err  # noqa: E402
+from tests.gpu.conftest import poison_scratch_exact_fp32, rel_err  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 LIMIT = 7.0  # the gate (rms ~3 here) hits it now and then, so both clamps are exercised
 
 
 @pytest.fixture(autouse=True)
-def _poison_and_no_tf32(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(tri, "POISON_SCRATCH", True)
-    if torch.cuda.is_available():  # the fp32 reference must not run in tf32 (1e-3 error)
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    yield
+def _poison_and_no_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
+    poison_scratch_exact_fp32(monkeypatch, tri)
 
 
 def make_weights(n_exp: int, hidden: int, inter: int, device: str, seed: int, scale_fmt: str):
