@@ -36,6 +36,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from deepinfer.model.quant import dequant_fp4, ue8m0_to_float
+from deepinfer.ops.triton import fp4_codes
 from deepinfer.ops.triton import moe_experts as tri
 
 H, I, E, K = 4096, 2048, 256, 6
@@ -143,7 +144,7 @@ SWEEP: dict[int, list[dict]] = {
 def sweep(wts: dict, rotate: int) -> list[dict]:
     rows = []
     s13, s2 = wts["e13"].view(torch.float8_e8m0fnu), wts["e2"].view(torch.float8_e8m0fnu)
-    (t13, ts13), (t2, ts2) = tri.expert_layout(wts["w13"], s13), tri.expert_layout(wts["w2"], s2)
+    (t13, ts13), (t2, ts2) = fp4_codes.expert_layout(wts["w13"], s13), fp4_codes.expert_layout(wts["w2"], s2)
     layouts = {"": (wts["w13"], s13, wts["w2"], s2), "codes": (t13, s13, t2, s2), "all": (t13, ts13, t2, ts2)}
     for n_tok, cands in SWEEP.items():
         sets = [routing(n_tok, 1000 * n_tok + r) for r in range(rotate)]

@@ -104,6 +104,7 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
 def triton_ops() -> OpTable:
     from deepinfer.ops.triton import compress_emit as tri_emit
     from deepinfer.ops.triton import compress_state as tri_state
+    from deepinfer.ops.triton import fp4_codes as tri_fp4
     from deepinfer.ops.triton import fp8_linear as tri_fp8
     from deepinfer.ops.triton import indexer_topk as tri_index
     from deepinfer.ops.triton import mhc as tri_mhc
@@ -131,7 +132,7 @@ def triton_ops() -> OpTable:
                    tri_state.compress_state, tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
                    rope=tri_rn.rope, moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
-                   fp4_expert_layout=tri_moe.expert_layout)
+                   fp4_expert_layout=tri_fp4.expert_layout)
 
 
 def select(device: str) -> OpTable:

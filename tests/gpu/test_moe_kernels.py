@@ -25,7 +25,7 @@ import triton.language as tl  # noqa: E402
 from deepinfer.model.quant import dequant_fp4, quant_fp4, ue8m0_to_float  # noqa: E402
 from deepinfer.ops.ref.moe_experts import moe_experts_fp4 as ref_moe  # noqa: E402
 from deepinfer.ops.triton import moe_experts as tri  # noqa: E402
-from deepinfer.ops.triton.moe_experts import _dequant_fp4  # noqa: E402
+from deepinfer.ops.triton import fp4_codes  # noqa: E402
 from tests.gpu.conftest import poison_scratch_exact_fp32, rel_err  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
@@ -106,7 +106,7 @@ def _dequant_probe(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, SCAL
     n = tl.arange(0, BN)
     packed = tl.load(w_ptr + n[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :])  # int32 words
     scale = tl.load(s_ptr + n[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
-    w = _dequant_fp4(packed, scale, BN, BK, SCALE_U8, INTERPRET)
+    w = fp4_codes.dequant_fp4(packed, scale, BN, BK, SCALE_U8, INTERPRET)
     tl.store(o_ptr + n[:, None] * BK + tl.arange(0, BK)[None, :], w)
 
 
@@ -125,7 +125,7 @@ def test_dequant_every_byte_and_scale_is_exact(device, scale_fmt) -> None:
     _dequant_probe[(1,)](packed.to(device).view(torch.int32), scale.to(device), got, BN=bn, BK=bk,
                          SCALE_U8=scale_fmt == "e8m0", INTERPRET=tri._INTERPRET)
     # The kernels' tiles hold the inputs in their own column order (the activations get the same order).
-    assert torch.equal(got.float().cpu(), want[:, tri.k_order(bk)]), "FP4 dequantization is not exact"
+    assert torch.equal(got.float().cpu(), want[:, fp4_codes.k_order(bk)]), "FP4 dequantization is not exact"
 
 
 def _cases() -> list:
@@ -269,7 +269,7 @@ def test_scale_words_give_the_same_bits(device, n_tok, k) -> None:
     n_exp, hidden, inter = 4, 128, 128
     weights = make_weights(n_exp, hidden, inter, device, seed=7, scale_fmt="e8m0")
     x, ids, w = make_tokens(n_tok, hidden, k, n_exp, device, seed=8, dtype=torch.bfloat16)
-    assert tri.block_k(hidden) == tri.block_k(inter) == 128
+    assert fp4_codes.block_k(hidden) == fp4_codes.block_k(inter) == 128
     for cfg in (tri.CONFIG_TABLE[0][1], tri.CONFIG_TABLE[-1][1]):
         plain, ref = run_both(x, ids, w, weights, cfg)
         words, _ = run_both(x, ids, w, weights, dataclasses.replace(cfg, scale_words=True))
@@ -323,7 +323,7 @@ def test_tiled_weights_give_the_same_bits(device, dtype, scale_fmt) -> None:
     n_exp, hidden, inter, k = 4, 256, 64, 3  # gate|up: 2 steps of 128 over 128 rows; down: 1 step of 64
     weights = make_weights(n_exp, hidden, inter, device, seed=13, scale_fmt=scale_fmt)
     w13, s13, w2, s2 = weights
-    (t13, ts13), (t2, ts2) = tri.expert_layout(w13, s13), tri.expert_layout(w2, s2)
+    (t13, ts13), (t2, ts2) = fp4_codes.expert_layout(w13, s13), fp4_codes.expert_layout(w2, s2)
     assert t13.shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 64)
     assert ts13.shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 4) and ts2.shape == (n_exp, hidden // 64, 1, 64, 2)
     layouts = [(t13, ts13, t2, ts2), (t13, s13, t2, s2)]

@@ -17,13 +17,14 @@ Why these choices:
   deep), each tile is dequantized in registers right before its MMA and fed to ``tl.dot`` as bf16: the
   packed bytes are the only weight traffic (4.25 bits/weight with UE8M0 scales) and dequantized weights
   never touch global memory. e2m1 times a power of two is exact in bf16, so dequantization rounds nothing
-  (scales must be powers of two, as UE8M0 ones are, and at most 2; see ``_dequant_fp4``). Within each
-  BLOCK_K step the inputs are taken in a fixed permuted order (same for weights and activations) that
+  (scales must be powers of two, as UE8M0 ones are, and at most 2; see ``fp4_codes.dequant_fp4``). Within
+  each BLOCK_K step the inputs are taken in a fixed permuted order (same for weights and activations) that
   makes every thread's share of the packed tile one 16-byte run: 16-byte copies and shared-memory loads
   instead of one instruction per byte (decode 13-22% faster, bench/results/NOTES.md run 20).
-* The model stores the packed codes tile-major (``tile_weights``): a K step of a program is one contiguous
-  4 KB block instead of 64 pieces of 64 bytes 2 KB apart, 9-10% faster at T = 8..128 (run 30). The
-  kernels also read the checkpoint layout (tests, the reference's tensors), with the same bits.
+* The model stores the packed codes and their scales tile-major (``fp4_codes.tile_weights``): a program's
+  K step reads one contiguous 4 KB block of codes and one 256-byte block of scales instead of 64 pieces
+  of each, rows apart: the decode op 12-15% faster at T = 1..128 (runs 30, 36). The kernels also read the
+  checkpoint layout (tests, the reference's tensors), with the same bits.
 * Swap-AB: the weight tile is the MMA's M side (64-row multiples, what Hopper's wgmma wants) and the
   tokens are its N side (16..128). Decode then wastes no MMA rows on padding tokens, and every tile
   config uses the same instruction family (wgmma m64nNk16, bf16 -> fp32), differing only in N.
@@ -46,17 +47,17 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.moe_experts import FP4_GROUP, check_moe_experts_args
+from deepinfer.ops.triton.fp4_codes import (block_k, dequant_fp4, k_order_rows, logical_shape, scale_bytes,
+                                            tile_offsets, tile_step)
 from deepinfer.ops.triton.moe_align import align_pairs
 from deepinfer.ops.triton.rounding import round_to
 
 # Triton 3.6's CPU interpreter multiplies bf16 tensors as their raw uint16 bits, truncates fp32 -> bf16 and
 # mis-converts bf16 subnormals, so interpreted runs take fp32 detours with the same exact values
-# (see ``_mma``, ``_to_out`` and ``_dequant_fp4``); the GPU code path is the other branch of each.
+# (see ``_mma``, ``_to_out`` and ``dequant_fp4``); the GPU code path is the other branch of each.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: scratch buffers (h, y) start as NaN so an element no program wrote cannot pass unnoticed.
 POISON_SCRATCH = False
-# Rows per band of the tile-major weight layout (``tile_weights``): one wgmma M tile.
-TILE_ROWS = tl.constexpr(64)
 
 
 @dataclass(frozen=True)
@@ -107,55 +108,6 @@ def pick_config(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.bfl
     return next(cfg for bound, cfg in CONFIG_TABLE if per_expert <= bound)
 
 
-def block_k(dim: int) -> int:
-    """The reduction step over ``dim``: depends on the model shape only (fixed reduction order)."""
-    return next(bk for bk in (128, 64, 32) if dim % bk == 0)
-
-
-def tile_weights(w: torch.Tensor, per_byte: int = 2) -> torch.Tensor:
-    """Rows of K-ordered elements [E, N, K/per_byte] (the checkpoint layout) -> the same elements tile-major,
-    [E, N/64, K/BK, 64, BK/per_byte]: each program's K step (64 rows x BK/per_byte elements) becomes one
-    contiguous block. Packed codes (int8, two inputs per byte) by default; ``per_byte=32`` tiles their
-    scales (one per 32 inputs, UE8M0 bytes or fp32).
-
-    Why: in the checkpoint layout a K step reads 64 bytes from each of 64 rows 2 KB apart; a streaming read
-    in that pattern reached ~3.1 TB/s on the H200, the same bytes in contiguous 4 KB blocks ~4.4 TB/s
-    (bench/kernels/bench_stream.py, bench/results/NOTES.md run 29). A step's scales likewise become one
-    256-byte block instead of 64 pieces of 4 bytes. Same values, same sums: results are bit-identical to the
-    checkpoint layout. Needs N % 64 == 0.
-    """
-    e, n, cols = w.shape
-    bk = block_k(cols * per_byte)
-    rows = TILE_ROWS.value
-    if w.dim() != 3 or n % rows:
-        raise ValueError(f"tile_weights: expected [E, N, K/{per_byte}] with N % {rows} == 0, got {tuple(w.shape)}")
-    return w.view(e, n // rows, rows, cols * per_byte // bk, bk // per_byte).transpose(2, 3).contiguous()
-
-
-def expert_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op table's ``fp4_expert_layout``: codes and scales tile-major where the shape allows
-    (N % 64 == 0), else as they are."""
-    if codes.shape[1] % TILE_ROWS.value:
-        return codes, scales
-    return tile_weights(codes), tile_weights(scales, per_byte=FP4_GROUP)
-
-
-def _logical(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(a stand-in with the checkpoint layout's shape, for argument checks; whether ``w`` is tiled)."""
-    if w.dim() != 5:
-        return w, False
-    e, bands, steps, rows, step_cols = w.shape
-    return torch.empty((), dtype=w.dtype, device=w.device).expand(e, bands * rows, steps * step_cols), True
-
-
-def k_order(bk: int) -> torch.Tensor:
-    """The input index each column of a dequantized [*, bk] tile holds (see ``_dequant_fp4``)."""
-    q = bk // 32
-    col = torch.arange(bk)
-    t, grp, i = col % 2, (col // 2) % q, col // (2 * q)
-    return 32 * grp + 8 * (i // 4) + 4 * t + i % 4
-
-
 def _check_config(cfg: TileConfig) -> None:
     if cfg.splits1 > 1 and not cfg.split_gate_up:
         raise ValueError(f"{cfg}: splits1 > 1 needs split_gate_up (the SwiGLU kernel adds the K chunks)")
@@ -164,79 +116,6 @@ def _check_config(cfg: TileConfig) -> None:
             raise ValueError(f"{cfg}: weight tiles must be multiples of 64 rows (wgmma M per warpgroup)")
     if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"{cfg}: block_m must be a power of two >= 16 (MMA N side)")
-
-
-@triton.jit
-def _nibble_pairs(w, MAG_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
-    """bf16 bit pairs of the nibbles a and a + 4 of each 32-bit word (see ``_dequant_fp4``): a shift puts both
-    magnitudes (bits 4a..4a+2 and 4a+16..) at bf16 bits 6..8 and 22..24, another both signs at 15 and 31."""
-    mag = (w << MAG_SHIFT) if MAG_SHIFT >= 0 else (w >> -MAG_SHIFT)
-    sign = w << SIGN_SHIFT
-    return (mag & 0x01C001C0) | (sign & 0x80008000)
-
-
-@triton.jit
-def _dequant_fp4(packed, scale, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    """Packed words int32 [BN, BK/8] (eight e2m1 codes per word, element 0 in the lowest nibble: the int8
-    checkpoint layout read four bytes at a time) and scales [BN, BK/32] -> bf16 [BN, BK] with its columns in
-    the kernels' K order (``k_order``): column 2Q*i + 2q + t holds input 32q + 8(i // 4) + 4t + i % 4.
-
-    Why that order: the MMA's register operand gives each thread pairs of adjacent columns, 8 apart, four
-    threads side by side (the wgmma A fragment). In the natural order a thread's codes are scattered over
-    the packed tile and are read from shared memory one byte per instruction; in this order each thread's
-    32 weights of a row are one 16-byte run (one vector load, four words) and share one scale, and each bf16
-    pair a thread holds is nibbles a and a + 4 of one word. The activations take the same order
-    (``_k_order_rows``), so the dot is the same sum, only its terms are added in another order, the same
-    for every tile config and batch (BK depends on the model shape alone).
-
-    Dequantization is done by bit placement, about two integer ops per weight, no table:
-    * bf16 bits (sign << 15) | (magnitude << 6) put the e2m1 exponent in bf16's exponent field and its
-      mantissa bit in bf16's top mantissa bit; that bf16 is the e2m1 value times 2^-126 for all 16 codes
-      (0.5 becomes the bf16 subnormal 2^-127, which Hopper's bf16 multiply keeps).
-    * Nibbles a and a + 4 of a word are 16 bits apart, like the halves of a bf16 pair, so one shift of the
-      word places both magnitudes (6 - 4a) and one both signs (12 - 4a); two masks and an or finish the pair.
-    * One bf16 multiply by 2^126 * scale = 2^(e-1) then gives the exact weight. That factor must fit in
-      bf16: scales <= 2 (UE8M0 bytes <= 128), far above any real expert weight's scale.
-    """
-    Q: tl.constexpr = BK // 32
-    w = tl.reshape(packed, [BN, Q, 4]).to(tl.uint32, bitcast=True)
-    p01 = tl.join(_nibble_pairs(w, 6, 12), _nibble_pairs(w, 2, 8))
-    p23 = tl.join(_nibble_pairs(w, -2, 4), _nibble_pairs(w, -6, 0))
-    pair = tl.reshape(tl.permute(tl.join(p01, p23), (0, 1, 2, 4, 3)), [BN, Q, 4, 4])  # (n, q, word, a)
-    if SCALE_U8:  # 2^(e-1) as bf16 bits: exponent field e - 1 + 127
-        e = scale.to(tl.uint8, bitcast=True).to(tl.uint32)
-        m = ((e + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        m = (scale * 8.507059173023462e37).to(tl.bfloat16)  # scale * 2^126, exact for powers of two
-    m = m[:, :, None, None]  # [BN, Q, 1, 1]: one scale per 32 inputs, i.e. per (row, q)
-    if INTERPRET:
-        # The interpreter neither multiplies bf16 tensors nor converts bf16 subnormals; the same bits read
-        # as the upper half of an fp32 give the same (exact) values through numpy.
-        lo = ((pair << 16).to(tl.float32, bitcast=True) * m.to(tl.float32)).to(tl.bfloat16)
-        hi = ((pair & 0xFFFF0000).to(tl.float32, bitcast=True) * m.to(tl.float32)).to(tl.bfloat16)
-    else:
-        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-        lo, hi = lo * m, hi * m
-    wt = tl.permute(tl.join(lo, hi), (0, 2, 3, 1, 4))  # (n, q, word, a, t) -> (n, word, a, q, t)
-    return tl.reshape(wt, [BN, BK])
-
-
-@triton.jit
-def _k_order_rows(a, BK: tl.constexpr, BM: tl.constexpr):
-    """An activation tile [BK, BM] in input order -> its rows in ``_dequant_fp4``'s column order."""
-    Q: tl.constexpr = BK // 32
-    a = tl.reshape(a, [Q, 4, 2, 4, BM])  # input 32q + 8 word + 4t + a
-    return tl.reshape(tl.permute(a, (1, 3, 0, 2, 4)), [BK, BM])  # -> (word, a, q, t, m)
-
-
-@triton.jit
-def _scale_bytes(ptr, off, mask):
-    """The [BN, 4] UE8M0 scale bytes of one 128-wide K step from one 32-bit word per row: every column of
-    ``off`` points at its row's word, so the load already has the tile's shape (no layout shuffle)."""
-    word = tl.load(ptr + off, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    return ((word >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, :]) & 0xFF).to(tl.uint8)
 
 
 @triton.jit
@@ -303,25 +182,6 @@ def _block_rows(pair_ptr, expert_ptr, BM: tl.constexpr):
 
 
 @triton.jit
-def _tile_offsets(offs_n, stride_n, COLS: tl.constexpr, TILED: tl.constexpr):
-    """Offsets [BN, COLS] of rows ``offs_n``' first K step, COLS elements per row and step (packed words or
-    scales); ``stride_n`` is the checkpoint layout's row stride. See ``tile_weights`` for the tiled layout."""
-    cols = tl.arange(0, COLS)[None, :]
-    if TILED:  # 64-row bands of stride_n * 64 elements; inside a band, step-major [64, COLS] blocks
-        band, row = offs_n // TILE_ROWS, offs_n % TILE_ROWS
-        return band[:, None] * (stride_n * TILE_ROWS) + row[:, None] * COLS + cols
-    return offs_n[:, None] * stride_n + cols
-
-
-@triton.jit
-def _tile_step(k0, BK: tl.constexpr, COLS: tl.constexpr, TILED: tl.constexpr):
-    """Offset of the K step that starts at input k0 (a multiple of BK)."""
-    if TILED:
-        return (k0 // BK) * (TILE_ROWS * COLS)  # one [64, COLS] block per step
-    return (k0 // BK) * COLS
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, s13_ptr, h_ptr, pair_ptr, expert_ptr,
     K, N,  # K = H (reduction), N = I (rows of W1; W3 follows at row N)
@@ -341,11 +201,11 @@ def _gate_up_kernel(
     x_mask = valid[None, :]
     # Loop-invariant offset tiles plus scalar bases: strides arrive as (16-divisible) arguments, so Triton
     # can prove 16-byte alignment and issue vector loads; carrying 64-bit pointer tiles would cost registers.
-    w_off = _tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
+    w_off = tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
     if SCALE_WORDS:  # int32 words of 4 scales (BK == 128): each row's word, once per column
         s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
     else:
-        s_off = _tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
+        s_off = tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
     x_off = tok[None, :] * stride_x + tl.arange(0, BK)[:, None]  # x^T tile [BK, BM]: the MMA's B operand
     g_w = w13_ptr + e.to(tl.int64) * stride_we
     u_w = g_w + N * stride_wn
@@ -361,18 +221,18 @@ def _gate_up_kernel(
         # bytes are too narrow for that (2-byte loads per thread), so the byte path fetches the next step's
         # by hand, one step ahead; scale words are 32 bits wide and join the pipeline.
         if SCALE_WORDS:
-            sg = _scale_bytes(g_s + k0 // 128, s_off, w_mask)
-            su = _scale_bytes(u_s + k0 // 128, s_off, w_mask)
+            sg = scale_bytes(g_s + k0 // 128, s_off, w_mask)
+            su = scale_bytes(u_s + k0 // 128, s_off, w_mask)
         else:
             kn = k0 + BK
-            s_next = _tile_step(kn, BK, BK // 32, S_TILED)
+            s_next = tile_step(kn, BK, BK // 32, S_TILED)
             sg_n = tl.load(g_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
             su_n = tl.load(u_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
-        pg = tl.load(g_w + _tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
-        pu = tl.load(u_w + _tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
-        wg = _dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
-        wu = _dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
-        xt = _k_order_rows(tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0), BK, BM)
+        pg = tl.load(g_w + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
+        pu = tl.load(u_w + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
+        wg = dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
+        wu = dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
+        xt = k_order_rows(tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0), BK, BM)
         if SPLIT == 1:
             xb = xt.to(tl.bfloat16)
             acc_g = _mma(wg, xb, acc_g, INTERPRET)
@@ -415,11 +275,11 @@ def _matmul_kernel(
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     w_mask = (offs_n < N)[:, None]
     a_mask = valid[None, :]
-    w_off = _tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
+    w_off = tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
     if SCALE_WORDS:
         s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
     else:
-        s_off = _tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
+        s_off = tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
     a_off = row[None, :] * stride_h + tl.arange(0, BK)[:, None]  # h^T tile [BK, BM]
     w_base = w2_ptr + e.to(tl.int64) * stride_we
     s_base = s2_ptr + e.to(tl.int64) * stride_se
@@ -430,18 +290,18 @@ def _matmul_kernel(
         k_lo = tl.program_id(2) * k_per_split
         k_hi = k_lo + k_per_split
     if not SCALE_WORDS:
-        sw = tl.load(s_base + _tile_step(k_lo, BK, BK // 32, S_TILED) + s_off, mask=w_mask, other=0)
+        sw = tl.load(s_base + tile_step(k_lo, BK, BK // 32, S_TILED) + s_off, mask=w_mask, other=0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if SCALE_WORDS:
-            sw = _scale_bytes(s_base + k0 // 128, s_off, w_mask)
+            sw = scale_bytes(s_base + k0 // 128, s_off, w_mask)
         else:
             kn = k0 + BK
-            sw_n = tl.load(s_base + _tile_step(kn, BK, BK // 32, S_TILED) + s_off,  # one step ahead
+            sw_n = tl.load(s_base + tile_step(kn, BK, BK // 32, S_TILED) + s_off,  # one step ahead
                            mask=w_mask & (kn < k_hi), other=0)
-        pw = tl.load(w_base + _tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
-        w = _dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
-        at = _k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
+        pw = tl.load(w_base + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
+        w = dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
+        at = k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
         if SPLIT == 1:
             acc = _mma(w, at.to(tl.bfloat16), acc, INTERPRET)
         else:
@@ -498,8 +358,8 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
                                 limit: float, cfg: TileConfig, *, out: torch.Tensor | None = None,
                                 add: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_experts_fp4`` with an explicit tile config (benchmarks, invariance tests across configs)."""
-    (w13_shape, tiled1), (w2_shape, tiled2) = _logical(w13), _logical(w2)
-    (s13_shape, s_tiled1), (s2_shape, s_tiled2) = _logical(s13), _logical(s2)
+    (w13_shape, tiled1), (w2_shape, tiled2) = logical_shape(w13), logical_shape(w2)
+    (s13_shape, s_tiled1), (s2_shape, s_tiled2) = logical_shape(s13), logical_shape(s2)
     n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13_shape, s13_shape, w2_shape, s2_shape)
     _check_config(cfg)
     t, h = x.shape
