@@ -137,6 +137,7 @@ SWEEP: dict[int, list[dict]] = {
     8: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
     32: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
     128: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
+    512: [dict(tiled="all"), dict(tiled="all", block_n2=128)],  # the m32 bucket (not measured yet)
     4096: [dict(tiled="codes"), dict(tiled="all")],
 }
 
