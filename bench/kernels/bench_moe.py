@@ -14,7 +14,8 @@ UE8M0 bytes the checkpoint ships):
   peer    torch with all experts pre-dequantized to bf16, a per-expert loop (model/moe.py's scheme):
           eager µs (it syncs to the host for its expert list, so no graph).
 Each timed call cycles through --rotate routing sets, so the 78-94 MB a decode step touches is not served
-from the 50 MB L2 on repeat. A short sweep of tile configs at T = 1, 8, 32, 128, 4096 follows (--no-sweep skips it).
+from the 50 MB L2 on repeat. A short sweep of tile configs and weight layouts at T = 1, 8, 32, 128, 512, 4096
+follows (``SWEEP``; --no-sweep skips it).
 Prints markdown tables last; writes $OUT/bench_moe.json when $OUT is set.
 """
 
