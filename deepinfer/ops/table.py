@@ -36,7 +36,7 @@ Weight layout, applied once when the model is prepared (not per call):
 
   fp4_expert_layout(codes int8 [E,N,K/2], scales [E,N,K/32]) -> (codes, scales) in the layout
       moe_experts_fp4 reads (the same tensors for ``REF``; tile-major for Triton, see
-      ``ops/triton/moe_experts.tile_weights``)
+      ``ops/triton/fp4_codes.tile_weights``)
 """
 
 from __future__ import annotations

@@ -338,7 +338,7 @@ def test_tiled_weights_give_the_same_bits(device, dtype, scale_fmt) -> None:
             check(got, ref, dtype)
             assert torch.equal(got, plain), f"{cfg}: tiled weights change the result"
     bad = w2.view(n_exp, hidden // 64, 64, 2, 16).transpose(2, 3).contiguous()  # 32-wide steps, not 64
-    with pytest.raises(ValueError, match="tiled for"):
+    with pytest.raises(ValueError, match="tiled as"):
         tri.moe_experts_fp4(x, ids, w, t13, ts13, bad, ts2, LIMIT)
 
 

@@ -24,10 +24,10 @@ def block_k(dim: int) -> int:
 
 
 def tile_weights(w: torch.Tensor, per_element: int = 2) -> torch.Tensor:
-    """Rows of K-ordered elements [E, N, K/per_element] (the checkpoint layout) -> the same elements tile-major,
-    [E, N/64, K/BK, 64, BK/per_element]: each program's K step (64 rows x BK/per_element elements) becomes one
-    contiguous block. Packed codes (int8, two inputs per element) by default; ``per_element=32`` tiles their
-    scales (one per 32 inputs, UE8M0 bytes or fp32).
+    """Rows of K-ordered elements [E, N, K/per_element] (the checkpoint layout) -> the same elements
+    tile-major, [E, N/64, K/BK, 64, BK/per_element]: each program's K step (64 rows x BK/per_element
+    elements) becomes one contiguous block. Packed codes (int8, two inputs per element) by default;
+    ``per_element=32`` tiles their scales (one per 32 inputs, UE8M0 bytes or fp32).
 
     Why: in the checkpoint layout a K step reads 64 bytes from each of 64 rows 2 KB apart; a streaming read
     in that pattern reached ~3.1 TB/s on the H200, the same bytes in contiguous 4 KB blocks ~4.4 TB/s
@@ -35,11 +35,12 @@ def tile_weights(w: torch.Tensor, per_element: int = 2) -> torch.Tensor:
     256-byte block instead of 64 pieces of 4 bytes. Same values, same sums: results are bit-identical to the
     checkpoint layout. Needs N % 64 == 0.
     """
+    rows = TILE_ROWS.value
+    if w.dim() != 3 or w.shape[1] % rows:
+        raise ValueError(f"tile_weights: expected [E, N, K/{per_element}] with N % {rows} == 0, "
+                         f"got {tuple(w.shape)}")
     e, n, cols = w.shape
     bk = block_k(cols * per_element)
-    rows = TILE_ROWS.value
-    if w.dim() != 3 or n % rows:
-        raise ValueError(f"tile_weights: expected [E, N, K/{per_element}] with N % {rows} == 0, got {tuple(w.shape)}")
     return w.view(e, n // rows, rows, cols * per_element // bk, bk // per_element).transpose(2, 3).contiguous()
 
 
@@ -78,7 +79,7 @@ def _nibble_pairs(w, MAG_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
 
 @triton.jit
 def dequant_fp4(packed, scale, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                INTERPRET: tl.constexpr):
     """Packed words int32 [BN, BK/8] (eight e2m1 codes per word, element 0 in the lowest nibble: the int8
     checkpoint layout read four bytes at a time) and scales [BN, BK/32] -> bf16 [BN, BK] with its columns in
     the kernels' K order (``k_order``): column 2Q*i + 2q + t holds input 32q + 8(i // 4) + 4t + i % 4.

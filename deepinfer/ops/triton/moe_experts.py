@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.moe_experts import FP4_GROUP, check_moe_experts_args
-from deepinfer.ops.triton.fp4_codes import (block_k, dequant_fp4, k_order_rows, logical_shape, scale_bytes,
-                                            tile_offsets, tile_step)
+from deepinfer.ops.triton.fp4_codes import (TILE_ROWS, block_k, dequant_fp4, k_order_rows, logical_shape,
+                                            scale_bytes, tile_offsets, tile_step)
 from deepinfer.ops.triton.moe_align import align_pairs
 from deepinfer.ops.triton.rounding import round_to
 
@@ -365,8 +365,9 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     t, h = x.shape
     for name, w, tiled, k_dim, per in (("w13", w13, tiled1, h, 2), ("w2", w2, tiled2, inter, 2),
                                        ("s13", s13, s_tiled1, h, FP4_GROUP), ("s2", s2, s_tiled2, inter, FP4_GROUP)):
-        if tiled and w.shape[-1] * per != block_k(k_dim):
-            raise ValueError(f"{name}: tiled for {w.shape[-1] * per}-wide K steps, the kernels take {block_k(k_dim)}")
+        if tiled and (w.shape[-1] * per != block_k(k_dim) or w.shape[3] != TILE_ROWS.value):
+            raise ValueError(f"{name}: tiled as {w.shape[3]} rows x {w.shape[-1] * per}-wide K steps, the kernels "
+                             f"take {TILE_ROWS.value} x {block_k(k_dim)} (fp4_codes.tile_weights)")
     if cfg.scale_words and (s_tiled1 or s_tiled2):
         raise ValueError(f"{cfg}: scale words read the checkpoint layout's scales, these are tiled")
     k = topk_ids.shape[1]
@@ -450,7 +451,9 @@ def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     limit: float, *, out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype; see ``ops/ref/moe_experts.py`` for the math, layouts and ``add``.
 
-    Expert ids are not range-checked here (that would need a host sync); the router guarantees them.
+    The codes and scales may also come tile-major (``fp4_codes.expert_layout``, what the model stores on the
+    device), each tensor in either layout; the results are the same bits. Expert ids are not range-checked
+    here (that would need a host sync); the router guarantees them.
     """
     cfg = pick_config(topk_ids.numel(), w13.shape[0], x.dtype)
     return moe_experts_fp4_with_config(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, cfg, out=out, add=add)
