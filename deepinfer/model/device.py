@@ -3,7 +3,8 @@
 Applied after loading (gpt-fast style), never inside the model math:
   * every dense FP8 linear becomes ``FP8Linear`` (e4m3 weight + fp32 block scales, ``ops.fp8_linear``);
   * each MoE layer's FP4 routed experts become one stacked ``FusedFP4Experts`` (``ops.moe_experts_fp4``),
-    and the dequantized per-expert copies are released;
+    codes and scales in the op table's layout (``ops.fp4_expert_layout``: tile-major for the Triton
+    kernels, the same bytes reordered), and the dequantized per-expert copies are released;
   * the model runs the batched step path (``model/attention_indexed.py``: row lists built once per step,
     index-list kernels, no host syncs; what CUDA graphs capture), with the projections that share an
     input stacked into one GEMM each (``model/fused.py``).
