@@ -133,11 +133,9 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
 # Per T, TileConfig fields to change in the table's pick (timed first); "tiled" runs on tile-major weights
 # (``tile_weights``): "codes" tiles the packed codes only, "all" their scales too. Configs without K splits
 # must give the pick's bits; K-split ones (not batch invariant) report their relative difference instead.
+_DECODE_SWEEP = [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)]
 SWEEP: dict[int, list[dict]] = {
-    1: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
-    8: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
-    32: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
-    128: [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)],
+    **{t: _DECODE_SWEEP for t in (1, 8, 32, 128)},
     512: [dict(tiled="all"), dict(tiled="all", block_n2=128)],  # the m32 bucket (not measured yet)
     4096: [dict(tiled="codes"), dict(tiled="all")],
 }
@@ -176,12 +174,11 @@ def sweep(wts: dict, rotate: int) -> list[dict]:
 
 def cfg_str(c: dict) -> str:
     regs = f" r{c['max_regs']}" if c.get("max_regs") else ""
-    words = " words" if c.get("scale_words") else ""
     split = " split" if c.get("split_gate_up") else ""
     s1, s2 = c.get("splits1", 1), c.get("splits2", 1)
     chunks = f" k/{s1}/{s2}" if max(s1, s2) > 1 else ""
     chunks += f" tiled {c['tiled']}" if c.get("tiled") else ""
-    return (f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}{regs}{words}"
+    return (f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}{regs}"
             f"{split}{chunks}")
 
 

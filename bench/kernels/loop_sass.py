@@ -91,7 +91,6 @@ def expert_kernels():
     div = ("K", "N", "stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_h", "stride_y",
            "k_per_split", "stride_split")
     cfgs = [(cfg, False) for _, cfg in moe.CONFIG_TABLE] + [(cfg, True) for _, cfg in moe.CONFIG_TABLE]
-    cfgs.append((dataclasses.replace(cfgs[0][0], scale_words=True), False))  # opt-in scale path, decode tile
     cfgs.append((dataclasses.replace(cfgs[0][0], split_gate_up=True, splits1=4, splits2=2), False))  # K chunks
     for cfg, tiled in cfgs:
         first = (("gate|up", moe._matmul_kernel, down, cfg.block_n1, 1, cfg.splits1) if cfg.split_gate_up
@@ -99,14 +98,13 @@ def expert_kernels():
         for name, fn, sig, bn, tiles, k_splits in (first, ("down", moe._matmul_kernel, down, cfg.block_n2, 1,
                                                            cfg.splits2)):
             consts = {"SCALE_U8": True, "SPLIT": 1, "INTERPRET": False, "BM": cfg.block_m, "BN": bn, "BK": 128,
-                      "SCALE_WORDS": cfg.scale_words, "W_TILED": tiled, "S_TILED": tiled,
+                      "W_TILED": tiled, "S_TILED": tiled,
                       **({} if k_splits is None else {"K_SPLITS": k_splits})}
             scales = "s13_ptr" if name == "gate_up" else "s2_ptr"
-            sig = {**sig, scales: "*i32" if cfg.scale_words else "*u8", **{c: "constexpr" for c in consts}}
-            words = " words" if cfg.scale_words else ""
+            sig = {**sig, scales: "*u8", **{c: "constexpr" for c in consts}}
             chunks = f" k/{k_splits}" if k_splits and k_splits > 1 else ""
             chunks += " tiled" if tiled else ""
-            yield (f"experts {name} m{cfg.block_m} n{bn} w{cfg.num_warps} s{cfg.num_stages}{words}{chunks}", fn,
+            yield (f"experts {name} m{cfg.block_m} n{bn} w{cfg.num_warps} s{cfg.num_stages}{chunks}", fn,
                    sig, consts, div, cfg.num_warps, cfg.num_stages, tiles * bn * 128 // 2)
 
 

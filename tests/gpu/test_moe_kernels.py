@@ -262,36 +262,19 @@ def test_every_table_config_gives_the_same_bits(device, n_exp, hidden, inter, k)
 
 
 @pytest.mark.interpret_ok
-@pytest.mark.parametrize("n_tok,k", [(1, 2), (9, 3)])
-def test_scale_words_give_the_same_bits(device, n_tok, k) -> None:
-    """Scales read as 32-bit words (``TileConfig.scale_words``, 128-wide K steps) give exactly the bits of
-    the byte path, at a decode and a wide-token tile, and match the reference."""
-    n_exp, hidden, inter = 4, 128, 128
-    weights = make_weights(n_exp, hidden, inter, device, seed=7, scale_fmt="e8m0")
-    x, ids, w = make_tokens(n_tok, hidden, k, n_exp, device, seed=8, dtype=torch.bfloat16)
-    assert fp4_codes.block_k(hidden) == fp4_codes.block_k(inter) == 128
-    for cfg in (tri.CONFIG_TABLE[0][1], tri.CONFIG_TABLE[-1][1]):
-        plain, ref = run_both(x, ids, w, weights, cfg)
-        words, _ = run_both(x, ids, w, weights, dataclasses.replace(cfg, scale_words=True))
-        check(words, ref, torch.bfloat16)
-        assert torch.equal(words, plain), f"{cfg}: scale words change the result"
-
-
-@pytest.mark.interpret_ok
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("scale_fmt", ["e8m0", "fp32"])
 def test_split_gate_up_gives_the_same_bits(device, dtype, scale_fmt) -> None:
     """Gate and up rows in separate programs (``TileConfig.split_gate_up``) joined by the SwiGLU kernel give
-    exactly the fused kernel's bits, with and without scale words, and match the reference."""
+    exactly the fused kernel's bits and match the reference."""
     n_exp, hidden, inter, k = 4, 128, 192, 3
     weights = make_weights(n_exp, hidden, inter, device, seed=9, scale_fmt=scale_fmt)
     x, ids, w = make_tokens(9, hidden, k, n_exp, device, seed=10, dtype=dtype)
     base = tri.FP32_CONFIG if dtype == torch.float32 else tri.CONFIG_TABLE[0][1]
     fused, ref = run_both(x, ids, w, weights, base)
     check(fused, ref, dtype)
-    for words in (False, True):
-        split, _ = run_both(x, ids, w, weights, dataclasses.replace(base, split_gate_up=True, scale_words=words))
-        assert torch.equal(split, fused), f"split gate/up (scale words {words}) changes the result"
+    split, _ = run_both(x, ids, w, weights, dataclasses.replace(base, split_gate_up=True))
+    assert torch.equal(split, fused), "split gate/up changes the result"
 
 
 @pytest.mark.interpret_ok

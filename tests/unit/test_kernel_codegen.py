@@ -3,8 +3,7 @@
 Compiles the decode tile config for sm_90 with Triton's bundled ptxas (``bench/kernels/loop_sass.py``) and
 checks the SASS: each thread's packed weights arrive as 16-byte async copies and 16-byte shared loads
 (the K order of ``ops/triton/moe_experts.py``), never as byte-wide shared loads or 4-byte copies, the
-loop spills nothing, and with ``scale_words`` the scales too come through the async-copy pipeline; in the
-checkpoint and the tile-major weight layouts, and for the K-chunk option.
+loop spills nothing; in the checkpoint and the tile-major weight layouts, and for the K-chunk option.
 Skipped where Triton is not installed or runs interpreted.
 """
 
@@ -25,19 +24,15 @@ def test_expert_decode_loops_use_wide_copies(tmp_path) -> None:
     decode = [k for k in expert_kernels() if " m16 " in k[0]]
     labels = {label for label, *_ in decode}
     for kernel in ("gate_up", "down"):
-        for variant in ("", " tiled", " words"):  # checkpoint layout, tile-major, scale words
+        for variant in ("", " tiled"):  # checkpoint layout, tile-major
             assert any(lb.startswith(f"experts {kernel} m16 ") and lb.endswith(f" s4{variant}") for lb in labels), \
                 f"no {kernel}{variant} decode kernel among {sorted(labels)}"
     for label, fn, sig, consts, div, warps, stages, _ in decode:
         mix = loop_mix(compile_sm90(fn, sig, consts, div, warps, stages), tmp_path)
         c = mix.classes
         assert c.get("LDGSTS.E.BYPASS.128", 0) > 0, f"{label}: no 16-byte async copies in the loop: {c}"
-        # 4-byte copies only for the scale words: two per 64 weight rows (gate and up, or two down bands)
-        narrow = 4 if label.endswith("words") else 0
-        assert c.get("LDGSTS.E", 0) <= narrow, f"{label}: 4-byte async copies in the loop: {c}"
+        assert c.get("LDGSTS.E", 0) == 0, f"{label}: 4-byte async copies in the loop: {c}"
         assert c.get("LDS.U8", 0) == 0, f"{label}: byte-wide shared loads in the loop: {c}"
         assert c.get("LDS.128", 0) > 0, f"{label}: no 16-byte shared loads in the loop: {c}"
         assert c.get("HGMMA.64", 0) > 0, f"{label}: no wgmma in the loop: {c}"
         assert not c.get("LDL", 0) and not c.get("STL", 0), f"{label}: register spills in the loop: {c}"
-        if label.endswith("words"):  # the scales joined the cp.async pipeline: no plain global load left
-            assert not [k for k in c if k.startswith("LDG.")], f"{label}: global loads in the loop: {c}"

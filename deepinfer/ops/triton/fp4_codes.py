@@ -134,14 +134,6 @@ def k_order_rows(a, BK: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def scale_bytes(ptr, off, mask):
-    """The [BN, 4] UE8M0 scale bytes of one 128-wide K step from one 32-bit word per row: every column of
-    ``off`` points at its row's word, so the load already has the tile's shape (no layout shuffle)."""
-    word = tl.load(ptr + off, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    return ((word >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, :]) & 0xFF).to(tl.uint8)
-
-
-@triton.jit
 def tile_offsets(offs_n, stride_n, COLS: tl.constexpr, TILED: tl.constexpr):
     """Offsets [BN, COLS] of rows ``offs_n``' first K step, COLS elements per row and step (packed words or
     scales); ``stride_n`` is the checkpoint layout's row stride. See ``tile_weights`` for the tiled layout."""

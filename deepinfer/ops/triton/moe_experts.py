@@ -48,7 +48,7 @@ import triton.language as tl
 
 from deepinfer.ops.ref.moe_experts import FP4_GROUP, check_moe_experts_args
 from deepinfer.ops.triton.fp4_codes import (TILE_ROWS, block_k, dequant_fp4, k_order_rows, logical_shape,
-                                            scale_bytes, tile_offsets, tile_step)
+                                            tile_offsets, tile_step)
 from deepinfer.ops.triton.moe_align import align_pairs
 from deepinfer.ops.triton.rounding import round_to
 
@@ -68,10 +68,6 @@ class TileConfig:
     num_warps: int
     num_stages: int
     max_regs: int | None = None  # register cap per thread (more resident programs per SM); None: compiler's pick
-    # UE8M0 scales read as one 32-bit word per row and 128-wide K step, staged by Triton's cp.async pipeline
-    # like the weights (the byte path fetches them by hand one step ahead with 2-byte loads, the loop's main
-    # long-scoreboard stall in bench/results/NOTES.md run 26). Same values, so bit-identical results.
-    scale_words: bool = False
     # Gate rows and up rows in separate programs (one accumulator and one weight stream each: fewer registers
     # and less shared memory per program, so more programs per SM), their fp32 sums joined by a small SwiGLU
     # kernel. The same fp32 values meet the same epilogue code, so results are bit-identical to the fused form.
@@ -188,8 +184,7 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
     limit, topk,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr, W_TILED: tl.constexpr,
-    S_TILED: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_TILED: tl.constexpr, S_TILED: tl.constexpr,
 ):
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
@@ -202,32 +197,24 @@ def _gate_up_kernel(
     # Loop-invariant offset tiles plus scalar bases: strides arrive as (16-divisible) arguments, so Triton
     # can prove 16-byte alignment and issue vector loads; carrying 64-bit pointer tiles would cost registers.
     w_off = tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
-    if SCALE_WORDS:  # int32 words of 4 scales (BK == 128): each row's word, once per column
-        s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
-    else:
-        s_off = tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
+    s_off = tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
     x_off = tok[None, :] * stride_x + tl.arange(0, BK)[:, None]  # x^T tile [BK, BM]: the MMA's B operand
     g_w = w13_ptr + e.to(tl.int64) * stride_we
     u_w = g_w + N * stride_wn
     g_s = s13_ptr + e.to(tl.int64) * stride_se
     u_s = g_s + N * stride_sn
-    if not SCALE_WORDS:
-        sg = tl.load(g_s + s_off, mask=w_mask, other=0)
-        su = tl.load(u_s + s_off, mask=w_mask, other=0)
+    sg = tl.load(g_s + s_off, mask=w_mask, other=0)
+    su = tl.load(u_s + s_off, mask=w_mask, other=0)
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, K, BK):  # the full reduction, always in this order (no split-K)
         # Weights and activations are software-pipelined by Triton (cp.async, num_stages deep). Scale
-        # bytes are too narrow for that (2-byte loads per thread), so the byte path fetches the next step's
-        # by hand, one step ahead; scale words are 32 bits wide and join the pipeline.
-        if SCALE_WORDS:
-            sg = scale_bytes(g_s + k0 // 128, s_off, w_mask)
-            su = scale_bytes(u_s + k0 // 128, s_off, w_mask)
-        else:
-            kn = k0 + BK
-            s_next = tile_step(kn, BK, BK // 32, S_TILED)
-            sg_n = tl.load(g_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
-            su_n = tl.load(u_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
+        # bytes are too narrow for that (2-byte loads per thread), so the next step's are fetched by hand,
+        # one step ahead (reading them as 32-bit words through the pipeline measured 24% slower: NOTES run 27).
+        kn = k0 + BK
+        s_next = tile_step(kn, BK, BK // 32, S_TILED)
+        sg_n = tl.load(g_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
+        su_n = tl.load(u_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
         pg = tl.load(g_w + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
         pu = tl.load(u_w + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
         wg = dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
@@ -245,8 +232,7 @@ def _gate_up_kernel(
             acc_u = _mma(wu, x_hi, acc_u, INTERPRET)
             acc_u = _mma(wu, x_mid, acc_u, INTERPRET)
             acc_u = _mma(wu, x_lo, acc_u, INTERPRET)
-        if not SCALE_WORDS:
-            sg, su = sg_n, su_n
+        sg, su = sg_n, su_n
     hval = _clamped_swiglu(acc_g, acc_u, limit)
     h_ptrs = h_ptr + tl.where(valid, pair, 0).to(tl.int64)[None, :] * stride_h + offs_n[:, None]
     tl.store(h_ptrs, _to_out(hval, h_ptr.dtype.element_ty, INTERPRET), mask=x_mask & w_mask)
@@ -260,7 +246,7 @@ def _matmul_kernel(
     row_div,  # activation row of a pair: pair // row_div (1: h is per pair; topk: x is per token)
     k_per_split, stride_split,  # K chunk of program_id(2) (a multiple of BK) and where its partial goes
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr, K_SPLITS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_SPLITS: tl.constexpr,
     W_TILED: tl.constexpr, S_TILED: tl.constexpr,
 ):
     """y[s, pair, n] = sum over k in chunk s of W_e[n, k] a[pair // row_div, k], fp32: the down projection
@@ -276,10 +262,7 @@ def _matmul_kernel(
     w_mask = (offs_n < N)[:, None]
     a_mask = valid[None, :]
     w_off = tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
-    if SCALE_WORDS:
-        s_off = offs_n[:, None] * stride_sn + 0 * tl.arange(0, BK // 32)[None, :]
-    else:
-        s_off = tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
+    s_off = tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
     a_off = row[None, :] * stride_h + tl.arange(0, BK)[:, None]  # h^T tile [BK, BM]
     w_base = w2_ptr + e.to(tl.int64) * stride_we
     s_base = s2_ptr + e.to(tl.int64) * stride_se
@@ -289,16 +272,12 @@ def _matmul_kernel(
     else:
         k_lo = tl.program_id(2) * k_per_split
         k_hi = k_lo + k_per_split
-    if not SCALE_WORDS:
-        sw = tl.load(s_base + tile_step(k_lo, BK, BK // 32, S_TILED) + s_off, mask=w_mask, other=0)
+    sw = tl.load(s_base + tile_step(k_lo, BK, BK // 32, S_TILED) + s_off, mask=w_mask, other=0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
-        if SCALE_WORDS:
-            sw = scale_bytes(s_base + k0 // 128, s_off, w_mask)
-        else:
-            kn = k0 + BK
-            sw_n = tl.load(s_base + tile_step(kn, BK, BK // 32, S_TILED) + s_off,  # one step ahead
-                           mask=w_mask & (kn < k_hi), other=0)
+        kn = k0 + BK
+        sw_n = tl.load(s_base + tile_step(kn, BK, BK // 32, S_TILED) + s_off,  # one step ahead
+                       mask=w_mask & (kn < k_hi), other=0)
         pw = tl.load(w_base + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
         w = dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
         at = k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
@@ -309,8 +288,7 @@ def _matmul_kernel(
             acc = _mma(w, a_hi, acc, INTERPRET)
             acc = _mma(w, a_mid, acc, INTERPRET)
             acc = _mma(w, a_lo, acc, INTERPRET)
-        if not SCALE_WORDS:
-            sw = sw_n
+        sw = sw_n
     y_ptr += tl.program_id(2).to(tl.int64) * stride_split
     tl.store(y_ptr + out_row[None, :] * stride_y + offs_n[:, None], acc, mask=a_mask & w_mask)
 
@@ -368,8 +346,6 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         if tiled and (w.shape[-1] * per != block_k(k_dim) or w.shape[3] != TILE_ROWS.value):
             raise ValueError(f"{name}: tiled as {w.shape[3]} rows x {w.shape[-1] * per}-wide K steps, the kernels "
                              f"take {TILE_ROWS.value} x {block_k(k_dim)} (fp4_codes.tile_weights)")
-    if cfg.scale_words and (s_tiled1 or s_tiled2):
-        raise ValueError(f"{cfg}: scale words read the checkpoint layout's scales, these are tiled")
     k = topk_ids.shape[1]
     # The router's outputs are often column slices of a sort; they are tiny, so copy rather than refuse.
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
@@ -394,14 +370,8 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     assert h % bk1 == 0 and inter % bk2 == 0 and bk1 % FP4_GROUP == 0 and bk2 % FP4_GROUP == 0
 
     w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # the kernels read the codes as 32-bit words
-    words1 = cfg.scale_words and scale_u8 and bk1 == 128
-    words2 = cfg.scale_words and scale_u8 and bk2 == 128
-    if words1:
-        s13 = s13.view(torch.int32)
-    if words2:
-        s2 = s2.view(torch.int32)
-    # Row strides of the checkpoint layout (the tiled offsets are derived from them), in elements read.
-    sn1, sn2 = h // FP4_GROUP // (4 if words1 else 1), inter // FP4_GROUP // (4 if words2 else 1)
+    # Row strides of the scales' checkpoint layout (the tiled offsets are derived from them).
+    sn1, sn2 = h // FP4_GROUP, inter // FP4_GROUP
     pair_of_row, expert_of_block = align_pairs(topk_ids, n_exp, cfg.block_m)
     num_blocks = expert_of_block.numel()
     hid = _scratch((t * k, inter), act_dtype, x.device)
@@ -413,7 +383,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
             x.stride(0), w13.stride(0), h // 8, s13.stride(0), sn1, gu.stride(1), k,
             _k_chunk(h, bk1, cfg.splits1), gu.stride(0),
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-            SCALE_WORDS=words1, K_SPLITS=cfg.splits1, W_TILED=tiled1, S_TILED=s_tiled1,
+            K_SPLITS=cfg.splits1, W_TILED=tiled1, S_TILED=s_tiled1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
         block = min(1024, triton.next_power_of_2(inter))
@@ -426,7 +396,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
             x.stride(0), w13.stride(0), h // 8, s13.stride(0), sn1, hid.stride(0),
             float(limit), k,
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-            SCALE_WORDS=words1, W_TILED=tiled1, S_TILED=s_tiled1,
+            W_TILED=tiled1, S_TILED=s_tiled1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
     _matmul_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2), cfg.splits2)](
@@ -434,7 +404,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         hid.stride(0), w2.stride(0), inter // 8, s2.stride(0), sn2, y.stride(1), 1,
         _k_chunk(inter, bk2, cfg.splits2), y.stride(0),
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
-        SCALE_WORDS=words2, K_SPLITS=cfg.splits2, W_TILED=tiled2, S_TILED=s_tiled2,
+        K_SPLITS=cfg.splits2, W_TILED=tiled2, S_TILED=s_tiled2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     block_h = min(1024, triton.next_power_of_2(h))
