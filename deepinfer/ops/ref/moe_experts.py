@@ -17,6 +17,8 @@ to x.dtype once, at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -58,9 +60,12 @@ def check_moe_experts_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights
 
 def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                    limit: float, *, out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+                    limit: float, *, out: torch.Tensor | None = None, add: torch.Tensor | None = None,
+                    before_add: Callable[[], None] | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype (written into ``out`` when given). ``add`` [T, H] in x.dtype (the
-    shared expert's output) is added after the rounding to x.dtype: ``routed + add`` as two tensors."""
+    shared expert's output) is added after the rounding to x.dtype: ``routed + add`` as two tensors.
+    ``before_add`` is called right before ``add`` is first read (the GPU path passes a stream join there:
+    ``add`` may still be being computed on a side stream while the routed experts run)."""
     n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13, s13, w2, s2)
     t, h = x.shape
     k = topk_ids.shape[1]
@@ -79,6 +84,8 @@ def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         acc = acc + per_slot[:, j]
     res = acc.to(x.dtype)
     if add is not None:
+        if before_add is not None:
+            before_add()
         res = res + add
     if out is None:
         return res

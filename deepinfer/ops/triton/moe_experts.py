@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -334,7 +335,8 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                                 w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                                 limit: float, cfg: TileConfig, *, out: torch.Tensor | None = None,
-                                add: torch.Tensor | None = None) -> torch.Tensor:
+                                add: torch.Tensor | None = None,
+                                before_add: Callable[[], None] | None = None) -> torch.Tensor:
     """``moe_experts_fp4`` with an explicit tile config (benchmarks, invariance tests across configs)."""
     (w13_shape, tiled1), (w2_shape, tiled2) = logical_shape(w13), logical_shape(w2)
     (s13_shape, s_tiled1), (s2_shape, s_tiled2) = logical_shape(s13), logical_shape(s2)
@@ -360,6 +362,8 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"out: expected contiguous {x.dtype} {tuple(x.shape)} on {x.device}")
     if t == 0:
+        if add is not None and before_add is not None:
+            before_add()
         return out
     scale_u8 = s13.dtype != torch.float32
     if scale_u8:  # UE8M0 bytes: the kernels read the biased exponent directly
@@ -410,6 +414,8 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     block_h = min(1024, triton.next_power_of_2(h))
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()):
         raise ValueError(f"add: expected contiguous {x.dtype} {tuple(x.shape)}")
+    if add is not None and before_add is not None:
+        before_add()  # only the combine reads add: the kernels above overlap whatever still writes it
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_weights, out, out if add is None else add, h, y.stride(0),
                                                  TOPK=k, SPLITS=cfg.splits2, BLOCK_H=block_h, ADD=add is not None,
                                                  INTERPRET=_INTERPRET, num_warps=4)
@@ -418,12 +424,15 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
 
 def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                    limit: float, *, out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, H] -> [T, H] in x.dtype; see ``ops/ref/moe_experts.py`` for the math, layouts and ``add``.
+                    limit: float, *, out: torch.Tensor | None = None, add: torch.Tensor | None = None,
+                    before_add: Callable[[], None] | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H] in x.dtype; see ``ops/ref/moe_experts.py`` for the math, layouts, ``add`` and
+    ``before_add``.
 
     The codes and scales may also come tile-major (``fp4_codes.expert_layout``, what the model stores on the
     device), each tensor in either layout; the results are the same bits. Expert ids are not range-checked
     here (that would need a host sync); the router guarantees them.
     """
     cfg = pick_config(topk_ids.numel(), w13.shape[0], x.dtype)
-    return moe_experts_fp4_with_config(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, cfg, out=out, add=add)
+    return moe_experts_fp4_with_config(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, cfg, out=out, add=add,
+                                       before_add=before_add)
