@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepinfer.config import ModelConfig  # noqa: E402
 from deepinfer.kv.spec import build_layout  # noqa: E402
+from deepinfer.model.branches import INLINE  # noqa: E402
 from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
 from deepinfer.model.device import prepare_for_device  # noqa: E402
 from deepinfer.model.quant import QuantizedWeight, storage_format  # noqa: E402
@@ -194,6 +195,15 @@ def preamble_ms(model, graphs: DecodeGraphs, batch: int) -> float:
     return timed(graph.replay, "cuda", reps=20)
 
 
+def set_branches(model, branches):
+    """Point every module's layer branches (model/branches.py) at ``branches``; returns the previous ones."""
+    prev = next(m.branches for m in model.modules() if hasattr(m, "branches"))
+    for m in model.modules():
+        if hasattr(m, "branches"):
+            m.branches = branches
+    return prev
+
+
 def per_layer_ms(replay_ms: float, head: float, host_ms: float, layers: int, pre: float = 0.0) -> float:
     """A 43-layer decode step / 43: 43 layers of (replay - head - preamble) / layers, plus the head, the
     preamble and the host work once."""
@@ -332,6 +342,8 @@ def main() -> None:
     a.add_argument("--hf", action="store_true", help="also time HF transformers (CUDA only)")
     a.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a.add_argument("--first-layer", type=int, default=2, help="bench V4-Flash's layers from this one on")
+    a.add_argument("--ab-overlap", action="store_true",
+                   help="also time each decode point with the layer branches on one stream (model/branches.py)")
     a.add_argument("--hf-only", metavar="JSON", default=None,
                    help="re-time only the HF peer (same shapes as JSON's rows) and write JSON with them replaced")
     args = a.parse_args()
@@ -357,7 +369,16 @@ def main() -> None:
                 ms = per_layer_ms(times["replay_ms"], times["head_ms"], host_ms, n, times["preamble_ms"])
             else:
                 host_ms, ms = None, times["eager_ms"] / n
-            rows.append({"kind": "decode", "context": c, "batch": b, "ms_per_layer": ms,
+            serial = {}
+            if args.ab_overlap and "replay_ms" in times:  # the same point, every branch inline, same process
+                on = set_branches(model, INLINE)
+                t1 = decode_ms(model, b, c, args.device, max_len)
+                set_branches(model, on)
+                serial = {"serial_ms_per_layer": per_layer_ms(t1["replay_ms"], t1["head_ms"],
+                                                              max(t1["graph_ms"] - t1["replay_ms"], 0.0), n,
+                                                              t1["preamble_ms"]),
+                          "serial_replay_ms_per_layer": t1["replay_ms"] / n}
+            rows.append({"kind": "decode", "context": c, "batch": b, "ms_per_layer": ms, **serial,
                          "step_ms": times.get("graph_ms"), "host_ms_per_step": host_ms,
                          "head_ms_per_step": times.get("head_ms"),
                          "preamble_ms_per_step": times.get("preamble_ms"),

@@ -17,6 +17,7 @@ from deepinfer.kv.spec import WINDOW
 from deepinfer.kv.storage import rows_for
 from deepinfer.model.attention_indexed import attention_indexed
 from deepinfer.model.batch import SeqRun
+from deepinfer.model.branches import INLINE, Branches
 from deepinfer.model.compressor import Compressor, Indexer
 from deepinfer.model.context import StepContext
 from deepinfer.model.linear import Linear
@@ -32,6 +33,7 @@ class Attention(nn.Module):
     compressor.*, indexer.*."""
 
     ops: OpTable = REF  # replaced by model/device.py for accelerated runs
+    branches: Branches = INLINE  # two streams on the GPU path (model/device.py, model/branches.py)
 
     def __init__(self, cfg: ModelConfig, kind: str, ratio: int, dtype: torch.dtype) -> None:
         super().__init__()

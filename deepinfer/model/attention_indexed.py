@@ -19,6 +19,21 @@ from deepinfer.model.step_index import CompressIndex
 def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -> torch.Tensor:
     idx, ops, storage = ctx.index, attn.ops, ctx.storage
     cos, sin = ctx.rope[attn.table]
+    if attn.kind != SWA:
+        key = (attn.ratio, attn.kind == CSA)
+        ci = idx.compress[key]
+        emit_cos, emit_sin = ctx.emit_rope[key]
+        # The compressors read only x: their chain runs beside the query/window chain below
+        # (model/branches.py; inline on the CPU), joined before the indexer and the attention read it.
+        with attn.branches.side():
+            # One GEMM for every bf16 projection of x (compressor kv|gate, indexer compressor kv|gate,
+            # indexer head weights): model/fused.py.
+            side, cols = attn.side_proj(x), attn.side_proj.cols
+            _compress(attn.compressor, side, cols["kv"], ctx, layer_key, "compressor_state", "entries", ci,
+                      emit_cos, emit_sin, ops)
+            if attn.kind == CSA:
+                _compress(attn.indexer.compressor, side, cols["ix_kv"], ctx, layer_key, "indexer_state",
+                          "index_keys", ci, emit_cos, emit_sin, ops)
     # Stacked projections (model/fused.py): x -> [q latent | kv], q latent -> [q heads | indexer q heads].
     xq = attn.x_proj(x)
     q_res = attn.q_norm(xq[:, : attn.x_proj.cols["kv"]])
@@ -32,21 +47,12 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
 
     extra_kv = extra_idx = None
     if attn.kind != SWA:
-        key = (attn.ratio, attn.kind == CSA)
-        ci = idx.compress[key]
-        emit_cos, emit_sin = ctx.emit_rope[key]
-        # One GEMM for every bf16 projection of x (compressor kv|gate, indexer compressor kv|gate, indexer
-        # head weights): model/fused.py.
-        side, cols = attn.side_proj(x), attn.side_proj.cols
-        _compress(attn.compressor, side, cols["kv"], ctx, layer_key, "compressor_state", "entries", ci, emit_cos,
-                  emit_sin, ops)
+        attn.branches.join()
         extra_kv = storage.get(layer_key, "entries")
         if attn.kind == HCA:  # every visible entry, entry j in column j (fixed split boundaries)
             extra_idx = ci.visible_rows
         else:
             ix = attn.indexer
-            _compress(ix.compressor, side, cols["ix_kv"], ctx, layer_key, "indexer_state", "index_keys", ci,
-                      emit_cos, emit_sin, ops)
             weights = side[:, cols["ix_w"] : cols["ix_w"] + ix.n_heads]
             # Entries and index keys share the history pool's row numbering: the picks come back as rows.
             q_ix = q_all[:, attn.q_proj.cols["ix_q"] :]

@@ -5,6 +5,8 @@ Applied after loading (gpt-fast style), never inside the model math:
   * each MoE layer's FP4 routed experts become one stacked ``FusedFP4Experts`` (``ops.moe_experts_fp4``),
     codes and scales in the op table's layout (``ops.fp4_expert_layout``: tile-major for the Triton
     kernels, the same bytes reordered), and the dequantized per-expert copies are released;
+  * with ``overlap`` (on CUDA by default), each layer's independent chains share the GPU on two streams
+    (``model/branches.py``: the compressors beside the query path, the shared expert beside the routed);
   * the model runs the batched step path (``model/attention_indexed.py``: row lists built once per step,
     index-list kernels, no host syncs; what CUDA graphs capture), with the projections that share an
     input stacked into one GEMM each (``model/fused.py``).
@@ -13,9 +15,12 @@ With ``ops=REF`` on the CPU this is the specification of what the GPU path compu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from deepinfer.model.branches import INLINE, Branches
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.fused import use_batched_path
 from deepinfer.model.linear import flat_grouped
@@ -112,10 +117,11 @@ class FusedFP4Experts(nn.Module):
         self.limit, self.ops = limit, ops
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        """Routed experts' output, plus ``add`` (the shared expert's output) when given."""
+                add: torch.Tensor | None = None, before_add: Callable[[], None] | None = None) -> torch.Tensor:
+        """Routed experts' output, plus ``add`` (the shared expert's output) when given; ``before_add`` runs
+        right before ``add`` is read (a stream join when the shared expert runs beside the routed ones)."""
         return self.ops.moe_experts_fp4(x.contiguous(), ids.long(), weights.float(), self.w13, self.s13, self.w2,
-                                        self.s2, self.limit, add=None if add is None else add.contiguous())
+                                        self.s2, self.limit, add=add, before_add=before_add)
 
 
 def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -126,11 +132,21 @@ def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     return module, leaf
 
 
-def prepare_for_device(model: DeepseekV4, ops: OpTable) -> DeepseekV4:
+def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = None) -> DeepseekV4:
+    """``overlap``: run each layer's independent chains on two streams (``model/branches.py``); default: on
+    when the model lives on a CUDA device."""
     quantized: dict[str, QuantizedWeight] = getattr(model, "quantized", {}) or {}
+    device = next(model.buffers()).device
+    if overlap is None:
+        overlap = device.type == "cuda"
+    if overlap and device.type != "cuda":
+        raise ValueError(f"overlap needs a CUDA device, the model is on {device}")
+    branches = Branches(device) if overlap else INLINE
     for module in model.modules():
         if hasattr(module, "ops"):
             module.ops = ops
+        if hasattr(module, "branches"):
+            module.branches = branches
     for name, qw in quantized.items():
         if qw.format == "fp8" and ".experts." not in name and name.endswith(".weight"):
             parent, leaf = _parent(model, name[: -len(".weight")])

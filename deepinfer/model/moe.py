@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config.model import HASH_MOE, ModelConfig
+from deepinfer.model.branches import INLINE, Branches
 from deepinfer.model.linear import Linear
 from deepinfer.ops.table import REF, OpTable
 
@@ -44,6 +45,7 @@ class Gate(nn.Module):
 
 class MoE(nn.Module):
     ops: OpTable = REF  # replaced by model/device.py for accelerated runs (one fused routing kernel)
+    branches: Branches = INLINE  # two streams on the GPU path (model/device.py)
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -57,6 +59,20 @@ class MoE(nn.Module):
         self.shared_w13: nn.Module | None = None  # the shared expert's w1 and w3 as one GEMM (model/fused.py)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.fused is None:  # the reference: dequantized experts, one by one
+            weights, indices = self._route(x, input_ids)
+            routed = self._experts_loop(x, indices, weights)
+            return routed if self.shared_experts is None else routed + self._shared(x)
+        shared = None
+        if self.shared_experts is not None:
+            # The shared expert runs beside the router and the routed experts (model/branches.py); the
+            # kernels' combine adds it (no extra launch) once it is done.
+            with self.branches.side():
+                shared = self._shared(x)
+        weights, indices = self._route(x, input_ids)
+        return self.fused(x, indices, weights, add=shared, before_add=self.branches.join)
+
+    def _route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         logits = F.linear(x, self.gate.weight)
         weights, indices = self.ops.moe_route(
@@ -68,11 +84,7 @@ class MoE(nn.Module):
             bias=None if self.gate.is_hash else self.gate.bias,
             hash_indices=self.gate.tid2eid[input_ids] if self.gate.is_hash else None,
         )
-        shared = self._shared(x) if self.shared_experts is not None else None
-        if self.fused is not None:  # the kernels' combine adds the shared expert (no extra launch)
-            return self.fused(x, indices, weights, add=shared)
-        routed = self._experts_loop(x, indices, weights)
-        return routed if shared is None else routed + shared
+        return weights, indices
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         e = self.shared_experts

@@ -164,3 +164,49 @@ def test_cache_sized_from_a_profiling_run(ckpt, device) -> None:
     assert len(outs[0].outputs[0].token_ids) == 5
     del engine
     torch.cuda.empty_cache()
+
+
+def test_overlapped_branches_give_the_serial_bits(ckpt, device) -> None:
+    """Each layer's independent chains on two streams (model/branches.py: compressors beside the query path,
+    the shared expert beside the routed experts) give exactly the logits of the one-stream order, in prefill
+    chunks and in decode steps."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from deepinfer.model.device import prepare_for_device
+    from deepinfer.model.loader import load_model
+    from deepinfer.ops.table import triton_ops
+
+    ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for overlap in (False, True):
+        model = prepare_for_device(load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False),
+                                   triton_ops(), overlap=overlap)
+        assert model.layers[1].attn.branches.enabled == overlap and model.layers[1].ffn.branches.enabled == overlap
+        out[overlap] = _teacher_forced(model, ids, torch.bfloat16, "cuda")
+        del model
+    assert torch.isfinite(out[True]).all()
+    assert torch.equal(out[True], out[False])
+
+
+def test_fp8_split_k_on_two_streams_at_once(device) -> None:
+    """Split-K FP8 GEMVs running concurrently on two streams (each in its own lane, as model/branches.py sets
+    them) keep their tile counters apart: every result equals the one-stream result."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from deepinfer.model.quant import quant_fp8_block, ue8m0_to_float
+    from deepinfer.ops import lanes
+    from deepinfer.ops.triton.fp8_linear import fp8_linear
+
+    g = torch.Generator().manual_seed(0)
+    q, s = quant_fp8_block(torch.randn(2048, 4096, generator=g) * 0.05, (128, 128))
+    w, sc = q.cuda(), ue8m0_to_float(s).float().cuda()
+    xs = [torch.randn(1, 4096, generator=g).to(torch.bfloat16).cuda() for _ in range(2)]
+    want = [fp8_linear(x, w, sc) for x in xs]
+    side = torch.cuda.Stream()
+    for _ in range(50):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), lanes.lane(1):
+            got_side = fp8_linear(xs[1], w, sc)
+        got_main = fp8_linear(xs[0], w, sc)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(got_main, want[0]) and torch.equal(got_side, want[1])

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops import lanes
+
 SCALE_BLOCK = 128
 # Triton's CPU interpreter mis-converts fp32 -> bf16 inside kernels, so interpreted runs use fp32 dots.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -139,18 +141,20 @@ WA_CONFIG = {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_
 WA_MIN_M = 257  # the prefill bucket; decode buckets stay weight-bandwidth-bound on the split-K path
 
 
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_TILES = 1 << 16
 
 
 def _tickets(device: torch.device) -> torch.Tensor:
-    """Per-device tile counters of the split-K epilogue: zero between calls (the last program resets its own).
+    """Tile counters of the split-K epilogue, per device and lane (``ops/lanes.py``: two GEMMs running at once
+    on two streams must not count into the same tiles); zero between calls (the last program resets its own).
 
     Allocated on first use (which precedes any graph capture: capture is always preceded by a warm-up run).
     """
-    if device not in _TICKETS:
-        _TICKETS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _TICKETS[device]
+    key = (device, lanes.current())
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _TICKETS[key]
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per M bucket; the bench sweeps alternatives (CONFIG_OVERRIDE).
