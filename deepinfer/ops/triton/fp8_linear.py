@@ -162,6 +162,9 @@ def _tickets(device: torch.device) -> torch.Tensor:
 # tile leaves N/128 programs (8 for N=1024): a middle tile with split-K keeps the SMs busy.
 CONFIGS = {16: (16, 64, 4, 4), 64: (32, 64, 4, 4), 256: (64, 64, 4, 3), None: (128, 128, 8, 3)}
 CONFIG_OVERRIDE: dict = {}
+# Split K (M <= 256) until this many programs run; bench/kernels/bench_fp8_decode.py sweeps it.
+SPLIT_TARGET = 2 * NUM_SMS
+MAX_SPLIT = 16
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
@@ -172,7 +175,7 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     k_blocks = triton.cdiv(k, 128)
     split = 1
     if m <= 256:
-        while programs * split < 2 * NUM_SMS and split * 2 <= k_blocks and split < 16:
+        while programs * split < SPLIT_TARGET and split * 2 <= k_blocks and split < MAX_SPLIT:
             split *= 2
     return bm, bn, split, warps, stages
 

@@ -1,0 +1,111 @@
+"""The FP8 linears of one V4-Flash decode layer, back to back, as the step runs them: tile and split-K sweep.
+
+    python bench/kernels/bench_fp8_decode.py [--tokens 1 8 32] [--copies 4]
+
+Per token count M, the six FP8 GEMMs of a CSA layer (wq_a|wkv, wq_b|indexer wq_b, grouped wo_a, wo_b, the
+shared expert's w1|w3 and w2; 141 MB of e4m3 weights) run in sequence over --copies layers' worth of
+distinct weights (so the 50 MB L2 does not serve them on repeat), replayed from a CUDA graph. Reported: µs
+per layer, what the weight bytes allow at the measured copy bandwidth, and each candidate tile
+(BLOCK_M, BLOCK_N, warps, stages) x split target (programs the split-K fills) against the table's pick.
+Every candidate's outputs are compared with the pick's (same bits expected when the split count is
+unchanged; otherwise the relative difference is printed).
+Writes $OUT/fp8_decode.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.kernels.ceilings import copy_bandwidth  # noqa: E402
+from deepinfer.ops.triton import fp8_linear as fp8  # noqa: E402
+
+# (rows N, input K, groups) of one CSA layer's FP8 linears on the batched path (model/fused.py stacks).
+LAYER = [(1536, 4096, 1), (40960, 1024, 1), (8192, 4096, 8), (4096, 8192, 1), (4096, 4096, 1), (4096, 2048, 1)]
+TILES = {16: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 128, 8, 4)],
+         64: [(32, 64, 4, 4), (32, 128, 4, 4), (32, 32, 4, 4), (64, 64, 4, 4), (32, 64, 4, 6), (16, 64, 4, 4)]}
+TARGETS = [fp8.NUM_SMS, 2 * fp8.NUM_SMS, 4 * fp8.NUM_SMS, 8 * fp8.NUM_SMS]
+
+
+def make_layer(copies: int) -> list[list[tuple[torch.Tensor, torch.Tensor, int]]]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for _ in range(copies):
+        mats = []
+        for n, k, groups in LAYER:
+            w = (torch.randn(n, k // groups, device="cuda", generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            s = torch.full((n // 128, k // groups // 128), 2.0**-13, device="cuda")
+            mats.append((w, s, groups))
+        layers.append(mats)
+    return layers
+
+
+def run_layer(layers, xs) -> list[torch.Tensor]:
+    outs = []
+    for mats in layers:
+        for (w, s, groups), x in zip(mats, xs):
+            if groups == 1:
+                outs.append(fp8.fp8_linear(x, w, s, pow2_scales=True))
+            else:
+                outs.append(fp8.fp8_linear_grouped(x, w, s, groups, pow2_scales=True))
+    return outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--copies", type=int, default=4)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    layers = make_layer(args.copies)
+    wbytes = sum(w.numel() + s.numel() * 4 for w, s, _ in layers[0])
+    rows = []
+    for m in args.tokens:
+        bucket = 16 if m <= 16 else 64
+        xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _, k, _ in LAYER]
+        ref = None
+        for tile in TILES[bucket]:
+            for target in TARGETS:
+                fp8.CONFIG_OVERRIDE[bucket], fp8.SPLIT_TARGET = tile, target
+                try:
+                    outs = run_layer(layers[:1], xs)
+                    torch.cuda.synchronize()
+                    us = do_bench_cudagraph(lambda: run_layer(layers, xs), rep=200, return_mode="median") * 1e3
+                except Exception as exc:  # a tile that does not compile or fit is reported, not fatal
+                    rows.append({"M": m, "tile": tile, "target": target, "error": f"{type(exc).__name__}: {exc}"[:160]})
+                    continue
+                us /= args.copies
+                splits = [fp8._config(m, n, k // g)[2] for n, k, g in LAYER]
+                pick = tile == fp8.CONFIGS[bucket] and target == 2 * fp8.NUM_SMS
+                if ref is None:
+                    ref = outs
+                diff = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(outs, ref))
+                rows.append({"M": m, "tile": tile, "target": target, "splits": splits, "us_per_layer": us,
+                             "of_floor": wbytes / bw / (us * 1e-6), "table_pick": pick, "rel_diff_vs_first": diff})
+                print(json.dumps(rows[-1]), flush=True)
+        fp8.CONFIG_OVERRIDE.clear()
+        fp8.SPLIT_TARGET = 2 * fp8.NUM_SMS
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "fp8_decode.json").write_text(json.dumps({"copy_bw": bw, "weight_bytes": wbytes,
+                                                                          "rows": rows}, indent=2))
+    print(f"\nweights {wbytes / 1e6:.1f} MB per layer, floor {wbytes / bw * 1e6:.1f} µs at {bw / 1e12:.2f} TB/s\n")
+    print("| M | tile (bm, bn, warps, stages) | split target | splits per GEMM | µs / layer | of floor | pick |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['M']} | {r['tile']} | {r['target']} | {r['error']} | | | |")
+        else:
+            print(f"| {r['M']} | {r['tile']} | {r['target']} | {r['splits']} | {r['us_per_layer']:.1f} | "
+                  f"{r['of_floor']:.0%} | {'*' if r['table_pick'] else ''} |")
+
+
+if __name__ == "__main__":
+    main()
