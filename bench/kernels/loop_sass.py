@@ -1,6 +1,7 @@
 """Hot-loop instruction mix of the weight-streaming Triton kernels, compiled for the H200 on any machine.
 
     python bench/kernels/loop_sass.py            (no GPU needed: Triton's bundled ptxas and nvdisasm)
+    python bench/kernels/loop_sass.py --only "m16 " --opcodes     (decode tiles, per-opcode side by side)
 
 Device time is scarce; the compiled code is not. Per kernel and tile config this compiles for sm_90 with the
 argument specialisation a real launch gets (pointers and the 16-divisible sizes and strides marked so),
@@ -10,10 +11,14 @@ loads, 4-byte vs 16-byte async copies, barriers, MMAs), registers and shared mem
 Instructions per byte against 4 issue slots per SM per cycle bound the bandwidth a kernel can reach
 (bench/results/NOTES.md, runs 20-26: the FP4 expert loops run 0.22-0.26 instructions per byte, which at
 full issue would allow ~4 TB/s; they reach ~2.4, stalled on scale loads and per-step barriers).
+The ALU and IMAD columns count per-thread integer instructions by the pipe they go to (both half rate on
+sm_90: a warp's instruction holds its pipe two cycles), so that an issue-count gain that only moves work
+onto a saturated pipe shows.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import re
@@ -32,6 +37,18 @@ NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 WATCH = ("LDG.E.U16", "LDS.U8", "LDS.128", "LDGSTS.E", "LDGSTS.E.BYPASS.128", "BAR.SYNC.DEFER_BLOCKING",
          "MEMBAR.ALL.CTA",
          "HGMMA.64", "HMMA.16816.F32.BF16", "WARPGROUP.DEPBAR.LE", "LDL", "STL")
+
+
+# Per-thread integer instructions of the INT (ALU) pipe; IMAD* go to the FMA pipe. Uniform-datapath (U*)
+# instructions are neither.
+ALU_OPS = ("LOP3", "SHF", "PRMT", "SEL", "ISETP", "IADD3", "LEA", "IMNMX", "PLOP3", "FLO", "POPC", "BMSK", "SGXT")
+
+
+def pipe_counts(classes: dict[str, int]) -> tuple[int, int]:
+    """(ALU-pipe, IMAD) instruction counts of a loop's mix."""
+    alu = sum(n for op, n in classes.items() if op.split(".")[0] in ALU_OPS)
+    imad = sum(n for op, n in classes.items() if op.split(".")[0] == "IMAD")
+    return alu, imad
 
 
 @dataclass(frozen=True)
@@ -92,18 +109,22 @@ def expert_kernels():
            "k_per_split", "stride_split")
     cfgs = [(cfg, False) for _, cfg in moe.CONFIG_TABLE] + [(cfg, True) for _, cfg in moe.CONFIG_TABLE]
     cfgs.append((dataclasses.replace(cfgs[0][0], split_gate_up=True, splits1=4, splits2=2), False))  # K chunks
-    for cfg, tiled in cfgs:
+    # (config, tiled, placed): the checkpoint layout, tile-major codes and scales, and those with placed
+    # codes (fp4_codes.place_codes), which is what the model stores.
+    cfgs = [(cfg, tiled, placed) for cfg, tiled in cfgs for placed in ((False, True) if tiled else (False,))]
+    for cfg, tiled, placed in cfgs:
         first = (("gate|up", moe._matmul_kernel, down, cfg.block_n1, 1, cfg.splits1) if cfg.split_gate_up
                  else ("gate_up", moe._gate_up_kernel, gate_up, cfg.block_n1, 2, None))
         for name, fn, sig, bn, tiles, k_splits in (first, ("down", moe._matmul_kernel, down, cfg.block_n2, 1,
                                                            cfg.splits2)):
             consts = {"SCALE_U8": True, "SPLIT": 1, "INTERPRET": False, "BM": cfg.block_m, "BN": bn, "BK": 128,
-                      "W_TILED": tiled, "S_TILED": tiled,
+                      "W_TILED": tiled, "S_TILED": tiled, "W_PLACED": placed,
                       **({} if k_splits is None else {"K_SPLITS": k_splits})}
             scales = "s13_ptr" if name == "gate_up" else "s2_ptr"
             sig = {**sig, scales: "*u8", **{c: "constexpr" for c in consts}}
             chunks = f" k/{k_splits}" if k_splits and k_splits > 1 else ""
             chunks += " tiled" if tiled else ""
+            chunks += " placed" if placed else ""
             yield (f"experts {name} m{cfg.block_m} n{bn} w{cfg.num_warps} s{cfg.num_stages}{chunks}", fn,
                    sig, consts, div, cfg.num_warps, cfg.num_stages, tiles * bn * 128 // 2)
 
@@ -126,20 +147,34 @@ def fp8_kernels():
 def main() -> None:
     import tempfile
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="+", default=[], help="kernels whose label contains any of these strings")
+    ap.add_argument("--opcodes", action="store_true", help="also the full per-opcode mix, kernels side by side")
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for label, fn, sig, consts, div, warps, stages, wbytes in [*expert_kernels(), *fp8_kernels()]:
+            if args.only and not any(o in label for o in args.only):
+                continue
             mix = loop_mix(compile_sm90(fn, sig, consts, div, warps, stages), Path(tmp))
             per_byte = mix.instructions * warps / wbytes
             rows.append((label, mix, per_byte))
             print(f"{label}: {mix.instructions} instr/iteration/warp, {per_byte:.3f} instr/weight byte, "
                   f"{mix.registers} regs, {mix.shared_bytes} B shared", flush=True)
-    print("\n| kernel | instr/iter/warp | instr/byte | regs | shared KB | " + " | ".join(WATCH) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(WATCH))
+    print("\n| kernel | instr/iter/warp | instr/byte | regs | shared KB | ALU | IMAD | " + " | ".join(WATCH) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(WATCH))
     for label, mix, per_byte in rows:
         cells = " | ".join(str(mix.classes.get(c, 0)) for c in WATCH)
+        alu, imad = pipe_counts(mix.classes)
         print(f"| {label} | {mix.instructions} | {per_byte:.3f} | {mix.registers} | {mix.shared_bytes / 1024:.0f} | "
-              f"{cells} |")
+              f"{alu} | {imad} | {cells} |")
+    if args.opcodes:
+        ops = sorted({op for _, mix, _ in rows for op in mix.classes},
+                     key=lambda op: -max(mix.classes.get(op, 0) for _, mix, _ in rows))
+        print("\n| opcode | " + " | ".join(label for label, _, _ in rows) + " |")
+        print("|---|" + "---|" * len(rows))
+        for op in ops:
+            print(f"| {op} | " + " | ".join(str(mix.classes.get(op, 0)) for _, mix, _ in rows) + " |")
 
 
 if __name__ == "__main__":

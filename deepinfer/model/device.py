@@ -3,8 +3,9 @@
 Applied after loading (gpt-fast style), never inside the model math:
   * every dense FP8 linear becomes ``FP8Linear`` (e4m3 weight + fp32 block scales, ``ops.fp8_linear``);
   * each MoE layer's FP4 routed experts become one stacked ``FusedFP4Experts`` (``ops.moe_experts_fp4``),
-    codes and scales in the op table's layout (``ops.fp4_expert_layout``: tile-major for the Triton
-    kernels, the same bytes reordered), and the dequantized per-expert copies are released;
+    codes and scales in the op table's layout (``ops.fp4_expert_layout``: for the Triton kernels tile-major,
+    each word's bits pre-placed for decoding; the same bits reordered), and the dequantized per-expert
+    copies are released;
   * with ``overlap`` (on CUDA by default), each layer's independent chains share the GPU on two streams
     (``model/branches.py``: the compressors beside the query path, the shared expert beside the routed);
   * the model runs the batched step path (``model/attention_indexed.py``: row lists built once per step,

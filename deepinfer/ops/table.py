@@ -35,8 +35,8 @@ MoE routing after the gate GEMM (``ops/ref/moe.py``; weights in the logits dtype
 Weight layout, applied once when the model is prepared (not per call):
 
   fp4_expert_layout(codes int8 [E,N,K/2], scales [E,N,K/32]) -> (codes, scales) in the layout
-      moe_experts_fp4 reads (the same tensors for ``REF``; tile-major for Triton, see
-      ``ops/triton/fp4_codes.tile_weights``)
+      moe_experts_fp4 reads (the same tensors for ``REF``; for Triton, tile-major with each 32-bit word's
+      bits pre-placed for decoding, int32 words: ``ops/triton/fp4_codes.expert_layout``)
 """
 
 from __future__ import annotations

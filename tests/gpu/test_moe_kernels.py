@@ -102,28 +102,32 @@ def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 @triton.jit
 def _dequant_probe(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, SCALE_U8: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   INTERPRET: tl.constexpr, PLACED: tl.constexpr):
     n = tl.arange(0, BN)
     packed = tl.load(w_ptr + n[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :])  # int32 words
     scale = tl.load(s_ptr + n[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
-    w = fp4_codes.dequant_fp4(packed, scale, BN, BK, SCALE_U8, INTERPRET)
+    w = fp4_codes.dequant_fp4(packed, scale, BN, BK, SCALE_U8, INTERPRET, PLACED)
     tl.store(o_ptr + n[:, None] * BK + tl.arange(0, BK)[None, :], w)
 
 
 @pytest.mark.interpret_ok
+@pytest.mark.parametrize("placed", [False, True], ids=["checkpoint", "placed"])
 @pytest.mark.parametrize("scale_fmt", ["fp32", "e8m0"])
-def test_dequant_every_byte_and_scale_is_exact(device, scale_fmt) -> None:
-    """All 256 bytes (both nibbles, -0 and the subnormal 0.5 included) at scales 2^-27 .. 2^1, bitwise."""
+def test_dequant_every_byte_and_scale_is_exact(device, scale_fmt, placed) -> None:
+    """All 256 bytes (both nibbles, -0 and the subnormal 0.5 included) at scales 2^-27 .. 2^1, bitwise; from
+    the checkpoint's words and from placed ones (``fp4_codes.place_codes``)."""
     bn, bk = 64, 128
-    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8)
-    packed = every_byte.repeat(bn * bk // 512).view(bn, bk // 2)
+    # byte j of word w holds (w + 64 j) % 256: every byte value at every byte (and nibble) position of a word
+    byte = torch.arange(bn * bk // 8)[:, None] + 64 * torch.arange(4)
+    packed = (byte % 256).to(torch.uint8).view(torch.int8).view(bn, bk // 2)
     exps = torch.tensor([100, 117, 120, 124, 126, 127, 128, 110], dtype=torch.uint8)
     e8 = exps.repeat_interleave(bn * (bk // 32) // len(exps)).view(bn, bk // 32)
     want = dequant_fp4(packed, e8.view(torch.float8_e8m0fnu))
     scale = ue8m0_to_float(e8) if scale_fmt == "fp32" else e8
     got = torch.full((bn, bk), float("nan"), dtype=torch.bfloat16, device=device)
-    _dequant_probe[(1,)](packed.to(device).view(torch.int32), scale.to(device), got, BN=bn, BK=bk,
-                         SCALE_U8=scale_fmt == "e8m0", INTERPRET=tri._INTERPRET)
+    words = fp4_codes.place_codes(packed[None])[0] if placed else packed.view(torch.int32)
+    _dequant_probe[(1,)](words.to(device), scale.to(device), got, BN=bn, BK=bk,
+                         SCALE_U8=scale_fmt == "e8m0", INTERPRET=tri._INTERPRET, PLACED=placed)
     # The kernels' tiles hold the inputs in their own column order (the activations get the same order).
     assert torch.equal(got.float().cpu(), want[:, fp4_codes.k_order(bk)]), "FP4 dequantization is not exact"
 
@@ -300,16 +304,22 @@ def test_k_splits_match_the_reference_and_repeat(device, dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("scale_fmt", ["e8m0", "fp32"])
 def test_tiled_weights_give_the_same_bits(device, dtype, scale_fmt) -> None:
-    """Tile-major packed codes and scales (``tile_weights``, ``expert_layout``), and tiled codes with
-    checkpoint-layout scales, give exactly the checkpoint layout's bits: fused, split gate/up with K chunks,
-    and a wide-token tile; a tile width that is not the kernels' K step is refused."""
+    """Tile-major packed codes and scales (``tile_weights``, ``expert_layout``), tiled codes with
+    checkpoint-layout scales, and placed codes (``place_codes``) tiled or not, give exactly the checkpoint
+    layout's bits: fused, split gate/up with K chunks, and a wide-token tile; a tile width that is not the
+    kernels' K step is refused."""
     n_exp, hidden, inter, k = 4, 256, 64, 3  # gate|up: 2 steps of 128 over 128 rows; down: 1 step of 64
     weights = make_weights(n_exp, hidden, inter, device, seed=13, scale_fmt=scale_fmt)
     w13, s13, w2, s2 = weights
-    (t13, ts13), (t2, ts2) = fp4_codes.expert_layout(w13, s13), fp4_codes.expert_layout(w2, s2)
+    (t13, ts13), (t2, ts2) = (fp4_codes.expert_layout(w13, s13, placed=False),
+                              fp4_codes.expert_layout(w2, s2, placed=False))
     assert t13.shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 64)
     assert ts13.shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 4) and ts2.shape == (n_exp, hidden // 64, 1, 64, 2)
-    layouts = [(t13, ts13, t2, ts2), (t13, s13, t2, s2)]
+    (p13, ps13), (p2, ps2) = fp4_codes.expert_layout(w13, s13), fp4_codes.expert_layout(w2, s2)  # the model's
+    assert p13.dtype == torch.int32 and p13.shape == (n_exp, 2 * inter // 64, hidden // 128, 64, 16)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in ((ps13, ts13), (ps2, ts2)))
+    layouts = [(t13, ts13, t2, ts2), (t13, s13, t2, s2), (p13, ps13, p2, ps2),
+               (fp4_codes.place_codes(w13), s13, w2, s2), (t13, ts13, fp4_codes.place_codes(w2), s2)]
     x, ids, w = make_tokens(7, hidden, k, n_exp, device, seed=14, dtype=dtype)
     base = tri.FP32_CONFIG if dtype == torch.float32 else tri.CONFIG_TABLE[0][1]
     for cfg in (base, dataclasses.replace(base, split_gate_up=True, splits1=2), tri.CONFIG_TABLE[-1][1]):
@@ -319,10 +329,26 @@ def test_tiled_weights_give_the_same_bits(device, dtype, scale_fmt) -> None:
         for tiled in layouts:
             got = tri.moe_experts_fp4_with_config(x, ids, w, *tiled, LIMIT, cfg)
             check(got, ref, dtype)
-            assert torch.equal(got, plain), f"{cfg}: tiled weights change the result"
+            assert torch.equal(got, plain), f"{cfg}: tiled or placed weights change the result"
     bad = w2.view(n_exp, hidden // 64, 64, 2, 16).transpose(2, 3).contiguous()  # 32-wide steps, not 64
     with pytest.raises(ValueError, match="tiled as"):
         tri.moe_experts_fp4(x, ids, w, t13, ts13, bad, ts2, LIMIT)
+    with pytest.raises(ValueError, match="tiled as"):
+        tri.moe_experts_fp4(x, ids, w, t13, ts13, fp4_codes.place_codes(bad), ts2, LIMIT)
+
+
+@pytest.mark.interpret_ok
+def test_placed_codes_are_a_bit_permutation_of_each_word() -> None:
+    """``place_codes`` permutes the 32 bits of every word the same way, undone by ``unplace_codes``, and
+    commutes with the tile-major layout (host side only)."""
+    codes = torch.randint(-128, 128, (3, 128, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    placed = fp4_codes.place_codes(codes)
+    assert placed.dtype == torch.int32 and placed.shape == (3, 128, 16)
+    assert torch.equal(fp4_codes.unplace_codes(placed), codes)
+    assert torch.equal(fp4_codes.place_codes(fp4_codes.tile_weights(codes)), fp4_codes.tile_weights(placed, 8))
+    ones = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
+    moved = fp4_codes.place_codes(ones.view(torch.int8).view(1, 1, 128)).view(32)
+    assert sorted(int(m).bit_length() - 1 if m > 0 else 31 for m in moved) == list(range(32))
 
 
 @pytest.mark.interpret_ok

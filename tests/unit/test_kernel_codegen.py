@@ -3,7 +3,9 @@
 Compiles the decode tile config for sm_90 with Triton's bundled ptxas (``bench/kernels/loop_sass.py``) and
 checks the SASS: each thread's packed weights arrive as 16-byte async copies and 16-byte shared loads
 (the K order of ``ops/triton/moe_experts.py``), never as byte-wide shared loads or 4-byte copies, the
-loop spills nothing; in the checkpoint and the tile-major weight layouts, and for the K-chunk option.
+loop spills nothing; in the checkpoint and the tile-major weight layouts (codes as bytes or placed words),
+and for the K-chunk option. The placed codes must also keep their point: fewer loop instructions than
+the same tile reading unplaced codes.
 Skipped where Triton is not installed or runs interpreted.
 """
 
@@ -24,11 +26,13 @@ def test_expert_decode_loops_use_wide_copies(tmp_path) -> None:
     decode = [k for k in expert_kernels() if " m16 " in k[0]]
     labels = {label for label, *_ in decode}
     for kernel in ("gate_up", "down"):
-        for variant in ("", " tiled"):  # checkpoint layout, tile-major
+        for variant in ("", " tiled", " tiled placed"):  # checkpoint layout, tile-major, + placed codes
             assert any(lb.startswith(f"experts {kernel} m16 ") and lb.endswith(f" s4{variant}") for lb in labels), \
                 f"no {kernel}{variant} decode kernel among {sorted(labels)}"
+    counts = {}
     for label, fn, sig, consts, div, warps, stages, _ in decode:
         mix = loop_mix(compile_sm90(fn, sig, consts, div, warps, stages), tmp_path)
+        counts[label] = mix.instructions
         c = mix.classes
         assert c.get("LDGSTS.E.BYPASS.128", 0) > 0, f"{label}: no 16-byte async copies in the loop: {c}"
         assert c.get("LDGSTS.E", 0) == 0, f"{label}: 4-byte async copies in the loop: {c}"
@@ -36,3 +40,6 @@ def test_expert_decode_loops_use_wide_copies(tmp_path) -> None:
         assert c.get("LDS.128", 0) > 0, f"{label}: no 16-byte shared loads in the loop: {c}"
         assert c.get("HGMMA.64", 0) > 0, f"{label}: no wgmma in the loop: {c}"
         assert not c.get("LDL", 0) and not c.get("STL", 0), f"{label}: register spills in the loop: {c}"
+    for label, n in counts.items():
+        if label.endswith(" placed"):  # 8 integer ops per word of codes instead of 15: ~100 fewer per K step
+            assert n < counts[label[: -len(" placed")]] - 80, f"{label}: {n} vs {counts[label[: -len(' placed')]]}"

@@ -25,6 +25,9 @@ Why these choices:
   K step reads one contiguous 4 KB block of codes and one 256-byte block of scales instead of 64 pieces
   of each, rows apart: the decode op 12-15% faster at T = 1..128 (runs 30, 36). The kernels also read the
   checkpoint layout (tests, the reference's tensors), with the same bits.
+* The stored codes also have the bits of each 32-bit word permuted (``fp4_codes.place_codes``, int32
+  words; the ``W_PLACED`` constexpr), so that decoding a word takes 8 integer ops instead of 15: about a
+  quarter fewer instructions in the K loop (decode tile 461 -> 348 per step). Same bits out.
 * Swap-AB: the weight tile is the MMA's M side (64-row multiples, what Hopper's wgmma wants) and the
   tokens are its N side (16..128). Decode then wastes no MMA rows on padding tokens, and every tile
   config uses the same instruction family (wgmma m64nNk16, bf16 -> fp32), differing only in N.
@@ -48,8 +51,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.moe_experts import FP4_GROUP, check_moe_experts_args
-from deepinfer.ops.triton.fp4_codes import (TILE_ROWS, block_k, dequant_fp4, k_order_rows, logical_shape,
-                                            tile_offsets, tile_step)
+from deepinfer.ops.triton.fp4_codes import (PLACED_DTYPE, TILE_ROWS, block_k, dequant_fp4, k_order_rows,
+                                            logical_shape, tile_offsets, tile_step)
 from deepinfer.ops.triton.moe_align import align_pairs
 from deepinfer.ops.triton.rounding import round_to
 
@@ -186,6 +189,7 @@ def _gate_up_kernel(
     limit, topk,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_TILED: tl.constexpr, S_TILED: tl.constexpr,
+    W_PLACED: tl.constexpr = False,
 ):
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
@@ -218,8 +222,8 @@ def _gate_up_kernel(
         su_n = tl.load(u_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
         pg = tl.load(g_w + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
         pu = tl.load(u_w + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
-        wg = dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET)
-        wu = dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET)
+        wg = dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET, W_PLACED)
+        wu = dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET, W_PLACED)
         xt = k_order_rows(tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0), BK, BM)
         if SPLIT == 1:
             xb = xt.to(tl.bfloat16)
@@ -248,7 +252,7 @@ def _matmul_kernel(
     k_per_split, stride_split,  # K chunk of program_id(2) (a multiple of BK) and where its partial goes
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_SPLITS: tl.constexpr,
-    W_TILED: tl.constexpr, S_TILED: tl.constexpr,
+    W_TILED: tl.constexpr, S_TILED: tl.constexpr, W_PLACED: tl.constexpr = False,
 ):
     """y[s, pair, n] = sum over k in chunk s of W_e[n, k] a[pair // row_div, k], fp32: the down projection
     (kernel 2), and with ``split_gate_up`` also kernel 1's gate|up rows as one [2I, H] matrix. One chunk
@@ -280,7 +284,7 @@ def _matmul_kernel(
         sw_n = tl.load(s_base + tile_step(kn, BK, BK // 32, S_TILED) + s_off,  # one step ahead
                        mask=w_mask & (kn < k_hi), other=0)
         pw = tl.load(w_base + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
-        w = dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET)
+        w = dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET, W_PLACED)
         at = k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
         if SPLIT == 1:
             acc = _mma(w, at.to(tl.bfloat16), acc, INTERPRET)
@@ -343,7 +347,9 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13_shape, s13_shape, w2_shape, s2_shape)
     _check_config(cfg)
     t, h = x.shape
-    for name, w, tiled, k_dim, per in (("w13", w13, tiled1, h, 2), ("w2", w2, tiled2, inter, 2),
+    placed1, placed2 = w13.dtype == PLACED_DTYPE, w2.dtype == PLACED_DTYPE  # fp4_codes.place_codes
+    for name, w, tiled, k_dim, per in (("w13", w13, tiled1, h, 8 if placed1 else 2),
+                                       ("w2", w2, tiled2, inter, 8 if placed2 else 2),
                                        ("s13", s13, s_tiled1, h, FP4_GROUP), ("s2", s2, s_tiled2, inter, FP4_GROUP)):
         if tiled and (w.shape[-1] * per != block_k(k_dim) or w.shape[3] != TILE_ROWS.value):
             raise ValueError(f"{name}: tiled as {w.shape[3]} rows x {w.shape[-1] * per}-wide K steps, the kernels "
@@ -387,7 +393,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
             x.stride(0), w13.stride(0), h // 8, s13.stride(0), sn1, gu.stride(1), k,
             _k_chunk(h, bk1, cfg.splits1), gu.stride(0),
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-            K_SPLITS=cfg.splits1, W_TILED=tiled1, S_TILED=s_tiled1,
+            K_SPLITS=cfg.splits1, W_TILED=tiled1, S_TILED=s_tiled1, W_PLACED=placed1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
         block = min(1024, triton.next_power_of_2(inter))
@@ -400,7 +406,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
             x.stride(0), w13.stride(0), h // 8, s13.stride(0), sn1, hid.stride(0),
             float(limit), k,
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
-            W_TILED=tiled1, S_TILED=s_tiled1,
+            W_TILED=tiled1, S_TILED=s_tiled1, W_PLACED=placed1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
     _matmul_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2), cfg.splits2)](
@@ -408,7 +414,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         hid.stride(0), w2.stride(0), inter // 8, s2.stride(0), sn2, y.stride(1), 1,
         _k_chunk(inter, bk2, cfg.splits2), y.stride(0),
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
-        K_SPLITS=cfg.splits2, W_TILED=tiled2, S_TILED=s_tiled2,
+        K_SPLITS=cfg.splits2, W_TILED=tiled2, S_TILED=s_tiled2, W_PLACED=placed2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     block_h = min(1024, triton.next_power_of_2(h))
@@ -430,7 +436,8 @@ def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     ``before_add``.
 
     The codes and scales may also come tile-major (``fp4_codes.expert_layout``, what the model stores on the
-    device), each tensor in either layout; the results are the same bits. Expert ids are not range-checked
+    device), each tensor in either layout, and the codes as placed int32 words (``fp4_codes.place_codes``);
+    the results are the same bits. Expert ids are not range-checked
     here (that would need a host sync); the router guarantees them.
     """
     cfg = pick_config(topk_ids.numel(), w13.shape[0], x.dtype)
