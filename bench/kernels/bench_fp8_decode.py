@@ -3,7 +3,7 @@
     python bench/kernels/bench_fp8_decode.py [--tokens 1 8 32] [--copies 4]
 
 Per token count M, the six FP8 GEMMs of a CSA layer (wq_a|wkv, wq_b|indexer wq_b, grouped wo_a, wo_b, the
-shared expert's w1|w3 and w2; 141 MB of e4m3 weights) run in sequence over --copies layers' worth of
+shared expert's w1|w3 and w2; 140 MB of e4m3 weights) run in sequence over --copies layers' worth of
 distinct weights (so the 50 MB L2 does not serve them on repeat), replayed from a CUDA graph. Reported: µs
 per layer, what the weight bytes allow at the measured copy bandwidth, and each candidate tile
 (BLOCK_M, BLOCK_N, warps, stages) x split target (programs the split-K fills) against the table's pick.
@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernels.ceilings import copy_bandwidth  # noqa: E402
 from deepinfer.ops.triton import fp8_linear as fp8  # noqa: E402
 
-# (rows N, input K, groups) of one CSA layer's FP8 linears on the batched path (model/fused.py stacks).
-LAYER = [(1536, 4096, 1), (40960, 1024, 1), (8192, 4096, 8), (4096, 8192, 1), (4096, 4096, 1), (4096, 2048, 1)]
+# (rows N, input width, groups) of one CSA layer's FP8 linears on the batched path (model/fused.py stacks);
+# the grouped wo_a reads 8 groups of 4096 inputs through a [8 x 1024, 4096] weight.
+LAYER = [(1536, 4096, 1), (40960, 1024, 1), (8192, 32768, 8), (4096, 8192, 1), (4096, 4096, 1), (4096, 2048, 1)]
 TILES = {16: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 128, 8, 4)],
          64: [(32, 64, 4, 4), (32, 128, 4, 4), (32, 32, 4, 4), (64, 64, 4, 4), (32, 64, 4, 6), (16, 64, 4, 4)]}
 TARGETS = [fp8.NUM_SMS, 2 * fp8.NUM_SMS, 4 * fp8.NUM_SMS, 8 * fp8.NUM_SMS]

@@ -7,7 +7,8 @@ Per T it reports, for each scale format (fp32 multipliers as the op's signature 
 UE8M0 bytes the checkpoint ships):
   floor   the fewest bytes a call must move: each *hit* expert's packed w13 + w2 and their scales, plus x
           and out (bf16), divided by 4.25 TB/s (the H200's measured copy bandwidth);
-  graph   median µs of the whole op (align + 3 kernels) replayed from a CUDA graph (what a graph-captured
+  graph   median µs of the whole op (align + 3 kernels) on the layout the model stores (tile-major, placed
+          codes: ``fp4_codes.expert_layout``) replayed from a CUDA graph (what a graph-captured
           decode step pays); eager: the same without a graph (adds launch gaps); align: the torch sort/pad
           step alone, in a graph;
   TB/s    floor bytes / graph time, and the fraction of 4.25 TB/s; TFLOP/s = 6*T*k*H*I / graph time;
@@ -105,10 +106,11 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
     floor_bytes = hit * expert_bytes(4 if scale_fmt == "fp32" else 1) + 2 * n_tok * H * 2
     flops = 6.0 * n_tok * K * H * I
     cfg = tri.pick_config(n_tok * K, E)
+    weights = (*fp4_codes.expert_layout(wts["w13"], s13), *fp4_codes.expert_layout(wts["w2"], s2))  # the model's
 
     def op(r: int) -> torch.Tensor:
         x, ids, w = sets[r]
-        return tri.moe_experts_fp4(x, ids, w, wts["w13"], s13, wts["w2"], s2, LIMIT)
+        return tri.moe_experts_fp4(x, ids, w, *weights, LIMIT)
 
     row = {"T": n_tok, "scales": scale_fmt, "pairs": n_tok * K, "experts_hit": hit, "config": vars(cfg),
            "floor_MB": floor_bytes / 1e6, "floor_us": floor_bytes / COPY_BW * 1e6}
@@ -130,35 +132,39 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
     return row
 
 
-# Per T, TileConfig fields to change in the table's pick (timed first); "tiled" runs on tile-major weights
-# (``tile_weights``): "codes" tiles the packed codes only, "all" their scales too. Configs without K splits
-# must give the pick's bits; K-split ones (not batch invariant) report their relative difference instead.
-_DECODE_SWEEP = [dict(tiled="codes"), dict(tiled="all"), dict(tiled="all", block_n2=128)]
+# Per T, TileConfig fields to change in the table's pick, timed after the pick itself; all on the layout the
+# model stores (``fp4_codes.expert_layout``: tile-major, placed codes) unless "layout" names another:
+# "tiled" (tile-major, unplaced codes) or "checkpoint". Configs without K splits must give the pick's bits;
+# K-split ones (not batch invariant) report their relative difference instead.
+_DECODE_SWEEP = [dict(layout="checkpoint"), dict(layout="tiled"), dict(num_stages=3), dict(num_stages=5),
+                 dict(block_n1=128, num_warps=8), dict(block_n2=64)]
 SWEEP: dict[int, list[dict]] = {
     **{t: _DECODE_SWEEP for t in (1, 8, 32, 128)},
-    512: [dict(tiled="all"), dict(tiled="all", block_n2=128)],  # the m32 bucket (not measured yet)
-    4096: [dict(tiled="codes"), dict(tiled="all")],
+    512: [dict(layout="tiled"), dict(block_n2=128), dict(num_stages=3)],
+    4096: [dict(layout="checkpoint"), dict(layout="tiled")],
 }
 
 
 def sweep(wts: dict, rotate: int) -> list[dict]:
     rows = []
     s13, s2 = wts["e13"].view(torch.float8_e8m0fnu), wts["e2"].view(torch.float8_e8m0fnu)
-    (t13, ts13), (t2, ts2) = fp4_codes.expert_layout(wts["w13"], s13), fp4_codes.expert_layout(wts["w2"], s2)
-    layouts = {"": (wts["w13"], s13, wts["w2"], s2), "codes": (t13, s13, t2, s2), "all": (t13, ts13, t2, ts2)}
+    layouts = {"checkpoint": (wts["w13"], s13, wts["w2"], s2)}
+    for name, placed in (("tiled", False), ("model", True)):
+        layouts[name] = (*fp4_codes.expert_layout(wts["w13"], s13, placed=placed),
+                         *fp4_codes.expert_layout(wts["w2"], s2, placed=placed))
     for n_tok, cands in SWEEP.items():
         sets = [routing(n_tok, 1000 * n_tok + r) for r in range(rotate)]
         hit = sum(torch.unique(ids).numel() for _, ids, _ in sets) / rotate
         floor_bytes = hit * expert_bytes(1) + 2 * n_tok * H * 2
         base = tri.pick_config(n_tok * K, E)
-        runs = [(base, "")] + [(dataclasses.replace(base, **{f: v for f, v in c.items() if f != "tiled"}),
-                                   c.get("tiled", "")) for c in cands]
+        runs = [(base, "model")] + [(dataclasses.replace(base, **{f: v for f, v in c.items() if f != "layout"}),
+                                     c.get("layout", "model")) for c in cands]
         ref = None
-        for cfg, tiled in runs:
-            def op(r: int, cfg=cfg, weights=layouts[tiled]) -> torch.Tensor:
+        for cfg, layout in runs:
+            def op(r: int, cfg=cfg, weights=layouts[layout]) -> torch.Tensor:
                 x, ids, w = sets[r]
                 return tri.moe_experts_fp4_with_config(x, ids, w, *weights, LIMIT, cfg)
-            row = {"T": n_tok, "config": {**vars(cfg), "tiled": tiled}}
+            row = {"T": n_tok, "config": {**vars(cfg), "layout": layout}}
             try:
                 out = op(0)
                 ref = out if ref is None else ref
@@ -166,7 +172,8 @@ def sweep(wts: dict, rotate: int) -> list[dict]:
                 diff = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
                 us = time_op(op, rotate, graph=True)
                 rows.append({**row, "graph_us": us, "bitwise_same": same, "rel_diff": diff,
-                             "of_floor": floor_bytes / COPY_BW * 1e6 / us, "table_pick": cfg == base and not tiled})
+                             "of_floor": floor_bytes / COPY_BW * 1e6 / us,
+                             "table_pick": cfg == base and layout == "model"})
             except Exception as exc:  # a config that fails to compile or launch is reported, not fatal
                 rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:200]})
     return rows
@@ -177,7 +184,7 @@ def cfg_str(c: dict) -> str:
     split = " split" if c.get("split_gate_up") else ""
     s1, s2 = c.get("splits1", 1), c.get("splits2", 1)
     chunks = f" k/{s1}/{s2}" if max(s1, s2) > 1 else ""
-    chunks += f" tiled {c['tiled']}" if c.get("tiled") else ""
+    chunks += f" {c['layout']}" if c.get("layout", "model") != "model" else ""
     return (f"m{c['block_m']} n{c['block_n1']}/{c['block_n2']} w{c['num_warps']} s{c['num_stages']}{regs}"
             f"{split}{chunks}")
 
