@@ -1,4 +1,4 @@
-"""The FP8 linears of one V4-Flash decode layer, back to back, as the step runs them: tile and decode-path sweep.
+"""The FP8 linears of one V4-Flash decode layer, back to back, as the step runs them: tile and split-K sweep.
 
     python bench/kernels/bench_fp8_decode.py [--tokens 1 8 32] [--copies 4]
 
@@ -6,10 +6,9 @@ Per token count M, the six FP8 GEMMs of a CSA layer (wq_a|wkv, wq_b|indexer wq_b
 shared expert's w1|w3 and w2; 140 MB of e4m3 weights) run in sequence over --copies layers' worth of
 distinct weights (so the 50 MB L2 does not serve them on repeat), replayed from a CUDA graph. Reported: µs
 per layer, what the weight bytes allow at the measured copy bandwidth, and each candidate tile
-(BLOCK_M, BLOCK_N, warps, stages) x decode path (split-K filled to a number of programs, or stream-K
-over a number of programs) against the module's defaults.
-Every candidate's outputs are compared with the first candidate's (relative difference: the paths and
-split counts add the K blocks in different groupings).
+(BLOCK_M, BLOCK_N, warps, stages) x split target (programs the split-K fills) against the table's pick.
+Every candidate's outputs are compared with the pick's (same bits expected when the split count is
+unchanged; otherwise the relative difference is printed).
 Writes $OUT/fp8_decode.json when $OUT is set.
 """
 
@@ -32,14 +31,9 @@ from deepinfer.ops.triton import fp8_linear as fp8  # noqa: E402
 # (rows N, input width, groups) of one CSA layer's FP8 linears on the batched path (model/fused.py stacks);
 # the grouped wo_a reads 8 groups of 4096 inputs through a [8 x 1024, 4096] weight.
 LAYER = [(1536, 4096, 1), (40960, 1024, 1), (8192, 32768, 8), (4096, 8192, 1), (4096, 4096, 1), (4096, 2048, 1)]
-TILES = {16: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 64, 4, 3), (16, 128, 4, 4)],
-         64: [(32, 64, 4, 4), (16, 64, 4, 4), (32, 32, 4, 4)]}
-# (decode path, its setting): split-K to 2 programs per SM (run 40's best), stream-K with 2..8 programs per SM.
-PATHS = [("splitk", 2 * fp8.NUM_SMS)] + [("streamk", p * fp8.NUM_SMS) for p in (2, 4, 6, 8)]
-
-
-DEFAULT_PATH = fp8.DECODE_PATH
-DEFAULT_TARGET = {"splitk": fp8.SPLIT_TARGET, "streamk": fp8.STREAMK_PROGRAMS}
+TILES = {16: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 128, 8, 4)],
+         64: [(32, 64, 4, 4), (32, 128, 4, 4), (32, 32, 4, 4), (64, 64, 4, 4), (32, 64, 4, 6), (16, 64, 4, 4)]}
+TARGETS = [fp8.NUM_SMS, 2 * fp8.NUM_SMS, 4 * fp8.NUM_SMS, 8 * fp8.NUM_SMS]
 
 
 def make_layer(copies: int) -> list[list[tuple[torch.Tensor, torch.Tensor, int]]]:
@@ -80,44 +74,38 @@ def main() -> None:
         xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _, k, _ in LAYER]
         ref = None
         for tile in TILES[bucket]:
-            for path, target in PATHS:
-                fp8.CONFIG_OVERRIDE[bucket], fp8.DECODE_PATH = tile, path
-                fp8.SPLIT_TARGET, fp8.STREAMK_PROGRAMS = 2 * fp8.NUM_SMS, 4 * fp8.NUM_SMS
-                if path == "splitk":
-                    fp8.SPLIT_TARGET = target
-                else:
-                    fp8.STREAMK_PROGRAMS = target
+            for target in TARGETS:
+                fp8.CONFIG_OVERRIDE[bucket], fp8.SPLIT_TARGET = tile, target
                 try:
                     outs = run_layer(layers[:1], xs)
                     torch.cuda.synchronize()
                     us = do_bench_cudagraph(lambda: run_layer(layers, xs), rep=200, return_mode="median") * 1e3
                 except Exception as exc:  # a tile that does not compile or fit is reported, not fatal
-                    rows.append({"M": m, "tile": tile, "path": path, "target": target,
-                                 "error": f"{type(exc).__name__}: {exc}"[:160]})
+                    rows.append({"M": m, "tile": tile, "target": target, "error": f"{type(exc).__name__}: {exc}"[:160]})
                     continue
                 us /= args.copies
-                splits = [fp8._config(m, n, k // g)[2] for n, k, g in LAYER] if path == "splitk" else None
-                pick = tile == fp8.CONFIGS[bucket] and (path, target) == (DEFAULT_PATH, DEFAULT_TARGET[path])
+                splits = [fp8._config(m, n, k // g)[2] for n, k, g in LAYER]
+                pick = tile == fp8.CONFIGS[bucket] and target == 2 * fp8.NUM_SMS
                 if ref is None:
                     ref = outs
                 diff = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(outs, ref))
-                rows.append({"M": m, "tile": tile, "path": path, "target": target, "splits": splits, "us_per_layer": us,
+                rows.append({"M": m, "tile": tile, "target": target, "splits": splits, "us_per_layer": us,
                              "of_floor": wbytes / bw / (us * 1e-6), "table_pick": pick, "rel_diff_vs_first": diff})
                 print(json.dumps(rows[-1]), flush=True)
         fp8.CONFIG_OVERRIDE.clear()
-        fp8.DECODE_PATH, fp8.SPLIT_TARGET, fp8.STREAMK_PROGRAMS = DEFAULT_PATH, *DEFAULT_TARGET.values()
+        fp8.SPLIT_TARGET = 2 * fp8.NUM_SMS
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "fp8_decode.json").write_text(json.dumps({"copy_bw": bw, "weight_bytes": wbytes,
                                                                           "rows": rows}, indent=2))
     print(f"\nweights {wbytes / 1e6:.1f} MB per layer, floor {wbytes / bw * 1e6:.1f} µs at {bw / 1e12:.2f} TB/s\n")
-    print("| M | tile (bm, bn, warps, stages) | path | programs | splits per GEMM | µs / layer | of floor | pick |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| M | tile (bm, bn, warps, stages) | split target | splits per GEMM | µs / layer | of floor | pick |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['M']} | {r['tile']} | {r['path']} | {r['target']} | {r['error']} | | | |")
+            print(f"| {r['M']} | {r['tile']} | {r['target']} | {r['error']} | | | |")
         else:
-            print(f"| {r['M']} | {r['tile']} | {r['path']} | {r['target']} | {r['splits'] or '-'} | "
-                  f"{r['us_per_layer']:.1f} | {r['of_floor']:.0%} | {'*' if r['table_pick'] else ''} |")
+            print(f"| {r['M']} | {r['tile']} | {r['target']} | {r['splits']} | {r['us_per_layer']:.1f} | "
+                  f"{r['of_floor']:.0%} | {'*' if r['table_pick'] else ''} |")
 
 
 if __name__ == "__main__":

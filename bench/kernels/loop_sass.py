@@ -142,17 +142,6 @@ def fp8_kernels():
         bm, bn, warps, stages = fp8.CONFIGS[bucket]
         yield (f"fp8 linear m{bm} n{bn} w{warps} s{stages}", fp8._fp8_linear_kernel, sig,
                {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "IEEE": False, "SPLIT": 4}, div, warps, stages, bn * 128)
-    sk_sig = {n: t for n, t in sig.items() if n not in ("k_per_split", "stride_pm", "stride_psplit", "SPLIT")}
-    sk_sig = {**{n: t for n, t in sk_sig.items() if n not in ("stride_xm", "stride_wn", "stride_sn", "stride_ym",
-                                                               "BLOCK_M", "BLOCK_N", "BLOCK_K", "IEEE")},
-              "tiles_n": "i32", "k_steps": "i32", "total": "i32", "programs": "i32",
-              "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32",
-              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr"}
-    sk_div = ("N", "K", "group_rows", "stride_xm", "stride_wn", "stride_ym")
-    for bucket in (16, 64):
-        bm, bn, warps, stages = fp8.CONFIGS[bucket]
-        yield (f"fp8 stream-K m{bm} n{bn} w{warps} s{stages}", fp8._fp8_streamk_kernel, sk_sig,
-               {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "IEEE": False}, sk_div, warps, stages, bn * 128)
 
 
 def main() -> None:

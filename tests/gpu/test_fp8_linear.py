@@ -82,55 +82,14 @@ def test_split_k_epilogue_repeats_bit_for_bit(device) -> None:
     from deepinfer.ops.triton import fp8_linear as tri
 
     w, s = _weights(128, 1024, 6, device)
-    x = torch.randn(80, 1024, generator=torch.Generator().manual_seed(7)).to(device)
-    assert tri._config(80, 128, 1024)[2] > 1 and 80 > tri.STREAMK_MAX_M  # this shape takes the split-K path
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(7)).to(device)
+    assert tri._config(2, 128, 1024)[2] > 1  # this shape takes the split-K path
     first = tri.fp8_linear(x, w, s)
-    tri.fp8_linear(torch.randn(70, 256, device=device), *_weights(64, 256, 8, device))
+    tri.fp8_linear(torch.randn(3, 256, device=device), *_weights(64, 256, 8, device))
     again = tri.fp8_linear(x, w, s)
     assert torch.equal(first, again)
     assert int(tri._tickets(x.device).abs().sum()) == 0
     assert rel_err(first, ref_fp8_linear(x, w, s)) <= 1e-4
-
-
-@pytest.mark.interpret_ok
-@pytest.mark.parametrize("programs", [1, 3, 5, 7, 16, 40])
-@pytest.mark.parametrize("m, groups", [(2, 1), (20, 1), (3, 2)])
-def test_stream_k_any_split_of_the_steps(programs, m, groups, device, monkeypatch) -> None:
-    """Decode's stream-K path: however the (tile, K step) list falls on programs (tiles whole in one
-    program, split over two or over many, uneven ranges), the result matches the reference, repeats bit
-    for bit, and leaves every tile counter at zero."""
-    from deepinfer.ops.triton import fp8_linear as tri
-
-    monkeypatch.setattr(tri, "STREAMK_PROGRAMS", programs)
-    n, k = 256, 640  # 4 tiles of 64 rows x 5 K steps: 20 steps, over 1 to 40 programs (at most 20 run)
-    w, s = _weights(n, k, programs + m, device)
-    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(m)).to(device)
-    if groups == 1:
-        first = tri.fp8_linear(x, w, s)
-        want = ref_fp8_linear(x, w, s)
-    else:
-        from deepinfer.ops.ref.fp8_linear import fp8_linear_grouped as ref_grouped
-
-        first = tri.fp8_linear_grouped(x, w, s, groups)
-        want = ref_grouped(x, w, s, groups)
-    again = tri.fp8_linear(x, w, s) if groups == 1 else tri.fp8_linear_grouped(x, w, s, groups)
-    assert torch.equal(first, again)
-    assert int(tri._tickets(x.device).abs().sum()) == 0
-    assert rel_err(first, want) <= 1e-4
-
-
-def test_stream_k_matches_split_k(device, monkeypatch) -> None:
-    """The two decode paths compute the same products (they add the K blocks in another grouping)."""
-    from deepinfer.ops.triton import fp8_linear as tri
-
-    for m, n, k in ((1, 1536, 4096), (8, 40960, 1024), (32, 4096, 8192)):
-        w, s = _weights(n, k, m, device)
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, torch.bfloat16)
-        stream = tri.fp8_linear(x, w, s, pow2_scales=True)
-        monkeypatch.setattr(tri, "DECODE_PATH", "splitk")
-        split = tri.fp8_linear(x, w, s, pow2_scales=True)
-        monkeypatch.setattr(tri, "DECODE_PATH", "streamk")
-        assert rel_err(stream, split.float()) <= 1e-2
 
 
 def _check_grouped(m, groups, r, k, device, pow2_scales=False):

@@ -91,106 +91,6 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
-def _fp8_streamk_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, group_rows, tiles_n, k_steps, total, programs,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Decode path (M <= 64): stream-K over the flat list of (output tile, 128-wide K block) steps.
-
-    Program p takes steps [p*total/programs, (p+1)*total/programs) in order, in one loop that Triton
-    software-pipelines across tile boundaries: the weight stream of a program never restarts, where a grid
-    of short split-K programs paid a pipeline fill (a DRAM latency) per program. A tile whose steps one
-    program covers is stored directly; a tile split between programs gets each one's fp32 partial in a slot
-    (its first or its last tile: slot 0 or 1), and the program that draws the tile's last ticket adds the
-    partials in program order (fixed by the shapes, whoever arrives last), so results are deterministic.
-    """
-    pid = tl.program_id(0)
-    start = pid * total // programs
-    end = (pid + 1) * total // programs
-    first_tile = start // k_steps
-    offs_bm = tl.arange(0, BLOCK_M)
-    offs_bn = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    part_tile = offs_bm[:, None] * BLOCK_N + offs_bn[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The step's (tile, K block) advance as counters, not per-step divisions.
-    tile = first_tile
-    ks = start - tile * k_steps
-    pid_m = tile // tiles_n
-    pid_n = tile - pid_m * tiles_n
-    # Grouped use: the input group of column tile pid_n (tiles never straddle groups: group_rows % 128 == 0),
-    # kept as a counter too; for one group, group_rows = N and every tile is in group 0.
-    tiles_per_group = tl.cdiv(group_rows, BLOCK_N)
-    group = pid_n // tiles_per_group
-    in_group = pid_n - group * tiles_per_group
-    for i in range(start, end):
-        offs_m = pid_m * BLOCK_M + offs_bm
-        offs_n = pid_n * BLOCK_N + offs_bn
-        k_idx = ks * BLOCK_K + offs_k
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        k_mask = k_idx < K
-        x = tl.load(x_ptr + group * K + offs_m[:, None] * stride_xm + k_idx[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k_idx[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        if IEEE:
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-        s = tl.load(s_ptr + (offs_n // 128) * stride_sn + ks, mask=n_mask, other=0.0)  # BLOCK_K == 128
-        acc += part * s[None, :]
-        if (ks == k_steps - 1) | (i == end - 1):  # the tile ends here, or this program's steps do
-            # Stores only, no ticket, inside the loop (the pipeliner keeps such a loop streaming): a tile
-            # this program covers whole goes to y, a shared one to its partial slot.
-            whole = (tile * k_steps >= start) & (ks == k_steps - 1)
-            mn_mask = m_mask[:, None] & n_mask[None, :]
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=mn_mask & whole)
-            slot = (tile != first_tile).to(tl.int32)
-            tl.store(part_ptr + (pid * 2 + slot) * (BLOCK_M * BLOCK_N) + part_tile, acc, mask=mn_mask & (not whole))
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        next_tile = ks == k_steps - 1
-        ks = tl.where(next_tile, 0, ks + 1)
-        tile += next_tile.to(tl.int32)
-        pid_n = tl.where(next_tile, pid_n + 1, pid_n)
-        in_group = tl.where(next_tile, in_group + 1, in_group)
-        next_group = in_group == tiles_per_group
-        in_group = tl.where(next_group, 0, in_group)
-        group += next_group.to(tl.int32)
-        next_row = pid_n == tiles_n
-        pid_n = tl.where(next_row, 0, pid_n)
-        in_group = tl.where(next_row, 0, in_group)
-        group = tl.where(next_row, 0, group)
-        pid_m += next_row.to(tl.int32)
-    # Shared tiles (at most this program's first and last): one ticket each; the last program to arrive adds
-    # the partials in program order. Programs sharing a tile: those holding its first and its last step
-    # (the program of step j is ceil((j + 1) * programs / total) - 1).
-    last_tile = (end - 1) // k_steps
-    tl.debug_barrier()  # every thread's partial stores before the tickets (see _fp8_linear_kernel)
-    for tile in range(first_tile, last_tile + 1):
-        tile_lo = tile * k_steps
-        if (tile_lo < start) | (tile_lo + k_steps > end):
-            q_first = ((tile_lo + 1) * programs + total - 1) // total - 1
-            q_last = ((tile_lo + k_steps) * programs + total - 1) // total - 1
-            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
-            if ticket == q_last - q_first:
-                pid_m = tile // tiles_n
-                offs_m = pid_m * BLOCK_M + offs_bm
-                offs_n = (tile - pid_m * tiles_n) * BLOCK_N + offs_bn
-                total_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for q in range(q_first, q_last + 1):
-                    q_slot = (tile != (q * total // programs) // k_steps).to(tl.int32)
-                    total_acc += tl.load(part_ptr + (q * 2 + q_slot) * (BLOCK_M * BLOCK_N) + part_tile,
-                                         cache_modifier=".cg")
-                tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], total_acc.to(y_ptr.dtype.element_ty),
-                         mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-                tl.atomic_xchg(ticket_ptr + tile, 0)
-
-
-@triton.jit
 def _fp8_linear_wa_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym,
@@ -262,14 +162,9 @@ def _tickets(device: torch.device) -> torch.Tensor:
 # tile leaves N/128 programs (8 for N=1024): a middle tile with split-K keeps the SMs busy.
 CONFIGS = {16: (16, 64, 4, 4), 64: (32, 64, 4, 4), 256: (64, 64, 4, 3), None: (128, 128, 8, 3)}
 CONFIG_OVERRIDE: dict = {}
-# Split K (64 < M <= 256) until this many programs run; bench/kernels/bench_fp8_decode.py sweeps it.
+# Split K (M <= 256) until this many programs run; bench/kernels/bench_fp8_decode.py sweeps it.
 SPLIT_TARGET = 2 * NUM_SMS
 MAX_SPLIT = 16
-# Decode (M <= 64): stream-K with this many programs (fewer when there are fewer K steps in all); "splitk"
-# sends decode to the split-K kernel instead (benchmarks compare the two).
-STREAMK_MAX_M = 64
-STREAMK_PROGRAMS = 4 * NUM_SMS
-DECODE_PATH = "streamk"
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
@@ -319,9 +214,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return y
-    if m <= STREAMK_MAX_M and DECODE_PATH == "streamk":
-        _launch_streamk(x, weight, scale, y, group_rows)
-        return y
     bm, bn, split, warps, stages = _config(m, n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
     split = triton.cdiv(k, k_per_split)
@@ -335,23 +227,3 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         num_warps=warps, num_stages=stages,
     )
     return y
-
-
-def _launch_streamk(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
-                    group_rows: int) -> None:
-    m, (n, k) = x.shape[0], weight.shape
-    bucket = 16 if m <= 16 else 64
-    bm, bn, warps, stages = CONFIG_OVERRIDE.get(bucket, CONFIGS[bucket])
-    tiles_n = triton.cdiv(n, bn)
-    tiles = triton.cdiv(m, bm) * tiles_n
-    k_steps = triton.cdiv(k, 128)
-    total = tiles * k_steps
-    programs = min(STREAMK_PROGRAMS, total)  # every program gets at least one step
-    assert tiles <= MAX_TILES, f"{tiles} stream-K tiles > {MAX_TILES}"
-    part = torch.empty((programs, 2, bm, bn), dtype=torch.float32, device=x.device)
-    _fp8_streamk_kernel[(programs,)](
-        x, weight, scale, y, part, _tickets(x.device), m, n, k, group_rows, tiles_n, k_steps, total, programs,
-        x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET,
-        num_warps=warps, num_stages=stages,
-    )
