@@ -136,12 +136,15 @@ def fp8_kernels():
            "ticket_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "group_rows": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "stride_pm": "i32",
            "stride_psplit": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-           "IEEE": "constexpr", "SPLIT": "constexpr"}
+           "IEEE": "constexpr", "SPLIT": "constexpr", "BITS": "constexpr"}
     div = ("N", "K", "k_per_split", "group_rows", "stride_xm", "stride_wn", "stride_ym", "stride_pm", "stride_psplit")
     for bucket in (16, 64):
         bm, bn, warps, stages = fp8.CONFIGS[bucket]
-        yield (f"fp8 linear m{bm} n{bn} w{warps} s{stages}", fp8._fp8_linear_kernel, sig,
-               {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "IEEE": False, "SPLIT": 4}, div, warps, stages, bn * 128)
+        for bits in (True, False):
+            cvt = "" if bits else " cvt"  # cvt: the hardware e4m3 -> f16 -> bf16 conversion
+            yield (f"fp8 linear m{bm} n{bn} w{warps} s{stages}{cvt}", fp8._fp8_linear_kernel, sig,
+                   {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "IEEE": False, "SPLIT": 4, "BITS": bits}, div,
+                   warps, stages, bn * 128)
 
 
 def main() -> None:

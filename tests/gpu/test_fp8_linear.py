@@ -116,3 +116,49 @@ def test_grouped_one_launch_small(m, device) -> None:
 def test_grouped_v4_wo_a(m, device) -> None:
     """V4-Flash wo_a: 8 groups, 1024 rows each, 4096 input columns per group."""
     _check_grouped(m, 8, 1024, 4096, device, pow2_scales=True)
+
+
+
+def test_e4m3_to_bf16_by_bit_placement_is_exact(device) -> None:
+    """The kernels' e4m3 -> bf16 (integer bit placement and one bf16 multiply by 2^120) gives every finite
+    code's exact value, subnormals and both zeros included. (GPU only: the interpreter cannot multiply bf16.)"""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from deepinfer.ops.triton import fp8_linear as tri
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).cuda()
+    got = torch.empty(256, dtype=torch.float32, device="cuda")
+    _convert_kernel()[(1,)](codes, got)
+    want = codes.float()
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) == 254
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
+    # And whole GEMMs either way, the decode split-K path and the large-M weight-as-A path: the same bits.
+    w, s = _weights(1024, 4096, 11, "cuda")
+    for m in (3, 40, 300):
+        x = torch.randn(m, 4096, generator=torch.Generator().manual_seed(m)).to("cuda", torch.bfloat16)
+        by_bits = tri.fp8_linear(x, w, s, pow2_scales=True)
+        try:
+            tri.E4M3_BY_BITS = False
+            by_cvt = tri.fp8_linear(x, w, s, pow2_scales=True)
+        finally:
+            tri.E4M3_BY_BITS = True
+        assert torch.equal(by_bits, by_cvt), m
+
+
+def _convert_kernel():
+    """A one-program kernel applying ``_e4m3_to_bf16`` to 256 codes (built lazily: Triton is imported only
+    where a test runs it)."""
+    global _e4m3_to_bf16  # the kernel below resolves it among this module's globals when it compiles
+    import triton
+    import triton.language as tl
+
+    from deepinfer.ops.triton.fp8_linear import _e4m3_to_bf16
+
+    @triton.jit
+    def convert(src, dst):
+        offs = tl.arange(0, 256)
+        tl.store(dst + offs, _e4m3_to_bf16(tl.load(src + offs)).to(tl.float32))
+
+    return convert

@@ -4,7 +4,9 @@ y[M, N] = x[M, K] @ (w_e4m3[N, K] * scale[n // 128, k // 128]).T with bf16/fp32 
 
 Why this shape: activations are not quantized (the reference path does not quantize them either), so
 each K-block of 128 is one MMA over bf16 operands (e4m3 -> bf16 is exact) followed by one multiply of the
-fp32 partial product by that block's scale — the DeepGEMM "promote per K-block" scheme. Decode (tiny M)
+fp32 partial product by that block's scale — the DeepGEMM "promote per K-block" scheme. The e4m3 -> bf16 step is
+done by integer bit placement (``_e4m3_to_bf16``): the hardware path (e4m3 -> f16 -> bf16) runs on the
+quarter-rate conversion unit and bounded the decode GEMVs (NOTES run 44). Decode (tiny M)
 is bound by the weight bytes, so small M uses narrow N tiles plus a split over K to put enough programs on
 132 SMs; the partial sums go to an fp32 buffer and the last split program of each tile adds them in a fixed
 order (an atomic ticket only decides *who* adds, never the order), so results are run-to-run deterministic
@@ -22,9 +24,56 @@ import triton.language as tl
 from deepinfer.ops import lanes
 
 SCALE_BLOCK = 128
+# e4m3 -> bf16 by integer bit placement (``_e4m3_to_bf16``) instead of the hardware conversion; the same
+# values either way (benchmarks switch it off to compare).
+E4M3_BY_BITS = True
 # Triton's CPU interpreter mis-converts fp32 -> bf16 inside kernels, so interpreted runs use fp32 dots.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NUM_SMS = 132
+
+
+@triton.jit
+def _e4m3_to_bf16(w):
+    """e4m3 -> bf16, exact, by bit placement on the integer pipes: the hardware conversion goes e4m3 -> f16
+    -> bf16 through the quarter-rate conversion unit (two conversions per weight), which bounds a decode GEMV.
+
+    bf16 bits (sign << 15) | (exponent,mantissa << 4) are the e4m3 value times 2^-120 for every code (e4m3
+    subnormals become bf16 subnormals with the same mantissa), and one bf16 multiply by 2^120 restores it.
+    Four codes per 32-bit word; for each pair of bytes (0, 1) and (2, 3): one byte permute spreads them to
+    the low bytes of the two 16-bit halves, then a shift by 4 and a mask place exponent and mantissa, a shift
+    by 8 and a mask the sign, and a packed multiply rescales: ~6 instructions per 2 weights, on the ALU
+    and FMA pipes.
+    """
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 x, a, b, k;
+        mov.b32 k, 0x7B807B80;
+        prmt.b32 x, $2, 0, 0x4140;
+        shl.b32 a, x, 4;
+        and.b32 a, a, 0x07F007F0;
+        shl.b32 b, x, 8;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 $0, a, k;
+        prmt.b32 x, $2, 0, 0x4342;
+        shl.b32 a, x, 4;
+        and.b32 a, a, 0x07F007F0;
+        shl.b32 b, x, 8;
+        and.b32 b, b, 0x80008000;
+        or.b32 a, a, b;
+        mul.rn.bf16x2 $1, a, k;
+        }
+        """,
+        "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _to_bf16(w, BITS: tl.constexpr):
+    """e4m3 -> bf16: by bit placement (``BITS``, the default) or the hardware conversion (benchmarks)."""
+    if BITS:
+        return _e4m3_to_bf16(w)
+    return w.to(tl.bfloat16)
 
 
 @triton.jit
@@ -33,7 +82,7 @@ def _fp8_linear_kernel(
     M, N, K, k_per_split, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, BITS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -59,7 +108,7 @@ def _fp8_linear_kernel(
         if IEEE:
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+            part = tl.dot(x.to(tl.bfloat16), tl.trans(_to_bf16(w, BITS)))
         # One scale per 128x128 weight block: BLOCK_K == 128 keeps one k-block per iteration.
         s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask & (k0 < K), other=0.0)
         acc += part * s[None, :]
@@ -95,7 +144,7 @@ def _fp8_linear_wa_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, BITS: tl.constexpr,
 ):
     """Large-M path for power-of-two (UE8M0) scales: yᵀ tile [BN, BM] = (w · s) [BN, K] @ xᵀ [K, BM].
 
@@ -130,7 +179,7 @@ def _fp8_linear_wa_kernel(
         if IEEE:
             acc = tl.dot(w.to(tl.float32) * s[:, None], xt.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(w.to(tl.bfloat16) * s.to(tl.bfloat16)[:, None], xt.to(tl.bfloat16), acc)
+            acc = tl.dot(_to_bf16(w, BITS) * s.to(tl.bfloat16)[:, None], xt.to(tl.bfloat16), acc)
     y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
 
@@ -211,6 +260,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         _fp8_linear_wa_kernel[grid](
             x, weight, scale, y, m, n, k, group_rows, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
             BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=128, GROUP_M=c["GROUP_M"], IEEE=_INTERPRET,
+            BITS=E4M3_BY_BITS,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return y
@@ -224,6 +274,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         x, weight, scale, y, part, _tickets(x.device), m, n, k, k_per_split, group_rows,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, SPLIT=split,
+        BITS=E4M3_BY_BITS,
         num_warps=warps, num_stages=stages,
     )
     return y
