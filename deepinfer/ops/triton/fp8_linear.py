@@ -4,13 +4,14 @@ y[M, N] = x[M, K] @ (w_e4m3[N, K] * scale[n // 128, k // 128]).T with bf16/fp32 
 
 Why this shape: activations are not quantized (the reference path does not quantize them either), so
 each K-block of 128 is one MMA over bf16 operands (e4m3 -> bf16 is exact) followed by one multiply of the
-fp32 partial product by that block's scale — the DeepGEMM "promote per K-block" scheme. The e4m3 -> bf16 step is
-done by integer bit placement (``_e4m3_to_bf16``): the hardware path (e4m3 -> f16 -> bf16) runs on the
-quarter-rate conversion unit and bounded the decode GEMVs (NOTES run 44). Decode (tiny M)
-is bound by the weight bytes, so small M uses narrow N tiles plus a split over K to put enough programs on
-132 SMs; the partial sums go to an fp32 buffer and the last split program of each tile adds them in a fixed
-order (an atomic ticket only decides *who* adds, never the order), so results are run-to-run deterministic
-and the reduction needs no second launch. Tile and split choices are a function of (M bucket, N, K) only.
+fp32 partial product by that block's scale — the DeepGEMM "promote per K-block" scheme. e4m3 -> bf16 is done
+by integer bit placement (``_e4m3_to_bf16``) rather than the hardware's e4m3 -> f16 -> bf16 on the
+quarter-rate conversion unit: a decode layer's FP8 GEMMs 11% faster at M=1, same bits (NOTES run 44).
+Decode (tiny M) is bound by the weight bytes, so small M uses narrow N tiles plus a split over K to put
+enough programs on 132 SMs; the partial sums go to an fp32 buffer and the last split program of each tile
+adds them in a fixed order (an atomic ticket only decides *who* adds, never the order), so results are
+run-to-run deterministic and the reduction needs no second launch. (A stream-K decode path, one pipelined
+loop per program over all (tile, K block) steps, measured 40% slower: NOTES run 42.) Tile and split choices are a function of (M bucket, N, K) only.
 """
 
 from __future__ import annotations
