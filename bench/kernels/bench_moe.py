@@ -137,7 +137,9 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
 # "tiled" (tile-major, unplaced codes) or "checkpoint". Configs without K splits must give the pick's bits;
 # K-split ones (not batch invariant) report their relative difference instead.
 _DECODE_SWEEP = [dict(layout="checkpoint"), dict(layout="tiled"), dict(num_stages=3), dict(num_stages=5),
-                 dict(block_n1=128, num_warps=8), dict(block_n2=64)]
+                 dict(block_n1=128, num_warps=8), dict(block_n2=64),
+                 # register caps: 102 lets 5 gate/up programs share an SM (109 registers allow 4)
+                 dict(max_regs=102), dict(max_regs=96, num_stages=3), dict(max_regs=128, num_stages=3)]
 SWEEP: dict[int, list[dict]] = {
     **{t: _DECODE_SWEEP for t in (1, 8, 32, 128)},
     512: [dict(layout="tiled"), dict(block_n2=128), dict(num_stages=3)],
@@ -145,7 +147,7 @@ SWEEP: dict[int, list[dict]] = {
 }
 
 
-def sweep(wts: dict, rotate: int) -> list[dict]:
+def sweep(wts: dict, rotate: int, only: list[int] | None = None) -> list[dict]:
     rows = []
     s13, s2 = wts["e13"].view(torch.float8_e8m0fnu), wts["e2"].view(torch.float8_e8m0fnu)
     layouts = {"checkpoint": (wts["w13"], s13, wts["w2"], s2)}
@@ -153,6 +155,8 @@ def sweep(wts: dict, rotate: int) -> list[dict]:
         layouts[name] = (*fp4_codes.expert_layout(wts["w13"], s13, placed=placed),
                          *fp4_codes.expert_layout(wts["w2"], s2, placed=placed))
     for n_tok, cands in SWEEP.items():
+        if only and n_tok not in only:
+            continue
         sets = [routing(n_tok, 1000 * n_tok + r) for r in range(rotate)]
         hit = sum(torch.unique(ids).numel() for _, ids, _ in sets) / rotate
         floor_bytes = hit * expert_bytes(1) + 2 * n_tok * H * 2
@@ -195,6 +199,7 @@ def main() -> None:
     ap.add_argument("--scales", nargs="+", default=["e8m0", "fp32"], choices=["e8m0", "fp32"])
     ap.add_argument("--rotate", type=int, default=8, help="routing sets cycled per timed call")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-tokens", type=int, nargs="+", default=None, help="sweep only these T (default: all)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile-run", action="store_true",
                     help="only call the op 3 times eagerly per T, UE8M0 scales, tile-major weights as the model stores them "
@@ -225,7 +230,7 @@ def main() -> None:
             rotate = 2 if n_tok >= 1024 else args.rotate
             rows.append(bench_tokens(n_tok, fmt, wts, peer_w, rotate))
             print(json.dumps(rows[-1]), flush=True)
-    sweep_rows = [] if args.no_sweep else sweep(wts, args.rotate)
+    sweep_rows = [] if args.no_sweep else sweep(wts, args.rotate, args.sweep_tokens)
     for r in sweep_rows:
         print(json.dumps(r), flush=True)
     meta = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__,
