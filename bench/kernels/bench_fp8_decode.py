@@ -1,6 +1,6 @@
 """The FP8 linears of one V4-Flash decode layer, back to back, as the step runs them: tile and split-K sweep.
 
-    python bench/kernels/bench_fp8_decode.py [--tokens 1 8 32] [--copies 4]
+    python bench/kernels/bench_fp8_decode.py [--tokens 1 8 32] [--copies 4] [--profile-run]
 
 Per token count M, the six FP8 GEMMs of a CSA layer (wq_a|wkv, wq_b|indexer wq_b, grouped wo_a, wo_b, the
 shared expert's w1|w3 and w2; 140 MB of e4m3 weights) run in sequence over --copies layers' worth of
@@ -64,7 +64,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--profile-run", action="store_true",
+                    help="only run each of the layer's GEMMs 3 times eagerly per M (a target for ncu: "
+                         "bench/kernels/ncu_decode.sh)")
     args = ap.parse_args()
+    if args.profile_run:
+        layers = make_layer(1)
+        for m in args.tokens:
+            xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _, k, _ in LAYER]
+            for _ in range(3):
+                run_layer(layers, xs)
+        torch.cuda.synchronize()
+        return
     bw = copy_bandwidth()
     layers = make_layer(args.copies)
     wbytes = sum(w.numel() + s.numel() * 4 for w, s, _ in layers[0])
