@@ -1,12 +1,13 @@
 """The FP8 linears of one V4-Flash decode layer, back to back, as the step runs them: tile and split-K sweep.
 
-    python bench/kernels/bench_fp8_decode.py [--tokens 1 8 32] [--copies 4] [--profile-run]
+    python bench/kernels/bench_fp8_decode.py [--tokens 1 8 32 64] [--copies 4] [--profile-run]
 
 Per token count M, the six FP8 GEMMs of a CSA layer (wq_a|wkv, wq_b|indexer wq_b, grouped wo_a, wo_b, the
 shared expert's w1|w3 and w2; 140 MB of e4m3 weights) run in sequence over --copies layers' worth of
 distinct weights (so the 50 MB L2 does not serve them on repeat), replayed from a CUDA graph. Reported: µs
 per layer, what the weight bytes allow at the measured copy bandwidth, and each candidate tile
-(BLOCK_M, BLOCK_N, warps, stages) x split target (programs the split-K fills) against the table's pick.
+(BLOCK_M, BLOCK_N, warps, stages) of the split-K MMA path and (BLOCK_M, warps, stages) of the swap-AB decode
+path, x split target (programs the split-K fills), against the table's pick.
 Every candidate's outputs are compared with the first candidate's (relative difference: split counts
 add the K blocks in different groupings).
 Writes $OUT/fp8_decode.json when $OUT is set.
@@ -33,8 +34,12 @@ from deepinfer.ops.triton import fp8_linear as fp8  # noqa: E402
 LAYER = [(1536, 4096, 1), (40960, 1024, 1), (8192, 32768, 8), (4096, 8192, 1), (4096, 4096, 1), (4096, 2048, 1)]
 TILES = {16: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (16, 128, 8, 4)],
          64: [(32, 64, 4, 4), (32, 128, 4, 4), (32, 32, 4, 4), (64, 64, 4, 4), (32, 64, 4, 6), (16, 64, 4, 4)]}
+# The swap-AB decode path's (BLOCK_M, warps, stages) per decode bucket.
+DECODE_TILES = {16: [(16, 4, 4), (16, 4, 3), (16, 4, 6)], 32: [(32, 4, 4), (32, 4, 3)], 64: [(64, 4, 4), (64, 4, 3)]}
 TARGETS = [fp8.NUM_SMS, 2 * fp8.NUM_SMS, 4 * fp8.NUM_SMS, 8 * fp8.NUM_SMS]
 DEFAULT_TARGET = fp8.SPLIT_TARGET
+DEFAULT_DECODE = dict(fp8.DECODE_CONFIGS)
+DEFAULT_DECODE_MAX_M = fp8.DECODE_MAX_M
 
 
 def make_layer(copies: int) -> list[list[tuple[torch.Tensor, torch.Tensor, int]]]:
@@ -63,11 +68,13 @@ def run_layer(layers, xs) -> list[torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--profile-run", action="store_true",
                     help="only run each of the layer's GEMMs 3 times eagerly per M (a target for ncu: "
                          "bench/kernels/ncu_decode.sh)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the MMA path only at its table tile and split target (the decode path swept in full)")
     args = ap.parse_args()
     if args.profile_run:
         layers = make_layer(1)
@@ -83,41 +90,56 @@ def main() -> None:
     rows = []
     for m in args.tokens:
         bucket = 16 if m <= 16 else 64
+        dbucket = next(b for b in sorted(fp8.DECODE_CONFIGS) if m <= b) if m <= max(fp8.DECODE_CONFIGS) else None
         xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _, k, _ in LAYER]
         ref = None
-        for tile in TILES[bucket]:
-            for target in TARGETS:
-                fp8.CONFIG_OVERRIDE[bucket], fp8.SPLIT_TARGET = tile, target
+        candidates = [("mma", tile) for tile in (TILES[bucket][:1] if args.quick else TILES[bucket])]
+        candidates += [("decode", tile) for tile in DECODE_TILES.get(dbucket, [])]
+        for path, tile in candidates:
+            for target in ([DEFAULT_TARGET] if args.quick and path == "mma" else TARGETS):
+                fp8.SPLIT_TARGET = target
+                if path == "mma":
+                    fp8.DECODE_MAX_M, fp8.CONFIG_OVERRIDE[bucket] = 0, tile
+                else:
+                    fp8.DECODE_MAX_M, fp8.DECODE_CONFIGS[dbucket] = DEFAULT_DECODE_MAX_M, tile
                 try:
                     outs = run_layer(layers[:1], xs)
                     torch.cuda.synchronize()
                     us = do_bench_cudagraph(lambda: run_layer(layers, xs), rep=200, return_mode="median") * 1e3
                 except Exception as exc:  # a tile that does not compile or fit is reported, not fatal
-                    rows.append({"M": m, "tile": tile, "target": target, "error": f"{type(exc).__name__}: {exc}"[:160]})
+                    rows.append({"M": m, "path": path, "tile": tile, "target": target,
+                                 "error": f"{type(exc).__name__}: {exc}"[:160]})
                     continue
+                finally:
+                    fp8.CONFIG_OVERRIDE.clear()
+                    fp8.DECODE_CONFIGS.update(DEFAULT_DECODE)
+                    fp8.DECODE_MAX_M, fp8.SPLIT_TARGET = DEFAULT_DECODE_MAX_M, DEFAULT_TARGET
                 us /= args.copies
-                splits = [fp8._config(m, n, k // g)[2] for n, k, g in LAYER]
-                pick = tile == fp8.CONFIGS[bucket] and target == DEFAULT_TARGET
+                if path == "mma":
+                    splits = [fp8._config(m, n, k // g)[2] for n, k, g in LAYER]
+                    pick = m > DEFAULT_DECODE_MAX_M and tile == fp8.CONFIGS[bucket] and target == DEFAULT_TARGET
+                else:
+                    splits = None
+                    pick = tile == DEFAULT_DECODE[dbucket] and target == DEFAULT_TARGET
                 if ref is None:
                     ref = outs
                 diff = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(outs, ref))
-                rows.append({"M": m, "tile": tile, "target": target, "splits": splits, "us_per_layer": us,
-                             "of_floor": wbytes / bw / (us * 1e-6), "table_pick": pick, "rel_diff_vs_first": diff})
+                rows.append({"M": m, "path": path, "tile": tile, "target": target, "splits": splits,
+                             "us_per_layer": us, "of_floor": wbytes / bw / (us * 1e-6), "table_pick": pick,
+                             "rel_diff_vs_first": diff})
                 print(json.dumps(rows[-1]), flush=True)
-        fp8.CONFIG_OVERRIDE.clear()
-        fp8.SPLIT_TARGET = DEFAULT_TARGET
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "fp8_decode.json").write_text(json.dumps({"copy_bw": bw, "weight_bytes": wbytes,
                                                                           "rows": rows}, indent=2))
     print(f"\nweights {wbytes / 1e6:.1f} MB per layer, floor {wbytes / bw * 1e6:.1f} µs at {bw / 1e12:.2f} TB/s\n")
-    print("| M | tile (bm, bn, warps, stages) | split target | splits per GEMM | µs / layer | of floor | pick |")
-    print("|---|---|---|---|---|---|---|")
+    print("| M | path | tile | split target | splits per GEMM | µs / layer | of floor | pick |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['M']} | {r['tile']} | {r['target']} | {r['error']} | | | |")
+            print(f"| {r['M']} | {r['path']} | {r['tile']} | {r['target']} | {r['error']} | | | |")
         else:
-            print(f"| {r['M']} | {r['tile']} | {r['target']} | {r['splits']} | {r['us_per_layer']:.1f} | "
-                  f"{r['of_floor']:.0%} | {'*' if r['table_pick'] else ''} |")
+            print(f"| {r['M']} | {r['path']} | {r['tile']} | {r['target']} | {r['splits'] or ''} | "
+                  f"{r['us_per_layer']:.1f} | {r['of_floor']:.0%} | {'*' if r['table_pick'] else ''} |")
 
 
 if __name__ == "__main__":

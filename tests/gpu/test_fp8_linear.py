@@ -135,16 +135,80 @@ def test_e4m3_to_bf16_by_bit_placement_is_exact(device) -> None:
     assert torch.equal(got[finite], want[finite])
     assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
     # And whole GEMMs either way, the decode split-K path and the large-M weight-as-A path: the same bits.
+    # (The small-M decode path has no hardware-conversion variant: it is off here; its own test is below.)
     w, s = _weights(1024, 4096, 11, "cuda")
     for m in (3, 40, 300):
         x = torch.randn(m, 4096, generator=torch.Generator().manual_seed(m)).to("cuda", torch.bfloat16)
-        by_bits = tri.fp8_linear(x, w, s, pow2_scales=True)
         try:
+            tri.DECODE_MAX_M = 0
+            by_bits = tri.fp8_linear(x, w, s, pow2_scales=True)
             tri.E4M3_BY_BITS = False
             by_cvt = tri.fp8_linear(x, w, s, pow2_scales=True)
         finally:
             tri.E4M3_BY_BITS = True
+            tri.DECODE_MAX_M = 64
         assert torch.equal(by_bits, by_cvt), m
+
+
+# Small-M shapes of the swap-AB decode path (power-of-two scales): V4 decode GEMMs, ragged N, K blocks that
+# do not split evenly, every M bucket.
+DECODE = [(1, 1536, 4096), (1, 40960, 1024), (3, 4096, 8192), (8, 4096, 4096), (16, 4096, 2048),
+          (17, 1000, 896), (32, 4096, 8192), (64, 200, 1152), (40, 130, 384), (33, 64, 128)]
+
+
+@pytest.mark.parametrize("m, n, k", DECODE)
+def test_decode_path_against_reference(m, n, k, device) -> None:
+    """The decode path (GPU only: inline PTX) against the reference, and against the split-K MMA path."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from deepinfer.ops.triton import fp8_linear as tri
+
+    assert m <= tri.DECODE_MAX_M and k % 128 == 0
+    _check(m, n, k, torch.bfloat16, device, seed=n + k + m, pow2_scales=True)
+    w, s = _weights(n, k, n + k + m, device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n + k + m + 1)).to(device, torch.bfloat16)
+    try:
+        tri.DECODE_MAX_M = 0
+        mma = tri.fp8_linear(x, w, s, pow2_scales=True)
+    finally:
+        tri.DECODE_MAX_M = 64
+    assert rel_err(tri.fp8_linear(x, w, s, pow2_scales=True), mma.float()) <= 1e-2
+
+
+def test_decode_path_reads_every_code_exactly(device) -> None:
+    """One-hot activations pick single weights out of the decode path: every finite e4m3 code, at every
+    row and K position of a tile (the kernel's permuted orders), times its block scale, comes out exact."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from deepinfer.ops.triton import fp8_linear as tri
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[torch.isfinite(codes.view(torch.float8_e4m3fn).float())]  # 254 finite codes
+    n, k = 192, 256  # 1.5 scale blocks of rows, two of K
+    g = torch.Generator().manual_seed(5)
+    w = codes[torch.randint(0, codes.numel(), (n, k), generator=g)].view(torch.float8_e4m3fn).cuda()
+    w.view(torch.uint8).view(-1)[: codes.numel()] = codes.cuda()  # each code at least once
+    s = (2.0 ** torch.randint(-12, 3, (2, 2), generator=g).float()).cuda()
+    want = (w.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).t()  # [k, n]
+    for first in range(0, k, 64):
+        x = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
+        x[torch.arange(64), first + torch.arange(64)] = 1.0
+        got = tri.fp8_linear(x, w, s, pow2_scales=True)
+        assert torch.equal(got.float(), want[first : first + 64].bfloat16().float()), first
+
+
+def test_decode_split_k_repeats_bit_for_bit(device) -> None:
+    """The decode path's split-K tickets reset too: repeated calls give the same bits."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from deepinfer.ops.triton import fp8_linear as tri
+
+    w, s = _weights(4096, 8192, 12, device)
+    x = torch.randn(2, 8192, generator=torch.Generator().manual_seed(13)).to(device, torch.bfloat16)
+    first = tri.fp8_linear(x, w, s, pow2_scales=True)
+    tri.fp8_linear(x[:1].contiguous(), *_weights(256, 1024, 14, device), pow2_scales=True)
+    assert torch.equal(first, tri.fp8_linear(x, w, s, pow2_scales=True))
+    assert int(tri._tickets(x.device).abs().sum()) == 0
 
 
 def _convert_kernel():

@@ -52,13 +52,15 @@ def _e4m3_to_bf16(w):
 
 def _e4m3_pair_asm(out: int, selector: str) -> str:
     """PTX for one bf16 pair of ``_e4m3_to_bf16``: bytes (selector) of the input word -> output register."""
-    return (f"prmt.b32 x, $2, 0, {selector}; shl.b32 a, x, 4; and.b32 a, a, 0x07F007F0; shl.b32 b, x, 8; "
-            f"and.b32 b, b, 0x80008000; or.b32 a, a, b; mul.rn.bf16x2 ${out}, a, k; ")
+    return f"prmt.b32 a, $2, 0, {selector}; shl.b32 a, a, 4; and.b32 a, a, 0x87F087F0; mul.rn.bf16x2 ${out}, a, k; "
 
 
 # Bytes 0 and 1 -> output register 0 (the first two weights), bytes 2 and 3 -> register 1; k = bf16 2^120 x 2.
-_E4M3_ASM = tl.constexpr("{ .reg .b32 x, a, b, k; mov.b32 k, 0x7B807B80; " + _e4m3_pair_asm(0, "0x4140")
-                         + _e4m3_pair_asm(1, "0x4342") + "}")
+_E4M3_ASM = tl.constexpr("{ .reg .b32 a, k; mov.b32 k, 0x7B807B80; " + _e4m3_pair_asm(0, "0x9180")
+                         + _e4m3_pair_asm(1, "0xB3A2") + "}")
+# The same with k from the second input (one word in, two bf16 pairs out).
+_E4M3_MUL_ASM = tl.constexpr("{ .reg .b32 a, k; mov.b32 k, $3; " + _e4m3_pair_asm(0, "0x9180")
+                             + _e4m3_pair_asm(1, "0xB3A2") + "}")
 
 
 @triton.jit
@@ -67,6 +69,37 @@ def _to_bf16(w, BITS: tl.constexpr):
     if BITS:
         return _e4m3_to_bf16(w)
     return w.to(tl.bfloat16)
+
+
+@triton.jit
+def _write_tile(acc, offs_m, offs_n, mn_mask, y_ptr, part_ptr, ticket_ptr, tile, pid_k,
+                stride_ym, stride_pm, stride_psplit, SPLIT: tl.constexpr):
+    """Store an fp32 [BLOCK_M, BLOCK_N] tile: final (no K split), or this split's partial plus the in-kernel
+    reduction by whichever program of the tile finishes last."""
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT == 1:
+        # Without a K split the tile is final: store it in the output dtype (no fp32 round trip).
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
+    else:
+        # Split K: store this split's fp32 partial, then take a ticket for the tile. The program that draws
+        # the last ticket adds all partials in split order (fixed, whoever arrives last) and writes the
+        # output, so the reduction costs no extra launch and stays deterministic. acq_rel orders each
+        # program's partial store before its ticket and the last program's loads after all tickets; the
+        # last program resets the counter, so the next call (or graph replay) starts from zero.
+        part_tile = part_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
+        tl.store(part_tile + pid_k * stride_psplit, acc, mask=mn_mask)
+        # Release covers the issuing thread's own writes (and those it has observed): a CTA barrier first
+        # puts every thread's partial stores before the ticket.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            # Unrolled (SPLIT is a compile-time constant): every partial's load is in flight at once, one
+            # L2 round trip instead of SPLIT serial ones; the adds keep split order.
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for sp in tl.static_range(SPLIT):
+                total += tl.load(part_tile + sp * stride_psplit, mask=mn_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mn_mask)
+            tl.atomic_xchg(ticket_ptr + tile, 0)
 
 
 @triton.jit
@@ -105,31 +138,101 @@ def _fp8_linear_kernel(
         # One scale per 128x128 weight block: BLOCK_K == 128 keeps one k-block per iteration.
         s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask & (k0 < K), other=0.0)
         acc += part * s[None, :]
-    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT == 1:
-        # Without a K split the tile is final: store it in the output dtype (no fp32 round trip).
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mn_mask)
-    else:
-        # Split K: store this split's fp32 partial, then take a ticket for the tile. The program that draws
-        # the last ticket adds all partials in split order (fixed, whoever arrives last) and writes the
-        # output, so the reduction costs no extra launch and stays deterministic. acq_rel orders each
-        # program's partial store before its ticket and the last program's loads after all tickets; the
-        # last program resets the counter, so the next call (or graph replay) starts from zero.
-        part_tile = part_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
-        tl.store(part_tile + pid_k * stride_psplit, acc, mask=mn_mask)
-        tile = pid_m * tl.num_programs(1) + pid_n
-        # Release covers the issuing thread's own writes (and those it has observed): a CTA barrier first
-        # puts every thread's partial stores before the ticket.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
-        if ticket == SPLIT - 1:
-            # Unrolled (SPLIT is a compile-time constant): every partial's load is in flight at once, one
-            # L2 round trip instead of SPLIT serial ones; the adds keep split order.
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in tl.static_range(SPLIT):
-                total += tl.load(part_tile + sp * stride_psplit, mask=mn_mask, other=0.0, cache_modifier=".cg")
-            tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mn_mask)
-            tl.atomic_xchg(ticket_ptr + tile, 0)
+    _write_tile(acc, offs_m, offs_n, mn_mask, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k,
+                stride_ym, stride_pm, stride_psplit, SPLIT)
+
+
+@triton.jit
+def _e4m3_words_to_bf16(w, mul):
+    """int32 words of four e4m3 codes -> (bf16 pair of bytes 0 and 1, bf16 pair of bytes 2 and 3) as int32
+    bits: ``_e4m3_to_bf16`` with its final multiply by ``mul`` (bits of a bf16 pair: 2^120 times a power-of-two
+    block scale), so that the scale costs nothing."""
+    return tl.inline_asm_elementwise(_E4M3_MUL_ASM, "=r,=r,r,r", [w, mul], dtype=(tl.int32, tl.int32),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _halves(p):
+    """int32 bits of a bf16 pair -> (low, high) bf16 (a register reinterpretation, no instruction)."""
+    return tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p], dtype=(tl.bfloat16, tl.bfloat16),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _logical_cols(t, R: tl.constexpr):
+    """[R, 64, 2] (a 128-wide K block as two joined 64-wide halves, h last) -> [R, 128] in the logical column
+    order of ``_fp8_decode_kernel``: memory column 64h + 16a + 8b3 + 4b2 + 2b1 + b0 becomes logical column
+    64h + 32b3 + 16b2 + 8b1 + 2a + b0."""
+    t = tl.reshape(t, [R, 4, 2, 2, 2, 2, 2])  # (r, a, b3, b2, b1, b0, h)
+    return tl.reshape(tl.permute(t, (0, 6, 2, 3, 4, 1, 5)), [R, 128])
+
+
+@triton.jit
+def _row_order(t):
+    """[64, ...] with rows in memory order -> rows in the MMA's order: memory row 32r5 + 16r4 + 8r3 + r
+    becomes row 32r4 + 16r3 + 8r5 + r (the load puts rows 8 and 16 on warps and 32 on a register; the
+    operand wants 16 and 32 on warps and 8 on a register)."""
+    shape: tl.constexpr = t.shape
+    t = tl.reshape(t, [2, 2, 2, 8, t.numel // 64])
+    return tl.reshape(tl.permute(t, (1, 2, 0, 3, 4)), shape)
+
+
+@triton.jit
+def _fp8_decode_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
+    M, N, K, k_per_split, group_rows,
+    stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
+    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Small-M path for power-of-two scales, swap-AB: yᵀ tile [64, BM] = (w · s) [64, K] @ xᵀ [K, BM], split
+    over K like ``_fp8_linear_kernel``.
+
+    The weight is wgmma's register operand, and the tile is read in an order in which the bytes each thread
+    loads (16-byte runs) are exactly its share of the MMA's operand: the K columns of a 128-wide block are
+    taken in a fixed permuted order (``_logical_cols``; xᵀ's rows in the same order, so the dot is the same
+    sum) and the tile's 64 rows in another (``_row_order``; the output rows follow). Bytes then go from
+    shared memory to registers 16 at a time and are converted in place (``_e4m3_to_bf16_times``, the scale
+    folded into its multiply), with no layout shuffle between conversion and MMA; all K blocks chain into
+    one accumulator.
+    """
+    BLOCK_N: tl.constexpr = 64
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    x_ptr += (pid_n * BLOCK_N // group_rows) * K  # grouped use, as in _fp8_linear_kernel
+    rows = tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + rows
+    col = tl.arange(0, 64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    words = tl.arange(0, 16)
+    w_ptrs = w_ptr + offs_n[:, None] * (stride_wn // 4) + words[None, :]  # [64, 16] words: half a K block
+    w_rows_ok = (offs_n < N)[:, None]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + col[None, :]
+    s_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn  # 64 rows lie in one 128-row scale block
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), 128):  # K % 128 == 0 (the launcher checks)
+        k1 = k0 + 64
+        w = tl.join(tl.load(w_ptrs + k0 // 4, mask=w_rows_ok, other=0), tl.load(w_ptrs + k1 // 4, mask=w_rows_ok,
+                                                                                 other=0))
+        xt = tl.join(tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0),
+                     tl.load(x_ptrs + k1, mask=m_mask[:, None], other=0.0))
+        s = tl.load(s_row + k0 // 128) * 1.329227995784916e36  # * 2^120
+        bits = s.to(tl.uint32, bitcast=True) >> 16
+        mul = tl.full([BLOCK_N, 16, 2], 0, tl.int32) + (bits | (bits << 16)).to(tl.int32, bitcast=True)
+        p01, p23 = _e4m3_words_to_bf16(w, mul)  # [64, 16, 2]: (row, word, half)
+        lo01, hi01 = _halves(p01)
+        lo23, hi23 = _halves(p23)
+        # (row, word, half, byte pair, byte in pair): the last join is innermost, so each register keeps
+        # one converted pair, as the MMA operand wants it.
+        wb = tl.join(tl.join(lo01, lo23), tl.join(hi01, hi23))
+        wb = tl.reshape(wb, [BLOCK_N, 4, 2, 2, 2, 2, 2])  # (row, a, b3, b2, half, b1, b0)
+        wl = _row_order(tl.reshape(tl.permute(wb, (0, 4, 2, 3, 5, 1, 6)), [BLOCK_N, 128]))
+        xl = tl.trans(_logical_cols(xt, BLOCK_M))
+        acc = tl.dot(wl, xl.to(tl.bfloat16), acc)
+    out_n = pid_n * BLOCK_N + tl.reshape(_row_order(rows[:, None]), [BLOCK_N])
+    _write_tile(tl.trans(acc), offs_m, out_n, m_mask[:, None] & (out_n < N)[None, :], y_ptr, part_ptr, ticket_ptr,
+                pid_n, pid_k, stride_ym, stride_pm, stride_psplit, SPLIT)
 
 
 @triton.jit
@@ -209,16 +312,26 @@ SPLIT_TARGET = 2 * NUM_SMS
 MAX_SPLIT = 16
 
 
+# Swap-AB decode path (``_fp8_decode_kernel``, power-of-two scales, K % 128 == 0): (BLOCK_M, num_warps,
+# num_stages) per M bucket; larger M takes the split-K MMA path below. bench/kernels/bench_fp8_decode.py
+# sweeps it (DECODE_MAX_M = 0 switches the path off).
+DECODE_CONFIGS = {16: (16, 4, 4), 32: (32, 4, 4), 64: (64, 4, 4)}
+DECODE_MAX_M = 64
+
+
+def _split(programs: int, k: int) -> int:
+    """K splits (a power of two, at most one per 128-wide K block) until ``programs * split`` fills the GPU."""
+    split = 1
+    while programs * split < SPLIT_TARGET and split * 2 <= triton.cdiv(k, 128) and split < MAX_SPLIT:
+        split *= 2
+    return split
+
+
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, split_k, num_warps, num_stages) from the M bucket and (N, K)."""
     bucket = 16 if m <= 16 else 64 if m <= 64 else 256 if m <= 256 else None
     bm, bn, warps, stages = CONFIG_OVERRIDE.get(bucket, CONFIGS[bucket])
-    programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    k_blocks = triton.cdiv(k, 128)
-    split = 1
-    if m <= 256:
-        while programs * split < SPLIT_TARGET and split * 2 <= k_blocks and split < MAX_SPLIT:
-            split *= 2
+    split = _split(triton.cdiv(m, bm) * triton.cdiv(n, bn), k) if m <= 256 else 1
     return bm, bn, split, warps, stages
 
 
@@ -257,6 +370,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return y
+    if (pow2_scales and m <= DECODE_MAX_M and x.dtype == torch.bfloat16 and not _INTERPRET and k % 128 == 0
+            and group_rows % 64 == 0):
+        return _launch_decode(x, weight, scale, y, group_rows)
     bm, bn, split, warps, stages = _config(m, n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
     split = triton.cdiv(k, k_per_split)
@@ -269,5 +385,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, SPLIT=split,
         BITS=E4M3_BY_BITS,
         num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def _launch_decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, group_rows: int):
+    m = x.shape[0]
+    n, k = weight.shape
+    bm, warps, stages = next(cfg for bucket, cfg in sorted(DECODE_CONFIGS.items()) if m <= bucket)
+    split = _split(triton.cdiv(n, 64), k)
+    k_per_split = triton.cdiv(k // 128, split) * 128
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (triton.cdiv(n, 64), split)
+    assert split == 1 or grid[0] <= MAX_TILES, f"{grid[0]} split-K tiles > {MAX_TILES}"
+    _fp8_decode_kernel[grid](
+        x, weight.view(torch.int32), scale, y, part, _tickets(x.device), m, n, k, k_per_split, group_rows,
+        x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
+        BLOCK_M=bm, SPLIT=split, num_warps=warps, num_stages=stages,
     )
     return y
