@@ -153,7 +153,7 @@ def fp8_kernels():
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) of the swap-AB decode kernel.
-DECODE_VARIANTS = [(16, 64, 4, 4), (32, 64, 4, 4), (16, 64, 4, 6), (64, 64, 4, 4)]
+DECODE_VARIANTS = [(16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3)]
 
 
 def main() -> None:

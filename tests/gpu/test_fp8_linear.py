@@ -206,7 +206,7 @@ def test_decode_split_k_repeats_bit_for_bit(device) -> None:
     w, s = _weights(4096, 8192, 12, device)
     x = torch.randn(2, 8192, generator=torch.Generator().manual_seed(13)).to(device, torch.bfloat16)
     first = tri.fp8_linear(x, w, s, pow2_scales=True)
-    tri.fp8_linear(x[:1].contiguous(), *_weights(256, 1024, 14, device), pow2_scales=True)
+    tri.fp8_linear(x[:1, :1024].contiguous(), *_weights(256, 1024, 14, device), pow2_scales=True)
     assert torch.equal(first, tri.fp8_linear(x, w, s, pow2_scales=True))
     assert int(tri._tickets(x.device).abs().sum()) == 0
 

@@ -12,6 +12,9 @@ enough programs on 132 SMs; the partial sums go to an fp32 buffer and the last s
 adds them in a fixed order (an atomic ticket only decides *who* adds, never the order), so results are
 run-to-run deterministic and the reduction needs no second launch. (A stream-K decode path, one pipelined
 loop per program over all (tile, K block) steps, measured 40% slower: NOTES run 42.) Tile and split choices are a function of (M bucket, N, K) only.
+With power-of-two (UE8M0) scales, M <= 64 takes ``_fp8_decode_kernel`` instead: swap-AB, the weight as the
+MMA's register operand read in a permuted order that needs no layout shuffle, the scale folded into the
+conversion (half the instructions per K step; the decode layer's FP8 GEMMs 6-14% faster, NOTES run 48).
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ def _e4m3_to_bf16(w):
 
     bf16 bits (sign << 15) | (exponent,mantissa << 4) are the e4m3 value times 2^-120 for every code (e4m3
     subnormals become bf16 subnormals with the same mantissa), and one bf16 multiply by 2^120 restores it.
-    Four codes per 32-bit word; for each pair of bytes (0, 1) and (2, 3): one byte permute spreads them to
-    the low bytes of the two 16-bit halves, then a shift by 4 and a mask place exponent and mantissa, a shift
-    by 8 and a mask the sign, and a packed multiply rescales: ~6 instructions per 2 weights, on the ALU
-    and FMA pipes.
+    Four codes per 32-bit word; for each pair of bytes (0, 1) and (2, 3): one byte permute puts each byte in
+    the low byte of a 16-bit half and its sign, replicated (``prmt``'s sign mode), in the high byte; a shift
+    by 4 then brings sign, exponent and mantissa to their bf16 places at once, one mask (0x87F0 per half)
+    clears the rest, and a packed multiply rescales: 4 instructions per 2 weights (6 before the sign byte:
+    decode GEMMs ~6% faster, NOTES run 47).
     """
     return tl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
                                      is_pure=True, pack=4)
@@ -162,7 +166,8 @@ def _halves(p):
 def _logical_cols(t, R: tl.constexpr):
     """[R, 64, 2] (a 128-wide K block as two joined 64-wide halves, h last) -> [R, 128] in the logical column
     order of ``_fp8_decode_kernel``: memory column 64h + 16a + 8b3 + 4b2 + 2b1 + b0 becomes logical column
-    64h + 32b3 + 16b2 + 8b1 + 2a + b0."""
+    64h + 32b3 + 16b2 + 8b1 + 2a + b0. (a: the 16-byte run, one per lane of a quad; b0: the bf16 pair.)
+    The weight tile takes the same order in the kernel, spelled out there for its converted pairs."""
     t = tl.reshape(t, [R, 4, 2, 2, 2, 2, 2])  # (r, a, b3, b2, b1, b0, h)
     return tl.reshape(tl.permute(t, (0, 6, 2, 3, 4, 1, 5)), [R, 128])
 
@@ -175,6 +180,14 @@ def _row_order(t):
     shape: tl.constexpr = t.shape
     t = tl.reshape(t, [2, 2, 2, 8, t.numel // 64])
     return tl.reshape(tl.permute(t, (1, 2, 0, 3, 4)), shape)
+
+
+@triton.jit
+def _memory_rows(t):
+    """The inverse of ``_row_order``."""
+    shape: tl.constexpr = t.shape
+    t = tl.reshape(t, [2, 2, 2, 8, t.numel // 64])
+    return tl.reshape(tl.permute(t, (2, 0, 1, 3, 4)), shape)
 
 
 @triton.jit
@@ -191,16 +204,16 @@ def _fp8_decode_kernel(
     loads (16-byte runs) are exactly its share of the MMA's operand: the K columns of a 128-wide block are
     taken in a fixed permuted order (``_logical_cols``; xᵀ's rows in the same order, so the dot is the same
     sum) and the tile's 64 rows in another (``_row_order``; the output rows follow). Bytes then go from
-    shared memory to registers 16 at a time and are converted in place (``_e4m3_to_bf16_times``, the scale
-    folded into its multiply), with no layout shuffle between conversion and MMA; all K blocks chain into
-    one accumulator.
+    shared memory to registers 16 at a time and are converted in place (``_e4m3_words_to_bf16``, the scale
+    folded into its multiply), with no layout shuffle between conversion and MMA (``loop_sass.py``: 244
+    instructions per K step against 326 for the split-K MMA kernel at M <= 16, 255 against 425 at M <= 32);
+    all K blocks chain into one accumulator.
     """
     BLOCK_N: tl.constexpr = 64
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     x_ptr += (pid_n * BLOCK_N // group_rows) * K  # grouped use, as in _fp8_linear_kernel
-    rows = tl.arange(0, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col = tl.arange(0, 64)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -230,8 +243,10 @@ def _fp8_decode_kernel(
         wl = _row_order(tl.reshape(tl.permute(wb, (0, 4, 2, 3, 5, 1, 6)), [BLOCK_N, 128]))
         xl = tl.trans(_logical_cols(xt, BLOCK_M))
         acc = tl.dot(wl, xl.to(tl.bfloat16), acc)
-    out_n = pid_n * BLOCK_N + tl.reshape(_row_order(rows[:, None]), [BLOCK_N])
-    _write_tile(tl.trans(acc), offs_m, out_n, m_mask[:, None] & (out_n < N)[None, :], y_ptr, part_ptr, ticket_ptr,
+    # Rows back in memory order (a relabeling, no data movement), so that the stores are contiguous along N
+    # (stored in the MMA's row order, the split-K partials were scattered 4-byte writes: 2-4x slower at M >= 8).
+    acc = _memory_rows(acc)
+    _write_tile(tl.trans(acc), offs_m, offs_n, m_mask[:, None] & (offs_n < N)[None, :], y_ptr, part_ptr, ticket_ptr,
                 pid_n, pid_k, stride_ym, stride_pm, stride_psplit, SPLIT)
 
 
@@ -315,7 +330,7 @@ MAX_SPLIT = 16
 # Swap-AB decode path (``_fp8_decode_kernel``, power-of-two scales, K % 128 == 0): (BLOCK_M, num_warps,
 # num_stages) per M bucket; larger M takes the split-K MMA path below. bench/kernels/bench_fp8_decode.py
 # sweeps it (DECODE_MAX_M = 0 switches the path off).
-DECODE_CONFIGS = {16: (16, 4, 4), 32: (32, 4, 4), 64: (64, 4, 4)}
+DECODE_CONFIGS = {16: (16, 4, 3), 32: (32, 4, 3), 64: (64, 4, 3)}
 DECODE_MAX_M = 64
 
 
