@@ -132,6 +132,7 @@ def test_two_sources_and_splits(L, H, D, nw, ne, split, dtype, device, monkeypat
     import deepinfer.ops.triton.sparse_attention as tri
 
     monkeypatch.setattr(tri, "SPLIT", split)
+    monkeypatch.setattr(tri, "SMALL_SPLIT", 0)  # the batch-invariant splits only (the small-batch split: below)
     q, win, widx, ent, eidx, sinks = _two_source_case(L, H, D, nw, ne, dtype, seed=ne + nw + L, device=device)
     scale = D**-0.5
     out = _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx)
@@ -145,6 +146,40 @@ def test_two_sources_and_splits(L, H, D, nw, ne, split, dtype, device, monkeypat
         alone = _run(tri.sparse_attention_indexed, q[l:l + 1], win, widx[l:l + 1], sinks, scale, ent,
                      eidx[l:l + 1, :width].contiguous())
         assert torch.equal(alone[0], out[l]), f"query {l} differs alone vs in the batch"
+
+
+SMALL_BATCH = [  # (L, H, D, window cols, entry cols, small split)
+    pytest.param(3, 4, 64, 16, 100, 32, marks=pytest.mark.interpret_ok),
+    pytest.param(2, 4, 64, 0, 40, 16, marks=pytest.mark.interpret_ok),
+    (1, 64, 512, 128, 512, 128),
+    (4, 64, 512, 128, 300, 128),
+    (32, 64, 512, 128, 256, 128),
+    (2, 64, 512, 128, 8, 128),
+]
+
+
+@pytest.mark.parametrize("L, H, D, nw, ne, small", SMALL_BATCH)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_batch_split(L, H, D, nw, ne, small, dtype, device, monkeypatch) -> None:
+    """Decode-sized calls split every SMALL_SPLIT entry columns with the window a split of its own: same
+    result as the reference, and (both calls on this path, same index width) a query alone equals its row of
+    the batch."""
+    import deepinfer.ops.triton.sparse_attention as tri
+
+    monkeypatch.setattr(tri, "SMALL_SPLIT", small)
+    q, win, widx, ent, eidx, sinks = _two_source_case(L, H, D, max(nw, 1), ne, dtype, seed=ne + L, device=device)
+    if nw == 0:
+        widx = widx[:, :0].contiguous()  # no window keys at all: split 0 holds nothing
+    assert L * -(-H // tri.config(dtype, D)["BLOCK_H"]) < tri.FILL_PROGRAMS  # this path is taken
+    scale = D**-0.5
+    out = _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx)
+    assert rel_err(out, ref_attention(q, win, widx, sinks, scale, ent, eidx)) <= TOL[dtype]
+    for l in range(L):
+        alone = _run(tri.sparse_attention_indexed, q[l:l + 1], win, widx[l:l + 1], sinks, scale, ent,
+                     eidx[l:l + 1])
+        assert torch.equal(alone[0], out[l]), f"query {l} differs alone vs in the batch"
+    monkeypatch.setattr(tri, "SMALL_SPLIT", 0)  # the batch-invariant path: the same values
+    assert rel_err(out, _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx).float()) <= TOL[dtype]
 
 
 @pytest.mark.interpret_ok
@@ -162,7 +197,10 @@ def test_indexed_reference_matches_mask_reference(device) -> None:
 
 @pytest.mark.interpret_ok
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_batch_invariant(dtype, device) -> None:
+def test_attention_batch_invariant(dtype, device, monkeypatch) -> None:
+    import deepinfer.ops.triton.sparse_attention as tri
+
+    monkeypatch.setattr(tri, "SMALL_SPLIT", 0)  # what the batch-invariant op table runs
     interp = device == "cpu"
     L, H, D, n = (7, 4, 64, 40) if interp else (33, 64, 512, 640)
     q, kv, idx, sinks = _attention_case(L, H, D, n, dtype, seed=11, device=device)

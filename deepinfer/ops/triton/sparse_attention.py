@@ -15,6 +15,13 @@ whose merge weight is exactly 0, and a single-split query's fused epilogue is th
 weight 1: the output bits do not depend on the padding width, the batch or the split count.
 Partials (m, l, acc in fp32) are merged in split order by a second kernel; no atomics anywhere.
 
+Small batches (fewer than FILL_PROGRAMS programs at SPLIT, i.e. decode) split much finer instead: every
+SMALL_SPLIT columns of the last source (at most ~8 such splits: wider for long HCA lists), with the first
+source (the window) a split of its own. A decode query's walk over up to 640 keys in 20 dependent gather
+steps, on 4 programs at batch 1, then spreads over 4 x (1 + N2 / SMALL_SPLIT) programs. This choice
+depends on the batch and the index width, so a row's bits do too: the batch-invariant op table turns it
+off (SMALL_SPLIT = 0); prefill keeps SPLIT, whose partials would be gigabytes at 128 columns.
+
 Within a program the reduction runs over key blocks in column order. All-invalid blocks (padding) leave
 the state bit-identical (alpha = 1, p = 0), so trailing padding never changes a result.
 """
@@ -31,6 +38,9 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Keys per split along the split axis (see module docstring). Changing it changes bits; fixed per build.
 SPLIT = 1024
+# The small-batch split (module docstring); 0 = always SPLIT. bench/kernels/bench_attention.py sweeps it.
+SMALL_SPLIT = 128
+FILL_PROGRAMS = 264
 LOG2E = 1.4426950408889634
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
 # Running max starts finite: a block with no valid key then gives alpha = exp2(0) = 1, p = 0 (no NaN).
@@ -84,7 +94,7 @@ def _sparse_attn_kernel(
     H, N, N2, D, qk_scale, split,
     stride_ql, stride_qh, stride_kv, stride_il, stride_kv2, stride_i2l, stride_ol, stride_oh,
     HAS_EXTRA: tl.constexpr, FUSED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOW_ALONE: tl.constexpr = 0,
 ):
     # Axis 0 = query * head groups + head group (axis 0 has no 65535 limit, prefill needs that), head group
     # fastest: the programs that read the same key rows run side by side and share them through L2.
@@ -106,10 +116,12 @@ def _sparse_attn_kernel(
         if sp == 0:
             acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, 0, N, stride_kv,
                                           qk_scale, offs_d, d_mask, BLOCK_N, IEEE)
-        lo = sp * split
-        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv2_ptr, idx2_ptr + lq * stride_i2l, lo,
-                                      tl.minimum(lo + split, N2), stride_kv2, qk_scale, offs_d, d_mask,
-                                      BLOCK_N, IEEE)
+        # With WINDOW_ALONE split 0 is the first source only and split s > 0 holds columns of split s - 1.
+        lo = (sp - WINDOW_ALONE) * split
+        if lo >= 0:
+            acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv2_ptr, idx2_ptr + lq * stride_i2l, lo,
+                                          tl.minimum(lo + split, N2), stride_kv2, qk_scale, offs_d, d_mask,
+                                          BLOCK_N, IEEE)
     else:
         lo = sp * split
         acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, lo,
@@ -130,27 +142,33 @@ def _sparse_attn_kernel(
 
 @triton.jit
 def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_splits,
-                  stride_ol, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge split partials in split order (fixed), then the same epilogue as the fused path."""
+                  stride_ol, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
+                  SP: tl.constexpr):
+    """Merge split partials in split order (fixed), then the same epilogue as the fused path. One program per
+    (query, head group, CHUNK_D columns); every split's loads are issued at once (SP >= num_splits, unrolled).
+
+    Bits do not depend on SP or on trailing empty splits: those have weight exactly 0 and add exact zeros."""
     n_hg = tl.cdiv(H, BLOCK_H)
     hg = tl.program_id(0) % n_hg
     lq = (tl.program_id(0) // n_hg).to(tl.int64)
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * CHUNK_D + tl.arange(0, CHUNK_D)
+    offs_s = tl.arange(0, SP)
     h_mask = offs_h < H
+    hs_mask = h_mask[:, None] & (offs_s < num_splits)[None, :]
     base = (lq * H + offs_h) * num_splits
-    m = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(mpart_ptr + base + s, mask=h_mask, other=NEG_INIT))
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for s in range(0, num_splits):
-        # A split with no valid key has m_s = NEG_INIT, l_s = 0, acc_s = 0: weight 0, adds exact zeros.
-        m_s = tl.load(mpart_ptr + base + s, mask=h_mask, other=NEG_INIT)
-        w = tl.where(m_s == m, 1.0, tl.exp2(m_s - m))
-        l_i += tl.load(lpart_ptr + base + s, mask=h_mask, other=0.0) * w
-        a = tl.load(apart_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-        acc += a * w[:, None]
+    # A split with no valid key has m_s = NEG_INIT, l_s = 0, acc_s = 0: weight 0 (or 1 when no split has a
+    # key, with l = 0 and acc = 0 all the same).
+    m_s = tl.load(mpart_ptr + base[:, None] + offs_s[None, :], mask=hs_mask, other=NEG_INIT)
+    m = tl.max(m_s, axis=1)
+    w = tl.where(m_s == m[:, None], 1.0, tl.exp2(m_s - m[:, None]))
+    l_i = tl.sum(tl.load(lpart_ptr + base[:, None] + offs_s[None, :], mask=hs_mask, other=0.0) * w, axis=1)
+    acc = tl.zeros((BLOCK_H, CHUNK_D), dtype=tl.float32)
+    for s in tl.static_range(SP):
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
+        a = tl.load(apart_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=h_mask[:, None] & (s < num_splits), other=0.0)
+        acc += a * w_s[:, None]
     sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * LOG2E_C
     out = _finalize(acc, m, l_i, sink2)
     tl.store(out_ptr + lq * stride_ol + offs_h[:, None] * stride_oh + offs_d[None, :],
@@ -207,10 +225,15 @@ def sparse_attention_indexed(
     else:
         kv2, idx2 = kv, indices  # unused placeholders
     n, n2 = indices.shape[1], idx2.shape[1] if has_extra else 0
-    split = SPLIT
-    num_splits = max(1, triton.cdiv(n2 if has_extra else n, split))
     cfg = config(q.dtype, D)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    split, window_alone = SPLIT, False
+    if SMALL_SPLIT and L * triton.cdiv(H, block_h) < FILL_PROGRAMS:
+        # At most ~8 splits of the last source (long HCA lists get wider splits), window apart.
+        width = n2 if has_extra else n
+        split = max(SMALL_SPLIT, triton.next_power_of_2(triton.cdiv(width, 8)))
+        window_alone = has_extra and n > 0
+    num_splits = max(1, window_alone + triton.cdiv(n2 if has_extra else n, split))
     block_d = max(16, triton.next_power_of_2(D))
     if out is None:
         out = torch.empty((L, H, D), dtype=q.dtype, device=q.device)
@@ -231,12 +254,15 @@ def sparse_attention_indexed(
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), kv2.stride(0), idx2.stride(0),
         out.stride(0), out.stride(1),
         HAS_EXTRA=has_extra, FUSED=fused, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=q.dtype == torch.float32 or _INTERPRET, WINDOW_ALONE=int(window_alone),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not fused:
-        _merge_kernel[(triton.cdiv(H, block_h) * L,)](
+        chunk_d = min(block_d, 128)
+        _merge_kernel[(triton.cdiv(H, block_h) * L, block_d // chunk_d)](
             mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
-            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+            BLOCK_H=block_h, BLOCK_D=block_d, CHUNK_D=chunk_d,
+            SP=max(8, triton.next_power_of_2(num_splits)), num_warps=4,  # one binary up to 8 splits
         )
     return out
 
