@@ -2,6 +2,8 @@
 
     python bench/kernels/bench_attention.py [--no-sweep] [--quick]
 
+Always also sweeps the small-batch split (``SMALL_SPLIT``, 0 = off) at decode batches.
+
 Attention: batch 1/8/32/128 decode queries, H=64, D=512, bf16; every query is its own sequence, so its key
 rows are distinct (paged: random rows of two storage tensors, window KV and entries, as in the model).
   CSA:           128 window + 512 selected entries
@@ -157,6 +159,28 @@ def sweep_attention() -> list[dict]:
     return out
 
 
+def sweep_small_split() -> list[dict]:
+    """The small-batch split (sparse_attention.SMALL_SPLIT; 0 = the batch-invariant SPLIT path) at decode
+    batches, on CSA lists at ctx 8K (512 entries) and 1K (256) and HCA at 8K (64 entries)."""
+    import deepinfer.ops.triton.sparse_attention as mod
+
+    base = mod.SMALL_SPLIT
+    out = []
+    for name, n_ent in (("CSA 8K", 512), ("CSA 1K", 256), ("HCA 8K", 64)):
+        for batch in (1, 8, 32, 64):
+            x = attention_inputs(batch, n_ent, seed=2)
+            args = (x["q"], x["win"], x["widx"], x["sinks"], D**-0.5, x["ent"], x["eidx"])
+            ref = ref_attention(*args)
+            for small in (0, 64, 128, 256):
+                mod.SMALL_SPLIT = small
+                err = rel_err(mod.sparse_attention_indexed(*args), ref)
+                out.append({"shape": name, "batch": batch, "small_split": small,
+                            "us": time_us(lambda: mod.sparse_attention_indexed(*args)), "rel_err": err})
+                print(json.dumps(out[-1]), flush=True)
+    mod.SMALL_SPLIT = base
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true")
@@ -166,6 +190,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {"device": torch.cuda.get_device_name(), "attention": bench_attention(a.quick),
                "indexer": bench_indexer(a.quick)}
+    results["small_split"] = sweep_small_split()
     if not a.no_sweep:
         results["sweep"] = sweep_attention()
     print("\n| op | shape | batch | keys | µs | ref µs | speedup | MB | TB/s | % of 4.25 | check |")
@@ -183,6 +208,10 @@ def main() -> None:
             c = r["config"]
             print(f"| {c['BLOCK_H']}, {c['BLOCK_N']}, {c['num_warps']}, {c['num_stages']} | {r['split']} | "
                   f"{r['shape']} | {r['batch']} | {r['us']:.1f} | {r['rel_err']:.1e} |")
+    print("\n| shape | batch | SMALL_SPLIT | µs | rel_err |")
+    print("|---|---:|---:|---:|---:|")
+    for r in results["small_split"]:
+        print(f"| {r['shape']} | {r['batch']} | {r['small_split']} | {r['us']:.1f} | {r['rel_err']:.1e} |")
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "bench_attention.json"
         path.write_text(json.dumps(results, indent=1))
