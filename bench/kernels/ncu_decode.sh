@@ -11,7 +11,7 @@ S="--section SpeedOfLight --section Occupancy --section WarpStateStats --section
 ncu --clock-control none $S -k regex:"_gate_up_kernel|_matmul_kernel" --launch-skip 2 --launch-count 2 \
   python3 bench/kernels/bench_moe.py --profile-run --tokens "${T:-32}" > "$OUT/ncu_moe.txt" 2>&1
 # 6 GEMMs per layer, 3 repetitions per M: skip the first repetition, profile the second.
-ncu --clock-control none $S -k regex:"_fp8_linear" --launch-skip 6 --launch-count 6 \
+ncu --clock-control none $S -k regex:"_fp8_linear|_fp8_decode" --launch-skip 6 --launch-count 6 \
   python3 bench/kernels/bench_fp8_decode.py --profile-run --tokens ${M:-1} > "$OUT/ncu_fp8.txt" 2>&1
 grep -E "^  _|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Limit (Registers|Shared)" \
   "$OUT/ncu_moe.txt" "$OUT/ncu_fp8.txt"

@@ -153,7 +153,7 @@ SMALL_BATCH = [  # (L, H, D, window cols, entry cols, small split)
     pytest.param(2, 4, 64, 0, 40, 16, marks=pytest.mark.interpret_ok),
     (1, 64, 512, 128, 512, 128),
     (4, 64, 512, 128, 300, 128),
-    (32, 64, 512, 128, 256, 128),
+    (15, 64, 512, 128, 256, 128),
     (2, 64, 512, 128, 8, 128),
 ]
 

@@ -40,7 +40,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT = 1024
 # The small-batch split (module docstring); 0 = always SPLIT. bench/kernels/bench_attention.py sweeps it.
 SMALL_SPLIT = 128
-FILL_PROGRAMS = 264
+FILL_PROGRAMS = 64
 LOG2E = 1.4426950408889634
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
 # Running max starts finite: a block with no valid key then gives alpha = exp2(0) = 1, p = 0 (no NaN).
