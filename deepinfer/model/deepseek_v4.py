@@ -118,7 +118,7 @@ class DeepseekV4(nn.Module):
         rope = {t: self.ropes.cos_sin(t, positions, self.dtype) for t in ("main", "compress")}
         rows = emit_rope = None
         if index is not None:
-            rows = index.rows()
+            rows = index.rows(self.ops.step_rows)
             emit_rope = {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype) for k, c in rows.compress.items()}
         return StepContext(input_ids, positions, batch, storage, rope, rows, emit_rope)
 

@@ -10,7 +10,8 @@ tiny kernels per layer and stall on host syncs. Instead one step works in two st
     CUDA graph and replayed with new contents. Small: a prefill chunk of 4096 tokens ships ~70 KB.
   * ``StepRows`` (device, ``StepIndex.rows()``): every row list the layers need (window writes and keys,
     compressor-state writes, closing windows' slots and entry rows, entry lists per sequence), derived
-    with a few tensor ops once per step — inside the captured graph for decode.
+    once per step by the op table's ``step_rows`` (``ops/ref/step_rows.py``; on the GPU one Triton launch)
+    — inside the captured graph for decode.
 
 All layers of a pool share one row numbering (every per-position tensor has stride 1, every compressed
 tensor of ratio m has stride m), so one list serves all layers. Padding tokens (graph buckets) belong to
@@ -20,6 +21,7 @@ a padding sequence whose tables are empty: they write to a spare row past the la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from itertools import chain
 
@@ -29,6 +31,7 @@ import torch
 from deepinfer.config.model import CSA, HCA
 from deepinfer.kv.spec import HISTORY, STATE, WINDOW
 from deepinfer.model.batch import ForwardBatch
+from deepinfer.ops.ref.step_rows import step_rows as ref_step_rows
 
 
 @dataclass(frozen=True)
@@ -81,48 +84,15 @@ class StepIndex:
         for n in self._tensors():
             getattr(self, n).copy_(getattr(src, n), non_blocking=True)
 
-    def rows(self) -> StepRows:
-        """Every row list of the step, computed where the tensors live (no host sync; graph-capturable)."""
-        seq, pos, bs = self.token_seq, self.positions, self.block_size
-        dev = pos.device
-
-        def lookup(table: torch.Tensor, p: torch.Tensor, per_block: int, s: torch.Tensor = seq) -> torch.Tensor:
-            s = s.view(-1, *([1] * (p.dim() - 1)))
-            blocks = table[s, (p // per_block).clamp(0, table.shape[1] - 1)]
-            return torch.where((p >= 0) & (blocks >= 0), blocks * per_block + p % per_block, -1)
-
-        window_rows = lookup(self.window_table, pos, bs)
-        state_rows = lookup(self.state_table, pos, bs)
-        kp = pos[:, None] - self.window + 1 + torch.arange(self.window, device=dev)
-        compress = {}
-        for m, overlap in self.kinds:
-            closes = (pos + 1) % m == 0
-            w = torch.where(closes, (pos + 1) // m - 1, -1)
-            own = w[:, None] * m + torch.arange(m, device=dev)
-            slots = torch.cat([own - m, own], dim=1) if overlap else own
-            slots = torch.where(closes[:, None], slots, -1)
-            j = torch.arange(max(-(-self.span // m), 1), device=dev)
-            seqs = torch.arange(self.history_table.shape[0], device=dev)
-            seq_rows = lookup(self.history_table, j.expand(len(seqs), -1), bs // m, seqs)
-            seq_rows = torch.where(j[None, :] < (self.seq_end // m)[:, None], seq_rows, -1).to(torch.int32)
-            limits = ((pos + 1) // m).to(torch.int32)
-            # HCA layers attend every visible entry: one list per step serves all of them.
-            visible = None if overlap else torch.where(j[None, :] < limits[:, None], seq_rows[seq], -1)
-            compress[(m, overlap)] = CompressIndex(
-                limits=limits,
-                slot_rows=lookup(self.state_table, slots, bs).to(torch.int32),
-                entry_rows=lookup(self.history_table, w, bs // m),
-                emit_pos=torch.where(closes, w * m, 0),
-                seq_rows=seq_rows,
-                visible_rows=visible,
-            )
-        return StepRows(
-            token_seq=seq,
-            window_rows=torch.where(window_rows >= 0, window_rows, self.spare_window),
-            state_rows=torch.where(state_rows >= 0, state_rows, self.spare_state),
-            window_keys=lookup(self.window_table, kp, bs).to(torch.int32),
-            compress=compress,
-        )
+    def rows(self, derive: Callable = ref_step_rows) -> StepRows:
+        """Every row list of the step, computed where the tensors live (no host sync; graph-capturable) by
+        ``derive`` (the op table's ``step_rows``: ``ops/ref/step_rows.py`` or its one-launch Triton twin)."""
+        window_rows, state_rows, window_keys, kinds = derive(
+            self.token_seq, self.positions, self.window_table, self.state_table, self.history_table, self.seq_end,
+            self.span, self.block_size, self.window, self.kinds, self.spare_window, self.spare_state)
+        return StepRows(token_seq=self.token_seq, window_rows=window_rows, state_rows=state_rows,
+                        window_keys=window_keys,
+                        compress={kind: CompressIndex(*k) for kind, k in zip(self.kinds, kinds)})
 
 
 def compress_kinds(layout) -> tuple[tuple[int, bool], ...]:

@@ -32,6 +32,11 @@ MoE routing after the gate GEMM (``ops/ref/moe.py``; weights in the logits dtype
       -> (weights [T,k], indices [T,k] int64)
   swiglu(gate_up [T,2I], limit) -> [T,I]   (the shared expert's clamped activation)
 
+A step's cache row lists from its index tensors, once per step (``ops/ref/step_rows.py``):
+
+  step_rows(token_seq, positions, window_table, state_table, history_table, seq_end, span, block_size,
+            window, kinds, spare_window, spare_state) -> (window_rows, state_rows, window_keys, [KindRows])
+
 Weight layout, applied once when the model is prepared (not per call):
 
   fp4_expert_layout(codes int8 [E,N,K/2], scales [E,N,K/32]) -> (codes, scales) in the layout
@@ -55,6 +60,7 @@ from deepinfer.ops.ref import moe as ref_route
 from deepinfer.ops.ref import moe_experts as ref_moe
 from deepinfer.ops.ref import rope_norm as ref_rn
 from deepinfer.ops.ref import sparse_attention as ref_attn
+from deepinfer.ops.ref import step_rows as ref_rows
 from deepinfer.ops.ref import swiglu as ref_swiglu
 from deepinfer.ops.ref.attention import sparse_attention
 from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
@@ -82,6 +88,7 @@ class OpTable:
     moe_route: Callable
     swiglu: Callable
     fp4_expert_layout: Callable
+    step_rows: Callable
 
 
 def _checkpoint_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +105,7 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
               ref_state.compress_state, ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
               rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
               rope=ref_rn.rope, moe_route=ref_route.route, swiglu=ref_swiglu.swiglu,
-              fp4_expert_layout=_checkpoint_layout)
+              fp4_expert_layout=_checkpoint_layout, step_rows=ref_rows.step_rows)
 
 
 def triton_ops() -> OpTable:
@@ -112,6 +119,7 @@ def triton_ops() -> OpTable:
     from deepinfer.ops.triton import moe_route as tri_route
     from deepinfer.ops.triton import rope_norm as tri_rn
     from deepinfer.ops.triton import sparse_attention as tri_attn
+    from deepinfer.ops.triton import step_rows as tri_rows
     from deepinfer.ops.triton import swiglu as tri_swiglu
 
     def attention(q, keys, visible, sinks, scale):
@@ -132,7 +140,7 @@ def triton_ops() -> OpTable:
                    tri_state.compress_state, tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
                    rope=tri_rn.rope, moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
-                   fp4_expert_layout=tri_fp4.expert_layout)
+                   fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows)
 
 
 def select(device: str) -> OpTable:

@@ -79,3 +79,57 @@ def test_indexer_rows_with_shared_entry_lists(device) -> None:
     picks = ref_topk(*args)
     rows = seq_rows[qrows].long().gather(1, picks.clamp(min=0))
     assert torch.equal(want, torch.where(picks >= 0, rows, -1).to(torch.int32))
+
+
+def _step_index_tensors(b: int, t: int, block_size: int, span: int, seed: int):
+    """Random step index tensors: b sequences (the last one the padding sequence, empty tables), t tokens
+    at positions inside their sequences, a few released (-1) leading blocks, tables wider than used."""
+    g = _gen(seed)
+    width = -(-span // block_size) + 2
+    ids = torch.randperm(3 * b * width, generator=g).view(3, b, width)
+    seq_end = torch.randint(1, span + 1, (b,), generator=g)
+    seq_end[-1] = 0
+    seq_end[0] = span
+    for tab in ids:
+        used = -(-seq_end // block_size)
+        tab[torch.arange(width)[None, :] >= used[:, None]] = -1
+        released = torch.randint(0, 3, (b,), generator=g)
+        released[0] = 0  # sequence 0 keeps every block (its window-closing tokens below find their rows)
+        tab[torch.arange(width)[None, :] < released[:, None] - 1] = -1
+    seq = torch.randint(0, b - 1, (t,), generator=g)
+    seq[-2:] = b - 1  # two padding tokens
+    pos = (torch.rand(t, generator=g) * seq_end[seq]).long()
+    pos[-2:] = 0
+    seq[:2] = 0
+    pos[:2] = torch.tensor([min(span, 256) - 1, 127])  # tokens that close CSA and HCA windows
+    return seq, pos, ids[0].clone(), ids[1].clone(), ids[2].clone(), seq_end
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("b, t, block_size, span, window, kinds", [
+    (2, 5, 128, 300, 16, ((4, True), (128, False))),
+    (4, 9, 256, 700, 128, ((4, True), (128, False))),
+    (3, 5, 128, 260, 8, ((128, False),)),
+    (2, 4, 64, 100, 16, ()),
+])
+def test_step_rows_match_reference(b, t, block_size, span, window, kinds, device) -> None:
+    """Every row list of the one-launch derivation equals the reference's, padding tokens included."""
+    from deepinfer.ops.ref.step_rows import step_rows as ref_rows
+    from deepinfer.ops.triton.step_rows import step_rows
+
+    args = _step_index_tensors(b, t, block_size, span, seed=b * t + span)
+    rest = (span, block_size, window, kinds, 9999, 8888)
+    want = ref_rows(*args, *rest)
+    got = step_rows(*(a.to(device) for a in args), *rest)
+    assert (want[2] >= 0).any() and (want[2] < 0).any()  # the case has keys present and missing
+    assert all((k.slot_rows >= 0).any() and (k.entry_rows >= 0).any() for k in want[3])
+    for name, w, x in zip(("window_rows", "state_rows", "window_keys"), want[:3], got[:3]):
+        assert x.dtype == w.dtype and torch.equal(x.cpu(), w), name
+    assert len(got[3]) == len(kinds)
+    for kind, wk, xk in zip(kinds, want[3], got[3]):
+        for field in wk._fields:
+            w, x = getattr(wk, field), getattr(xk, field)
+            if w is None:
+                assert x is None, (kind, field)
+            else:
+                assert x.dtype == w.dtype and torch.equal(x.cpu(), w), (kind, field)
