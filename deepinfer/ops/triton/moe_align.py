@@ -13,8 +13,10 @@ a decode MoE call. No sort is needed, only counting:
           order stable without atomics. Per-expert values are picked for each pair by a one-hot
           [CHUNK, E] select-and-sum (no gather through memory, so no barriers inside a program).
   fill    block b belongs to the expert e with block_start[e] <= b < block_end[e] (experts with no pair
-          own no block), else -1; its rows past that expert's count are padding and get -1. Placement
-          writes exactly the other rows, so the two never write the same element and need no ordering.
+          own no block), else -1; its rows past that expert's count are padding and get -1. Each expert
+          writes its own blocks' ids and its last block's padding rows; blocks past the routed ones are
+          all -1. Placement writes exactly the other rows, so the two never write the same element and
+          need no ordering.
 
 Up to ONE_PROGRAM_PAIRS pairs (small decode batches) one program does all three steps: one launch. Beyond
 that, one program per ONE_PROGRAM_PAIRS pairs counts its range, a single program turns the counts into
@@ -57,8 +59,8 @@ def _count_range(ids_ptr, p0, p1, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(p0, p1, CHUNK):
         p = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + p, mask=p < p1, other=-1).to(tl.int32)
-        counts += tl.sum(_one_hot(ids, E_PAD), axis=0)
+        ids = tl.load(ids_ptr + p, mask=p < p1, other=0).to(tl.int32)
+        counts += tl.histogram(ids, E_PAD, mask=p < p1)
     return counts
 
 
@@ -85,28 +87,32 @@ def _place_range(ids_ptr, pair_ptr, p0, p1, seen, E_PAD: tl.constexpr, CHUNK: tl
         before = (ids[None, :] == ids[:, None]) & (i[None, :] < i[:, None])
         rank = tl.sum(before.to(tl.int32), axis=1)
         tl.store(pair_ptr + first + rank, p, mask=ok)
-        seen += tl.sum(hot, axis=0)
+        seen += tl.histogram(tl.where(ok, ids, 0), E_PAD, mask=ok)
 
 
 @triton.jit
-def _fill_blocks(pair_ptr, expert_ptr, b0, b1, counts, block_start, block_end,
+def _fill_blocks(pair_ptr, expert_ptr, e0, e1, b0, b1, counts, block_start, block_end,
                  E_PAD: tl.constexpr, BM: tl.constexpr, NB_TILE: tl.constexpr):
-    """expert_of_block for blocks [b0, b1), and -1 in their padding rows."""
+    """For experts [e0, e1): expert_of_block of their blocks and -1 in the padding rows of their last block.
+    For blocks [b0, b1) past all routed blocks: expert -1 and every row -1.
+
+    Written from the experts' side (each expert stores its id into its own blocks, one store per block
+    index k < blocks[e]), so no [blocks, experts] tile is compared and reduced."""
     e = tl.arange(0, E_PAD)
+    mine = (e >= e0) & (e < e1)
+    blocks = block_end - block_start
+    for k in range(0, tl.max(tl.where(mine, blocks, 0), axis=0)):
+        tl.store(expert_ptr + block_start + k, e, mask=mine & (k < blocks))
+    # An expert's pairs fill its rows from the first one on: only its last block can have padding rows.
     r = tl.arange(0, BM)
-    for t0 in range(b0, b1, NB_TILE):
+    used = counts - (blocks - 1) * BM
+    pad = (mine & (blocks > 0))[:, None] & (r[None, :] >= used[:, None])
+    tl.store(pair_ptr + (block_end - 1)[:, None] * BM + r[None, :], tl.full([E_PAD, BM], -1, tl.int32), mask=pad)
+    for t0 in range(tl.maximum(b0, tl.max(block_end, axis=0)), b1, NB_TILE):
         b = t0 + tl.arange(0, NB_TILE)
         ok = b < b1
-        # At most one expert owns a block; none owns blocks past the real count.
-        own = ((block_start[None, :] <= b[:, None]) & (b[:, None] < block_end[None, :])).to(tl.int32)
-        owned = tl.sum(own, axis=1) > 0
-        expert = tl.where(owned, tl.sum(own * e[None, :], axis=1), -1)
-        tl.store(expert_ptr + b, expert, mask=ok)
-        # Rows of this block holding pairs: the owner's count minus the rows of its earlier blocks, capped.
-        left = counts[None, :] - (b[:, None] - block_start[None, :]) * BM
-        used = tl.sum(own * tl.minimum(left, BM), axis=1)
-        pad = (r[None, :] >= used[:, None]) & ok[:, None]
-        tl.store(pair_ptr + b[:, None] * BM + r[None, :], tl.full([NB_TILE, BM], -1, tl.int32), mask=pad)
+        tl.store(expert_ptr + b, tl.full([NB_TILE], -1, tl.int32), mask=ok)
+        tl.store(pair_ptr + b[:, None] * BM + r[None, :], tl.full([NB_TILE, BM], -1, tl.int32), mask=ok[:, None])
 
 
 @triton.jit
@@ -116,7 +122,7 @@ def _align_one_program_kernel(ids_ptr, pair_ptr, expert_ptr, n_pairs, num_blocks
     counts = _count_range(ids_ptr, 0, n_pairs, E_PAD, CHUNK)
     block_start, block_end = _block_bounds(counts, BM)
     _place_range(ids_ptr, pair_ptr, 0, n_pairs, block_start * BM, E_PAD, CHUNK)
-    _fill_blocks(pair_ptr, expert_ptr, 0, num_blocks, counts, block_start, block_end, E_PAD, BM, NB_TILE)
+    _fill_blocks(pair_ptr, expert_ptr, 0, E_PAD, 0, num_blocks, counts, block_start, block_end, E_PAD, BM, NB_TILE)
 
 
 @triton.jit
@@ -154,10 +160,12 @@ def _place_kernel(ids_ptr, hist_ptr, pair_ptr, expert_ptr, n_pairs, n_ranges, nu
     seen = block_start * BM + tl.load(hist_ptr + c * E_PAD + e)
     p0 = c * PER
     _place_range(ids_ptr, pair_ptr, p0, tl.minimum(p0 + PER, n_pairs), seen, E_PAD, CHUNK)
-    share = tl.cdiv(num_blocks, n_ranges)  # blocks are split evenly over the range programs
+    # Experts and the blocks past the routed ones are split evenly over the range programs.
+    e_share = tl.cdiv(E_PAD, n_ranges)
+    share = tl.cdiv(num_blocks, n_ranges)
     b0 = c * share
-    _fill_blocks(pair_ptr, expert_ptr, b0, tl.minimum(b0 + share, num_blocks), counts, block_start, block_end,
-                 E_PAD, BM, NB_TILE)
+    _fill_blocks(pair_ptr, expert_ptr, c * e_share, (c + 1) * e_share, b0, tl.minimum(b0 + share, num_blocks), counts,
+                 block_start, block_end, E_PAD, BM, NB_TILE)
 
 
 def _output(n: int, device: torch.device) -> torch.Tensor:
