@@ -1,6 +1,7 @@
-"""Same process A/B of the MoE pair alignment: moe_align_old.py (beside this script: the one-hot fill and
-counts) vs the working tree's ops/triton/moe_align.py (fill from the experts' side, tl.histogram counts),
-V4-Flash routing (E=256, k=6, block_m=16), graph-timed, outputs compared bitwise."""
+"""Same process A/B of the MoE pair alignment: moe_align_old.py beside this script (the one-hot fill and
+counts: `git show 636ef29:deepinfer/ops/triton/moe_align.py > bench/results/raw/run52/moe_align_old.py`) vs
+the working tree's ops/triton/moe_align.py (fill from the experts' side, tl.histogram counts), V4-Flash
+routing (E=256, k=6, block_m=16), graph-timed, outputs compared bitwise."""
 import importlib.util, json, os, sys
 from pathlib import Path
 sys.path[:0] = ["."]
