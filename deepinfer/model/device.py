@@ -143,11 +143,6 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = N
     if overlap and device.type != "cuda":
         raise ValueError(f"overlap needs a CUDA device, the model is on {device}")
     branches = Branches(device) if overlap else INLINE
-    for module in model.modules():
-        if hasattr(module, "ops"):
-            module.ops = ops
-        if hasattr(module, "branches"):
-            module.branches = branches
     for name, qw in quantized.items():
         if qw.format == "fp8" and ".experts." not in name and name.endswith(".weight"):
             parent, leaf = _parent(model, name[: -len(".weight")])
@@ -158,6 +153,11 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = N
                 module.fused = FusedFP4Experts(name, len(module.experts), quantized, module.cfg.swiglu_limit, ops)
                 module.experts = nn.ModuleList()  # the dequantized copies are no longer read
     model.quantized = {}
-    model.ops = ops
     use_batched_path(model)
+    for module in model.modules():  # after stacking: the stacks take the op table too
+        if hasattr(module, "ops"):
+            module.ops = ops
+        if hasattr(module, "branches"):
+            module.branches = branches
+    model.ops = ops
     return model

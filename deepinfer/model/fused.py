@@ -19,10 +19,13 @@ import torch
 from torch import nn
 
 from deepinfer.model.linear import Linear
+from deepinfer.ops.table import REF, OpTable
 
 
 class StackedLinear(nn.Module):
     """Row-stacked projections of one input: ``forward(x)`` -> [T, sum(out)]; ``cols[name]`` -> column start."""
+
+    ops: OpTable = REF  # bf16 stacks run ops.linear (replaced by model/device.py for accelerated runs)
 
     def __init__(self, parts: list[tuple[str, nn.Module]]) -> None:
         super().__init__()
@@ -52,6 +55,8 @@ class StackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is not None:
             return torch.cat([m(x) for m in self.parts], dim=-1)
+        if isinstance(self.inner, Linear):
+            return self.ops.linear(x, self.inner.weight)
         return self.inner(x)
 
 

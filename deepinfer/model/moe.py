@@ -74,7 +74,7 @@ class MoE(nn.Module):
 
     def _route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        logits = F.linear(x, self.gate.weight)
+        logits = self.ops.linear(x, self.gate.weight)
         weights, indices = self.ops.moe_route(
             logits,
             c.scoring_func,

@@ -8,6 +8,7 @@ the Triton kernels, imported lazily so that only a CUDA process loads Triton. En
   fp8_linear(x [M,K], weight e4m3 [N,K], scale fp32 [N/128,K/128]) -> [M,N]
   fp8_linear_grouped(x [M,G*K], weight [G*r,K], scale, G) -> [M,G*r] (block-diagonal, one launch)
   moe_experts_fp4(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, out=None, add=None) -> [T,H]
+  linear(x [M,K], weight [N,K]) -> [M,N]   (bf16 side projections and the MoE router)
 
 The index-list entries serve the batched step path (``model/attention_indexed.py``), which reads the paged
 cache through per-step row lists instead of gathered per-sequence tensors:
@@ -55,6 +56,7 @@ from deepinfer.ops.ref import compress_emit as ref_emit
 from deepinfer.ops.ref import compress_state as ref_state
 from deepinfer.ops.ref import fp8_linear as ref_fp8
 from deepinfer.ops.ref import indexer_topk as ref_index
+from deepinfer.ops.ref import linear as ref_linear
 from deepinfer.ops.ref import mhc as ref_mhc
 from deepinfer.ops.ref import moe as ref_route
 from deepinfer.ops.ref import moe_experts as ref_moe
@@ -89,6 +91,7 @@ class OpTable:
     swiglu: Callable
     fp4_expert_layout: Callable
     step_rows: Callable
+    linear: Callable
 
 
 def _checkpoint_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +108,8 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
               ref_state.compress_state, ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
               rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
               rope=ref_rn.rope, moe_route=ref_route.route, swiglu=ref_swiglu.swiglu,
-              fp4_expert_layout=_checkpoint_layout, step_rows=ref_rows.step_rows)
+              fp4_expert_layout=_checkpoint_layout, step_rows=ref_rows.step_rows,
+              linear=ref_linear.linear)
 
 
 def triton_ops() -> OpTable:
@@ -114,6 +118,7 @@ def triton_ops() -> OpTable:
     from deepinfer.ops.triton import fp4_codes as tri_fp4
     from deepinfer.ops.triton import fp8_linear as tri_fp8
     from deepinfer.ops.triton import indexer_topk as tri_index
+    from deepinfer.ops.triton import linear as tri_linear
     from deepinfer.ops.triton import mhc as tri_mhc
     from deepinfer.ops.triton import moe_experts as tri_moe
     from deepinfer.ops.triton import moe_route as tri_route
@@ -140,7 +145,8 @@ def triton_ops() -> OpTable:
                    tri_state.compress_state, tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
                    rope=tri_rn.rope, moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
-                   fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows)
+                   fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
+                   linear=tri_linear.linear)
 
 
 def select(device: str) -> OpTable:
