@@ -251,6 +251,18 @@ def _fp8_decode_kernel(
 
 
 @triton.jit
+def load_swap_ab(w_ptr, x_ptr, offs_n, offs_m, k_idx, n_mask, m_mask, K, stride_wn, stride_xm):
+    """One K step of a swap-AB GEMM: the weight tile [BN, BK] (rows offs_n) and xᵀ [BK, BM] (tokens offs_m),
+    zero outside N, M and K."""
+    k_mask = k_idx < K
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k_idx[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0)
+    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k_idx[:, None], mask=m_mask[None, :] & k_mask[:, None],
+                 other=0.0)
+    return w, xt
+
+
+@triton.jit
 def _fp8_linear_wa_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym,
@@ -280,12 +292,7 @@ def _fp8_linear_wa_kernel(
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_idx = k0 + offs_k
-        k_mask = k_idx < K
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k_idx[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k_idx[:, None], mask=m_mask[None, :] & k_mask[:, None],
-                     other=0.0)
+        w, xt = load_swap_ab(w_ptr, x_ptr, offs_n, offs_m, k0 + offs_k, n_mask, m_mask, K, stride_wn, stride_xm)
         s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
         if IEEE:
             acc = tl.dot(w.to(tl.float32) * s[:, None], xt.to(tl.float32), acc, input_precision="ieee")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deepinfer.ops.triton.fp8_linear import MAX_TILES, _split, _tickets, _write_tile
+from deepinfer.ops.triton.fp8_linear import MAX_TILES, _split, _tickets, _write_tile, load_swap_ab
 
 # The interpreter multiplies bf16 operands as raw bits: interpreted runs use fp32 dots (exact products).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -45,12 +45,7 @@ def _linear_decode_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        k_idx = k0 + offs_k
-        k_mask = k_idx < K
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k_idx[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k_idx[:, None], mask=m_mask[None, :] & k_mask[:, None],
-                     other=0.0)
+        w, xt = load_swap_ab(w_ptr, x_ptr, offs_n, offs_m, k0 + offs_k, n_mask, m_mask, K, stride_wn, stride_xm)
         if IEEE:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:

@@ -100,10 +100,10 @@ def _step_rows_kernel(
         b = pid - T
         end = tl.load(end_ptr + b)
         if KINDS > 0:
-            _entry_list(seqrows0 + b * cols0, hist_tab, b, end, end // M0 + 1, block_size // M0, width, stride_h,
+            _entry_list(seqrows0 + b * cols0, hist_tab, b, end, end // M0, block_size // M0, width, stride_h,
                         cols0, M0, CHUNK)
         if KINDS > 1:
-            _entry_list(seqrows1 + b * cols1, hist_tab, b, end, end // M1 + 1, block_size // M1, width, stride_h,
+            _entry_list(seqrows1 + b * cols1, hist_tab, b, end, end // M1, block_size // M1, width, stride_h,
                         cols1, M1, CHUNK)
 
 
