@@ -118,6 +118,29 @@ def test_hc_pre_v4_shapes(T, dtype, device) -> None:
     _check_pre(T, 4, 4096, dtype, device, seed=T)
 
 
+@pytest.mark.parametrize("case", ["softmax", "peaked", "tiny_eps"])
+def test_sinkhorn_fast_division_same_bits(case, device, monkeypatch) -> None:
+    """The Sinkhorn rounds by the division's fast path (``FAST_DIV``) give div_rn's bits: on V4-like inputs
+    (fast path throughout), and where operands leave [2^-60, 2^60] (eps 1e-30 with peaked logits: entries
+    near 1e-30), which must take the div_rn rounds instead; and peaked logits (entries at eps). GPU only
+    (inline PTX)."""
+    eps = 1e-30 if case == "tiny_eps" else EPS
+    streams, fn, base, scale = _case(300, 4, 256, torch.bfloat16, 11, device)
+    if case != "softmax":
+        scale = torch.tensor([1.0, 1.5, 400.0 if case == "tiny_eps" else 4e4], device=device)
+    got = {}
+    for fast in (True, False):
+        monkeypatch.setattr(tri, "FAST_DIV", fast)
+        got[fast] = _pre(streams, fn, base, scale, ITERS, eps, EPS)
+    for g, w in zip(got[True], got[False]):
+        assert torch.equal(g, w)
+    if case == "tiny_eps":
+        assert got[True][2].min() < 2.0**-60  # the fallback was needed
+    if case == "softmax":  # (peaked logits amplify the mixes' rounding beyond the reference tolerance)
+        want = ref.hc_pre(streams, fn, base, scale, ITERS, eps, EPS)
+        assert rel_err(got[True][2], want[2]) <= 1e-5, rel_err(got[True][2], want[2])
+
+
 def _check_head(T, N, H, dtype, device, seed=0) -> None:
     args = _case(T, N, H, dtype, seed, device, head=True)
     out = torch.full((T, H), float("nan"), dtype=dtype, device=device)

@@ -89,6 +89,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.triton import pdl
+
 # Triton 3.6's CPU interpreter truncates fp32 -> bf16; interpreted runs round the bits first (``_to_out``).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: the partial-sum scratch and internally allocated outputs start as NaN.
@@ -99,6 +101,9 @@ BLOCK_K = 32  # inner step of the mixes loop; min(BLOCK_K, K_CHUNK) divides K_CH
 BLOCK_H = 512  # H elements per collapse step of the finish kernel (4 KB of bf16 streams per step)
 POST_BLOCK_H = 1024  # H elements per post program: 4 warps x 32 lanes x 8 (one 16-byte bf16 vector each)
 FINISH_PROGRAMS = 1024  # collapse programs per token: min(H blocks, ceil(FINISH_PROGRAMS / T))
+# The Sinkhorn rounds' divisions by their branch-free fast path (``_div_fast``; same bits as div_rn). Tests
+# switch it off to compare.
+FAST_DIV = True
 
 
 @triton.jit
@@ -117,8 +122,10 @@ def _to_out(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _mixes_kernel(x_ptr, fn_ptr, part_ptr, T, K, ROWS,
-                  K_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr):
+                  K_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """part[s, t, :ROWS] = x[t, chunk s] @ fn[:, chunk s].T and part[s, t, ROWS] = sum x[t, chunk s]^2."""
+    pdl.enter(PDL)
     s = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_m = tl.arange(0, MP)
@@ -140,12 +147,46 @@ def _mixes_kernel(x_ptr, fn_ptr, part_ptr, T, K, ROWS,
     tl.store(part_ptr + rows[:, None] + offs_m[None, :], acc, mask=t_ok[:, None] & (offs_m[None, :] <= ROWS))
 
 
+@triton.jit
+def _sinkhorn_rounds(comb, iters, hc_eps):
+    """One column normalisation, then (iters - 1) row/column rounds, each a correctly rounded division."""
+    comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
+    return comb
+
+
+@triton.jit
+def _div_fast(x, d):
+    """x / d by the fast path of the GPU's correctly rounded fp32 division (reciprocal estimate, one Newton
+    step, one residual correction), without its range check and its branch to the slow path. The compiled
+    ``div_rn`` puts each division behind that branch, so a Sinkhorn round's divisions ran one after the
+    other (~50 cycles each, 8 per round, ~20 rounds: most of the finish kernel's time); these overlap. The
+    result equals ``div_rn``'s wherever the check would pass: both operands' magnitudes well inside the
+    normal range (the caller tracks them)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 r, e, q, nd; rcp.approx.ftz.f32 r, $2; neg.f32 nd, $2; fma.rn.f32 e, nd, r, 0f3F800000; "
+        "fma.rn.f32 r, r, e, r; mul.rn.f32 q, $1, r; fma.rn.f32 e, nd, q, $1; fma.rn.f32 $0, e, r, q; }",
+        "=f,f,f", [x, tl.broadcast_to(d, x.shape)], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _span(bounds, v, cm):
+    """(lo, hi): running min / max of the magnitudes of ``v`` (dividends, divisors) over the valid entries."""
+    lo, hi = bounds
+    a = tl.where(cm, tl.abs(tl.broadcast_to(v, lo.shape)), 1.0)
+    return tl.minimum(lo, a), tl.maximum(hi, a)
+
+
 @triton.jit(do_not_specialize=["T", "BLOCKS", "SINK"])
 def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb_ptr,
                    T, H, ROWS, iters, hc_eps, norm_eps, BLOCKS, SINK,
                    N: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr,
-                   BLOCK_H: tl.constexpr, HEAD: tl.constexpr, INTERPRET: tl.constexpr):
+                   BLOCK_H: tl.constexpr, HEAD: tl.constexpr, INTERPRET: tl.constexpr,
+                   FAST_DIV: tl.constexpr = False, PDL: tl.constexpr = False):
     """Token t, program p: collapsed for H blocks [p*BLOCKS, (p+1)*BLOCKS); post and comb if p == SINK."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     b0 = p * BLOCKS
@@ -186,10 +227,30 @@ def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb
             e = tl.where(cm, tl.exp(logit - mx[:, None]), 0.0)
             den = tl.where(vi, tl.sum(e, axis=1), 1.0)
             comb = tl.where(cm, tl.div_rn(e, den[:, None]) + hc_eps, 0.0)  # padded entries stay 0 below
-            comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
-            for _ in range(iters - 1):
-                comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None] + hc_eps)
-                comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
+            if FAST_DIV:
+                # The rounds with the division's fast path, branch-free (``_div_fast``). Its result is the
+                # correctly rounded quotient whenever the operands stay inside [2^-60, 2^60]; the extreme
+                # operands are tracked, and outside that range (never for softmax weights) the rounds are
+                # run again with div_rn. One result either way: the same bits as div_rn.
+                lo = tl.full(comb.shape, 1.0, tl.float32)
+                hi = lo
+                d = tl.sum(comb, axis=0)[None, :] + hc_eps
+                lo, hi = _span(_span((lo, hi), comb, cm), d, cm)
+                fast = _div_fast(comb, d)
+                for _ in range(iters - 1):
+                    d = tl.sum(fast, axis=1)[:, None] + hc_eps
+                    lo, hi = _span(_span((lo, hi), fast, cm), d, cm)
+                    fast = _div_fast(fast, d)
+                    d = tl.sum(fast, axis=0)[None, :] + hc_eps
+                    lo, hi = _span(_span((lo, hi), fast, cm), d, cm)
+                    fast = _div_fast(fast, d)
+                in_range = (tl.min(lo) >= 8.673617379884035e-19) & (tl.max(hi) <= 1.152921504606847e18)  # 2^+-60
+                if in_range:
+                    comb = fast
+                else:
+                    comb = _sinkhorn_rounds(comb, iters, hc_eps)
+            else:
+                comb = _sinkhorn_rounds(comb, iters, hc_eps)
             tl.store(post_ptr + t * N + i, post, mask=vi)
             tl.store(comb_ptr + t * N * N + i[:, None] * N + j[None, :], comb, mask=cm)
     # collapsed = sum_k pre_k * x_k in fp32 (the reference's promotion), one cast to the stream dtype. One
@@ -211,8 +272,10 @@ def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, H,
-                 N: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                 N: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """y[t, k, h-block] = rnd(rnd(rnd(post_k) * out) + rnd(sum_j rnd(comb[j, k]) * x_j)), rnd = stream dtype."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -263,7 +326,8 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     part = _empty((split, t, rows + 1), torch.float32, dev)
     _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
                                                     K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
-                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
+                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1),
+                                                    **pdl.kwargs())
     block_h = min(BLOCK_H, triton.next_power_of_2(h))
     n_blocks = triton.cdiv(h, block_h)
     # Collapse programs per token: every H block apart for small T, one program per token once T fills the
@@ -274,7 +338,8 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     _finish_kernel[(t, progs + (sink > 0))](
         x, part, base, scale, collapsed, post, comb, t, h, rows, int(iters), float(hc_eps), float(norm_eps),
         per_prog, sink, N=n, NP=triton.next_power_of_2(n), SPLIT=split, SP=triton.next_power_of_2(split),
-        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, num_warps=1)
+        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, FAST_DIV=FAST_DIV and not _INTERPRET, num_warps=1,
+        **pdl.kwargs())
     return collapsed, post, comb
 
 
@@ -311,5 +376,6 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
     _post_kernel[(t, triton.cdiv(h, block_h))](x, out.contiguous(), post.float().contiguous(),
                                                comb.float().contiguous(), y, h,
                                                N=n, NP=triton.next_power_of_2(n), BLOCK_H=block_h,
-                                               INTERPRET=_INTERPRET, num_warps=4, enable_fp_fusion=False)
+                                               INTERPRET=_INTERPRET, num_warps=4, enable_fp_fusion=False,
+                                               **pdl.kwargs())
     return y
