@@ -145,12 +145,11 @@ def fp8_kernels():
             yield (f"fp8 linear m{bm} n{bn} w{warps} s{stages}{cvt}", fp8._fp8_linear_kernel, sig,
                    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "IEEE": False, "SPLIT": 4, "BITS": bits}, div,
                    warps, stages, bn * 128)
-    dec = {k: v for k, v in sig.items() if k not in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "IEEE", "SPLIT", "BITS")}
-    dec.update(w_ptr="*i32", prefetch_bytes="i32", BLOCK_M="constexpr", SPLIT="constexpr", PDL="constexpr")
+    dec = {k: v for k, v in sig.items() if k not in ("BLOCK_N", "BLOCK_K", "IEEE", "BITS")}
+    dec["w_ptr"] = "*i32"  # the codes as 32-bit words
     for bm, bn, warps, stages in DECODE_VARIANTS:
-        for pdl in (False, True):
-            yield (f"fp8 decode m{bm} n{bn} w{warps} s{stages}{' pdl' if pdl else ''}", fp8._fp8_decode_kernel, dec,
-                   {"BLOCK_M": bm, "SPLIT": 4, "PDL": pdl}, div, warps, stages, bn * 128)
+        yield (f"fp8 decode m{bm} n{bn} w{warps} s{stages}", fp8._fp8_decode_kernel, dec,
+               {"BLOCK_M": bm, "SPLIT": 4}, div, warps, stages, bn * 128)
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) of the swap-AB decode kernel.

@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.compress_emit import check_compress_emit_args
-from deepinfer.ops.triton import pdl
 from deepinfer.ops.triton.rounding import round_to
 
 # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even: see ``ops/triton/rounding.py``.
@@ -69,9 +68,8 @@ def _compress_emit_kernel(
     state_ptr, slot_ptr, entry_ptr, out_ptr, nw_ptr, cos_ptr, sin_ptr,
     W, S, NS, HALF, ROPE_OFF, eps,
     stride_state, stride_slot, stride_out, stride_cos, stride_sin,
-    BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     erow = tl.load(entry_ptr + t)
     if erow < 0:  # closes no window (or padding): read nothing, write nothing
@@ -144,5 +142,5 @@ def compress_emit(state: torch.Tensor, slot_rows: torch.Tensor, entry_rows: torc
         state, slot_rows, entry_rows, out, norm_weight, cos, sin,
         w, 2 * w if overlap else w, ns, ns // 2 if overlap else ns, (w - rope_dim) // 2, float(eps),
         state.stride(0), slot_rows.stride(0), out.stride(0), cos.stride(0), sin.stride(0),
-        BLOCK_S=block_s, BLOCK_W=block_w, INTERPRET=_INTERPRET, num_warps=4, **pdl.kwargs(),
+        BLOCK_S=block_s, BLOCK_W=block_w, INTERPRET=_INTERPRET, num_warps=4,
     )

@@ -13,13 +13,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.compress_state import check_compress_state_args
-from deepinfer.ops.triton import pdl
 
 
 @triton.jit
 def _compress_state_kernel(proj_ptr, state_ptr, rows_ptr, ape_ptr, pos_ptr, col, S, m, stride_p, stride_s,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl.enter(PDL)
+                           BLOCK: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < S
@@ -43,4 +41,4 @@ def compress_state(proj: torch.Tensor, col: int, state: torch.Tensor, rows: torc
     block = min(1024, triton.next_power_of_2(s))
     _compress_state_kernel[(t, triton.cdiv(s, block))](
         proj, state, rows.contiguous(), ape, positions.contiguous(), col, s, ape.shape[0], proj.stride(0),
-        state.stride(0), BLOCK=block, num_warps=4, **pdl.kwargs())
+        state.stride(0), BLOCK=block, num_warps=4)

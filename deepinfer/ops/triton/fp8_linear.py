@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops import lanes
-from deepinfer.ops.triton import pdl
 
 SCALE_BLOCK = 128
 # e4m3 -> bf16 by integer bit placement (``_e4m3_to_bf16``) instead of the hardware conversion; the same
@@ -113,9 +112,8 @@ def _fp8_linear_kernel(
     M, N, K, k_per_split, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, BITS: tl.constexpr,
 ):
-    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -196,8 +194,8 @@ def _memory_rows(t):
 def _fp8_decode_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
     M, N, K, k_per_split, group_rows,
-    stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit, prefetch_bytes,
-    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
+    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Small-M path for power-of-two scales, swap-AB: yᵀ tile [64, BM] = (w · s) [64, K] @ xᵀ [K, BM], split
     over K like ``_fp8_linear_kernel``.
@@ -216,11 +214,6 @@ def _fp8_decode_kernel(
     pid_k = tl.program_id(1)
     x_ptr += (pid_n * BLOCK_N // group_rows) * K  # grouped use, as in _fp8_linear_kernel
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = pid_k * k_per_split
-    # The weight slice's head moves into L2 while the predecessor still runs (ops/triton/pdl.py).
-    pdl.prefetch_rows(w_ptr + tl.minimum(offs_n, N - 1) * (stride_wn // 4) + k_start // 4,
-                      tl.minimum(prefetch_bytes, K - k_start), PDL)
-    pdl.enter(PDL)
     col = tl.arange(0, 64)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -230,6 +223,7 @@ def _fp8_decode_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + col[None, :]
     s_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn  # 64 rows lie in one 128-row scale block
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), 128):  # K % 128 == 0 (the launcher checks)
         k1 = k0 + 64
         w = tl.join(tl.load(w_ptrs + k0 // 4, mask=w_rows_ok, other=0), tl.load(w_ptrs + k1 // 4, mask=w_rows_ok,
@@ -273,7 +267,7 @@ def _fp8_linear_wa_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = False,
+    IEEE: tl.constexpr, BITS: tl.constexpr,
 ):
     """Large-M path for power-of-two (UE8M0) scales: yᵀ tile [BN, BM] = (w · s) [BN, K] @ xᵀ [K, BM].
 
@@ -281,7 +275,6 @@ def _fp8_linear_wa_kernel(
     power-of-two scale keeps it exact), so all K blocks chain into one accumulator and the MMAs pipeline,
     instead of one MMA per K block followed by an fp32 rescale.
     """
-    pdl.enter(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -396,7 +389,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
             x, weight, scale, y, m, n, k, group_rows, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
             BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=128, GROUP_M=c["GROUP_M"], IEEE=_INTERPRET,
             BITS=E4M3_BY_BITS,
-            num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl.kwargs(),
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return y
     if (pow2_scales and m <= DECODE_MAX_M and x.dtype == torch.bfloat16 and not _INTERPRET and k % 128 == 0
@@ -413,7 +406,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, SPLIT=split,
         BITS=E4M3_BY_BITS,
-        num_warps=warps, num_stages=stages, **pdl.kwargs(),
+        num_warps=warps, num_stages=stages,
     )
     return y
 
@@ -431,6 +424,6 @@ def _launch_decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y
     _fp8_decode_kernel[grid](
         x, weight.view(torch.int32), scale, y, part, _tickets(x.device), m, n, k, k_per_split, group_rows,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
-        pdl.row_bytes(k_per_split), BLOCK_M=bm, SPLIT=split, num_warps=warps, num_stages=stages, **pdl.kwargs(),
+        BLOCK_M=bm, SPLIT=split, num_warps=warps, num_stages=stages,
     )
     return y

@@ -26,8 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.triton import pdl
-
 # Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -38,10 +36,9 @@ def _index_score_kernel(
     E, Hi, Di, softmax_scale,
     stride_ql, stride_qh, stride_wl, stride_k, stride_rl, stride_ol,
     BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    SHARED_ROWS: tl.constexpr, PDL: tl.constexpr = False,
+    SHARED_ROWS: tl.constexpr,
 ):
     # One flat axis (no 65535 limit on the number of queries); a query's entry blocks are adjacent.
-    pdl.enter(PDL)
     n_eb = tl.cdiv(E, BLOCK_E)
     eb = tl.program_id(0) % n_eb
     lq = (tl.program_id(0) // n_eb).to(tl.int64)
@@ -113,7 +110,7 @@ def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), rows.stride(0), out.stride(0),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(di)),
         IEEE=q.dtype == torch.float32 or _INTERPRET, SHARED_ROWS=shared, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl.kwargs(),
+        num_stages=cfg["num_stages"],
     )
     return out
 
@@ -127,10 +124,9 @@ def scores_from_keys(sort_keys: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _picks_kernel(best_ptr, lim_ptr, rows_ptr, qrows_ptr, out_ptr, e, k, stride_b, stride_r, stride_o,
-                  AS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                  AS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Sort keys of the top k (any order) -> entry numbers (or their row ids) best first, -1 past the query's
     limit. Keys are unique per entry, so the in-register sort gives exactly a sorted top-k's order."""
-    pdl.enter(PDL)
     lq = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < k
@@ -170,5 +166,5 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
         qrows = torch.arange(L, device=q.device, dtype=torch.int32) if as_rows else lims
     out = torch.empty((L, k), dtype=torch.int32 if as_rows else torch.long, device=q.device)
     _picks_kernel[(L,)](best, lims, rows, qrows, out, e, k, best.stride(0), rows.stride(0), out.stride(0),
-                        AS_ROWS=as_rows, BLOCK=triton.next_power_of_2(k), num_warps=4, **pdl.kwargs())
+                        AS_ROWS=as_rows, BLOCK=triton.next_power_of_2(k), num_warps=4)
     return out

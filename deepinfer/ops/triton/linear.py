@@ -17,7 +17,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deepinfer.ops.triton import pdl
 from deepinfer.ops.triton.fp8_linear import MAX_TILES, _split, _tickets, _write_tile, load_swap_ab
 
 # The interpreter multiplies bf16 operands as raw bits: interpreted runs use fp32 dots (exact products).
@@ -32,23 +31,19 @@ CONFIGS = {16: (16, 4, 4), 32: (32, 4, 4), 64: (64, 4, 3)}  # M bucket -> (BLOCK
 @triton.jit
 def _linear_decode_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_ym, stride_pm, stride_psplit, prefetch_bytes,
+    stride_xm, stride_wn, stride_ym, stride_pm, stride_psplit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = pid_k * k_per_split
-    # The weight slice's head moves into L2 while the predecessor still runs (ops/triton/pdl.py).
-    pdl.prefetch_rows(w_ptr + tl.minimum(offs_n, N - 1) * stride_wn + k_start,
-                      tl.minimum(prefetch_bytes, (K - k_start) * 2), PDL)
-    pdl.enter(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = pid_k * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         w, xt = load_swap_ab(w_ptr, x_ptr, offs_n, offs_m, k0 + offs_k, n_mask, m_mask, K, stride_wn, stride_xm)
         if IEEE:
@@ -77,7 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _linear_decode_kernel[(tiles, split)](
         x, weight, y, part, _tickets(x.device), m, n, k, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0), part.stride(-2), part.stride(0),
-        pdl.row_bytes(k_per_split * weight.element_size()), BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=split, IEEE=_INTERPRET,
-        num_warps=warps, num_stages=stages, **pdl.kwargs(),
+        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=split, IEEE=_INTERPRET,
+        num_warps=warps, num_stages=stages,
     )
     return y

@@ -68,7 +68,11 @@ Why these choices:
 * Normalise after the dot: r * (x @ fn.T) equals (r * x) @ fn.T, the reference's order, up to fp32
   rounding; it lets one pass over x give both the sums of squares and the products.
 * Sinkhorn and the softmax use round-to-nearest division (``div_rn``) like torch: the default fp32 ``/``
-  on the GPU is approximate (2 ulp) and 2*iters divisions would compound.
+  on the GPU is approximate (2 ulp) and 2*iters divisions would compound. The Sinkhorn rounds take the
+  correctly rounded division's own fast path without its per-division branch (``_div_fast``, the same bits
+  while the operands stay in a range the kernel checks, else the rounds are redone with ``div_rn``): the
+  divisions of a round overlap instead of running one after another, hc_pre 11.7 -> 8.3 µs at T = 1
+  (bench/results/NOTES.md, run 55).
 * ``hc_post`` rounds where the reference rounds (post and comb cast to the stream dtype, post*out rounded,
   the comb mix accumulated in fp32 and rounded as a matmul does, then the rounded sum), so bf16 results
   match it bit for bit except where the 4-term fp32 mix sums in another order (rare 1-ulp flips: 4e-6
@@ -89,7 +93,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.triton import pdl
 
 # Triton 3.6's CPU interpreter truncates fp32 -> bf16; interpreted runs round the bits first (``_to_out``).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -122,10 +125,8 @@ def _to_out(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _mixes_kernel(x_ptr, fn_ptr, part_ptr, T, K, ROWS,
-                  K_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  K_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr):
     """part[s, t, :ROWS] = x[t, chunk s] @ fn[:, chunk s].T and part[s, t, ROWS] = sum x[t, chunk s]^2."""
-    pdl.enter(PDL)
     s = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_m = tl.arange(0, MP)
@@ -184,9 +185,8 @@ def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, col_ptr, post_ptr, comb
                    T, H, ROWS, iters, hc_eps, norm_eps, BLOCKS, SINK,
                    N: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr,
                    BLOCK_H: tl.constexpr, HEAD: tl.constexpr, INTERPRET: tl.constexpr,
-                   FAST_DIV: tl.constexpr = False, PDL: tl.constexpr = False):
+                   FAST_DIV: tl.constexpr = False):
     """Token t, program p: collapsed for H blocks [p*BLOCKS, (p+1)*BLOCKS); post and comb if p == SINK."""
-    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     b0 = p * BLOCKS
@@ -272,10 +272,8 @@ def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, H,
-                 N: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 N: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
     """y[t, k, h-block] = rnd(rnd(rnd(post_k) * out) + rnd(sum_j rnd(comb[j, k]) * x_j)), rnd = stream dtype."""
-    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -326,8 +324,7 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     part = _empty((split, t, rows + 1), torch.float32, dev)
     _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
                                                     K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
-                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1),
-                                                    **pdl.kwargs())
+                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
     block_h = min(BLOCK_H, triton.next_power_of_2(h))
     n_blocks = triton.cdiv(h, block_h)
     # Collapse programs per token: every H block apart for small T, one program per token once T fills the
@@ -338,8 +335,7 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     _finish_kernel[(t, progs + (sink > 0))](
         x, part, base, scale, collapsed, post, comb, t, h, rows, int(iters), float(hc_eps), float(norm_eps),
         per_prog, sink, N=n, NP=triton.next_power_of_2(n), SPLIT=split, SP=triton.next_power_of_2(split),
-        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, FAST_DIV=FAST_DIV and not _INTERPRET, num_warps=1,
-        **pdl.kwargs())
+        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, FAST_DIV=FAST_DIV and not _INTERPRET, num_warps=1)
     return collapsed, post, comb
 
 
@@ -376,6 +372,5 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
     _post_kernel[(t, triton.cdiv(h, block_h))](x, out.contiguous(), post.float().contiguous(),
                                                comb.float().contiguous(), y, h,
                                                N=n, NP=triton.next_power_of_2(n), BLOCK_H=block_h,
-                                               INTERPRET=_INTERPRET, num_warps=4, enable_fp_fusion=False,
-                                               **pdl.kwargs())
+                                               INTERPRET=_INTERPRET, num_warps=4, enable_fp_fusion=False)
     return y

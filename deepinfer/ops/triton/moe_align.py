@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.moe_align import num_align_blocks
-from deepinfer.ops.triton import pdl
 
 # Pairs per program. One program's work grows with its pairs (place and fill are loops over pairs and
 # blocks), so beyond a few dozen pairs the three-launch path with one program per 64 pairs is faster:
@@ -119,8 +118,7 @@ def _fill_blocks(pair_ptr, expert_ptr, e0, e1, b0, b1, counts, block_start, bloc
 @triton.jit
 def _align_one_program_kernel(ids_ptr, pair_ptr, expert_ptr, n_pairs, num_blocks,
                               E_PAD: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
-                              NB_TILE: tl.constexpr, PDL: tl.constexpr = False):
-    pdl.enter(PDL)
+                              NB_TILE: tl.constexpr):
     counts = _count_range(ids_ptr, 0, n_pairs, E_PAD, CHUNK)
     block_start, block_end = _block_bounds(counts, BM)
     _place_range(ids_ptr, pair_ptr, 0, n_pairs, block_start * BM, E_PAD, CHUNK)
@@ -128,10 +126,8 @@ def _align_one_program_kernel(ids_ptr, pair_ptr, expert_ptr, n_pairs, num_blocks
 
 
 @triton.jit
-def _count_kernel(ids_ptr, hist_ptr, n_pairs, PER: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                  PDL: tl.constexpr = False):
+def _count_kernel(ids_ptr, hist_ptr, n_pairs, PER: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """hist[c] = pairs per expert in range c."""
-    pdl.enter(PDL)
     c = tl.program_id(0)
     p0 = c * PER
     counts = _count_range(ids_ptr, p0, tl.minimum(p0 + PER, n_pairs), E_PAD, CHUNK)
@@ -139,9 +135,8 @@ def _count_kernel(ids_ptr, hist_ptr, n_pairs, PER: tl.constexpr, E_PAD: tl.const
 
 
 @triton.jit
-def _scan_kernel(hist_ptr, n_ranges, E_PAD: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+def _scan_kernel(hist_ptr, n_ranges, E_PAD: tl.constexpr, ROWS: tl.constexpr):
     """hist[c] -> pairs per expert in ranges before c (exclusive scan); row n_ranges <- totals."""
-    pdl.enter(PDL)
     e = tl.arange(0, E_PAD)
     carry = tl.zeros([E_PAD], dtype=tl.int32)
     for r0 in range(0, n_ranges, ROWS):
@@ -157,8 +152,7 @@ def _scan_kernel(hist_ptr, n_ranges, E_PAD: tl.constexpr, ROWS: tl.constexpr, PD
 @triton.jit
 def _place_kernel(ids_ptr, hist_ptr, pair_ptr, expert_ptr, n_pairs, n_ranges, num_blocks,
                   PER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
-                  NB_TILE: tl.constexpr, PDL: tl.constexpr = False):
-    pdl.enter(PDL)
+                  NB_TILE: tl.constexpr):
     c = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     counts = tl.load(hist_ptr + n_ranges * E_PAD + e)
@@ -202,14 +196,14 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     warps = 8 if e_pad >= 256 else 4
     if n_pairs <= ONE_PROGRAM_PAIRS:
         _align_one_program_kernel[(1,)](flat, pair_of_row, expert_of_block, n_pairs, num_blocks, E_PAD=e_pad,
-                                        BM=block_m, CHUNK=chunk, NB_TILE=nb_tile, num_warps=warps, **pdl.kwargs())
+                                        BM=block_m, CHUNK=chunk, NB_TILE=nb_tile, num_warps=warps)
         return pair_of_row, expert_of_block
     n_ranges = triton.cdiv(n_pairs, ONE_PROGRAM_PAIRS)
     hist = torch.empty((n_ranges + 1, e_pad), dtype=torch.int32, device=dev)  # last row: totals
     _count_kernel[(n_ranges,)](flat, hist, n_pairs, PER=ONE_PROGRAM_PAIRS, E_PAD=e_pad, CHUNK=chunk,
-                               num_warps=warps, **pdl.kwargs())
-    _scan_kernel[(1,)](hist, n_ranges, E_PAD=e_pad, ROWS=SCAN_ROWS, num_warps=4, **pdl.kwargs())
+                               num_warps=warps)
+    _scan_kernel[(1,)](hist, n_ranges, E_PAD=e_pad, ROWS=SCAN_ROWS, num_warps=4)
     _place_kernel[(n_ranges,)](flat, hist, pair_of_row, expert_of_block, n_pairs, n_ranges, num_blocks,
                                PER=ONE_PROGRAM_PAIRS, E_PAD=e_pad, BM=block_m, CHUNK=chunk, NB_TILE=nb_tile,
-                               num_warps=warps, **pdl.kwargs())
+                               num_warps=warps)
     return pair_of_row, expert_of_block

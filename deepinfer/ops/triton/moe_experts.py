@@ -51,7 +51,6 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.moe_experts import FP4_GROUP, check_moe_experts_args
-from deepinfer.ops.triton import pdl
 from deepinfer.ops.triton.fp4_codes import (PLACED_DTYPE, TILE_ROWS, block_k, dequant_fp4, k_order_rows,
                                             logical_shape, tile_offsets, tile_step)
 from deepinfer.ops.triton.moe_align import align_pairs
@@ -148,10 +147,9 @@ def _clamped_swiglu(g, u, limit):
 
 @triton.jit
 def _swiglu_kernel(gu_ptr, h_ptr, N, limit, stride_gu, stride_split, stride_h,
-                   SPLITS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                   SPLITS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """h[pair] = swiglu(g, u) with g|u = sum over K chunks s (in order) of gu[s, pair]: fp32 sums in, one
     rounding out (split gate/up)."""
-    pdl.enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -191,9 +189,8 @@ def _gate_up_kernel(
     limit, topk,
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_TILED: tl.constexpr, S_TILED: tl.constexpr,
-    W_PLACED: tl.constexpr = False, PDL: tl.constexpr = False,
+    W_PLACED: tl.constexpr = False,
 ):
-    pdl.enter(PDL)
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
         return
@@ -255,12 +252,11 @@ def _matmul_kernel(
     k_per_split, stride_split,  # K chunk of program_id(2) (a multiple of BK) and where its partial goes
     SCALE_U8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, K_SPLITS: tl.constexpr,
-    W_TILED: tl.constexpr, S_TILED: tl.constexpr, W_PLACED: tl.constexpr = False, PDL: tl.constexpr = False,
+    W_TILED: tl.constexpr, S_TILED: tl.constexpr, W_PLACED: tl.constexpr = False,
 ):
     """y[s, pair, n] = sum over k in chunk s of W_e[n, k] a[pair // row_div, k], fp32: the down projection
     (kernel 2), and with ``split_gate_up`` also kernel 1's gate|up rows as one [2I, H] matrix. One chunk
     (s = 0) unless a config splits K; the consumer then adds the chunks in order."""
-    pdl.enter(PDL)
     e, pair = _block_rows(pair_ptr, expert_ptr, BM)
     if e < 0:
         return
@@ -305,11 +301,10 @@ def _matmul_kernel(
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, add_ptr, H, stride_split,
                     TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr,
-                    INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                    INTERPRET: tl.constexpr):
     """out[t] = sum_j w[t, j] * y[t*k + j], slot order, fp32 (one program per token and H block), each y the
     in-order sum of its K chunks; with ADD, rounded to out's dtype and then + add[t], rounded again (the
     reference's two-tensor add)."""
-    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -399,12 +394,12 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
             _k_chunk(h, bk1, cfg.splits1), gu.stride(0),
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
             K_SPLITS=cfg.splits1, W_TILED=tiled1, S_TILED=s_tiled1, W_PLACED=placed1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs, **pdl.kwargs(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
         block = min(1024, triton.next_power_of_2(inter))
         _swiglu_kernel[(t * k, triton.cdiv(inter, block))](
             gu, hid, inter, float(limit), gu.stride(1), gu.stride(0), hid.stride(0),
-            SPLITS=cfg.splits1, BLOCK=block, INTERPRET=_INTERPRET, num_warps=4, **pdl.kwargs())
+            SPLITS=cfg.splits1, BLOCK=block, INTERPRET=_INTERPRET, num_warps=4)
     else:
         _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n1))](
             x, w13, s13, hid, pair_of_row, expert_of_block, h, inter,
@@ -412,7 +407,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
             float(limit), k,
             SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n1, BK=bk1,
             W_TILED=tiled1, S_TILED=s_tiled1, W_PLACED=placed1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs, **pdl.kwargs(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
     _matmul_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2), cfg.splits2)](
         hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
@@ -420,7 +415,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         _k_chunk(inter, bk2, cfg.splits2), y.stride(0),
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
         K_SPLITS=cfg.splits2, W_TILED=tiled2, S_TILED=s_tiled2, W_PLACED=placed2,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs, **pdl.kwargs(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     block_h = min(1024, triton.next_power_of_2(h))
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()):
@@ -429,7 +424,7 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         before_add()  # only the combine reads add: the kernels above overlap whatever still writes it
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_weights, out, out if add is None else add, h, y.stride(0),
                                                  TOPK=k, SPLITS=cfg.splits2, BLOCK_H=block_h, ADD=add is not None,
-                                                 INTERPRET=_INTERPRET, num_warps=4, **pdl.kwargs())
+                                                 INTERPRET=_INTERPRET, num_warps=4)
     return out
 
 

@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from deepinfer.ops.triton import pdl
 from deepinfer.ops.triton.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -84,9 +83,8 @@ def _moe_route_kernel(
     E, stride_lt, stride_ht, stride_hk, factor,
     SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, NORM: tl.constexpr,
     SEL_DT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+    INTERPRET: tl.constexpr,
 ):
-    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = w_ptr.dtype.element_ty
     row = logits_ptr + t * stride_lt
@@ -174,6 +172,6 @@ def moe_route(
         SCORE=SCORES[scoring_func], HAS_BIAS=bias is not None and hash_indices is None,
         HASH=hash_indices is not None, NORM=bool(norm_topk_prob), SEL_DT=sel_dt, K=top_k,
         BLOCK_K=max(2, triton.next_power_of_2(top_k)), BLOCK_E=block_e, INTERPRET=_INTERPRET,
-        num_warps=max(1, min(8, block_e // 256)), **pdl.kwargs(),
+        num_warps=max(1, min(8, block_e // 256)),
     )
     return weights, indices

@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.triton import pdl
 from deepinfer.ops.triton.rounding import round_to
 
 # Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest even: see ``ops/triton/rounding.py``.
@@ -58,10 +57,9 @@ def _norm_rope_kernel(
     H, W, COL0, ROPE_OFF, inv_w, eps,
     stride_xt, stride_xh, stride_ot, stride_oh, stride_cos, stride_sin,
     NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Axis 0 = token * head blocks + head block (axis 0 has no 65535 limit; prefill has many tokens).
-    pdl.enter(PDL)
     n_hb = tl.cdiv(H, BLOCK_H)
     t = (tl.program_id(0) // n_hb).to(tl.int64)
     offs_h = ((tl.program_id(0) % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
@@ -134,7 +132,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, no
         h, width, col0, (width - rope_dim) // 2, 1.0 / width, float(eps),
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
         NORM=norm, ROPE=rope_dim > 0, INVERSE=inverse, BLOCK_H=block_h, BLOCK_W=block_w,
-        INTERPRET=_INTERPRET, num_warps=num_warps, enable_fp_fusion=False, **pdl.kwargs(),
+        INTERPRET=_INTERPRET, num_warps=num_warps, enable_fp_fusion=False,
     )
 
 

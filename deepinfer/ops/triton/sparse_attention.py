@@ -34,8 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.triton import pdl
-
 # Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Keys per split along the split axis (see module docstring). Changing it changes bits; fixed per build.
@@ -96,11 +94,10 @@ def _sparse_attn_kernel(
     H, N, N2, D, qk_scale, split,
     stride_ql, stride_qh, stride_kv, stride_il, stride_kv2, stride_i2l, stride_ol, stride_oh,
     HAS_EXTRA: tl.constexpr, FUSED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOW_ALONE: tl.constexpr = 0, PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOW_ALONE: tl.constexpr = 0,
 ):
     # Axis 0 = query * head groups + head group (axis 0 has no 65535 limit, prefill needs that), head group
     # fastest: the programs that read the same key rows run side by side and share them through L2.
-    pdl.enter(PDL)
     n_hg = tl.cdiv(H, BLOCK_H)
     hg = tl.program_id(0) % n_hg
     lq = (tl.program_id(0) // n_hg).to(tl.int64)
@@ -146,12 +143,11 @@ def _sparse_attn_kernel(
 @triton.jit
 def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_splits,
                   stride_ol, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
-                  SP: tl.constexpr, PDL: tl.constexpr = False):
+                  SP: tl.constexpr):
     """Merge split partials in split order (fixed), then the same epilogue as the fused path. One program per
     (query, head group, CHUNK_D columns); every split's loads are issued at once (SP >= num_splits, unrolled).
 
     Bits do not depend on SP or on trailing empty splits: those have weight exactly 0 and add exact zeros."""
-    pdl.enter(PDL)
     n_hg = tl.cdiv(H, BLOCK_H)
     hg = tl.program_id(0) % n_hg
     lq = (tl.program_id(0) // n_hg).to(tl.int64)
@@ -259,14 +255,14 @@ def sparse_attention_indexed(
         out.stride(0), out.stride(1),
         HAS_EXTRA=has_extra, FUSED=fused, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32 or _INTERPRET, WINDOW_ALONE=int(window_alone),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.kwargs(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not fused:
         chunk_d = min(block_d, 128)
         _merge_kernel[(triton.cdiv(H, block_h) * L, block_d // chunk_d)](
             mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
             BLOCK_H=block_h, BLOCK_D=block_d, CHUNK_D=chunk_d,
-            SP=max(8, triton.next_power_of_2(num_splits)), num_warps=4,  # one binary up to 8 splits, **pdl.kwargs()
+            SP=max(8, triton.next_power_of_2(num_splits)), num_warps=4,  # one binary up to 8 splits
         )
     return out
 

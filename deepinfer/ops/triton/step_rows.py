@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.step_rows import KindRows
-from deepinfer.ops.triton import pdl
 
 CHUNK = 1024  # entry-list columns per inner step
 
@@ -76,9 +75,7 @@ def _step_rows_kernel(
     T, width, stride_w, stride_s, stride_h, block_size, spare_window, spare_state,
     WINDOW: tl.constexpr, WP: tl.constexpr, KINDS: tl.constexpr,
     M0: tl.constexpr, OV0: tl.constexpr, M1: tl.constexpr, OV1: tl.constexpr, CHUNK: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl.enter(PDL)
     pid = tl.program_id(0)
     if pid < T:
         t = pid
@@ -149,6 +146,5 @@ def step_rows(token_seq: torch.Tensor, positions: torch.Tensor, window_table: to
         token_seq, positions, window_table, state_table, history_table, seq_end, window_rows, state_rows, keys,
         *args, t_all, window_table.shape[1], window_table.stride(0), state_table.stride(0),
         history_table.stride(0), block_size, spare_window, spare_state,
-        WINDOW=window, WP=triton.next_power_of_2(window), KINDS=len(kinds), CHUNK=CHUNK, **consts, num_warps=4,
-        **pdl.kwargs())
+        WINDOW=window, WP=triton.next_power_of_2(window), KINDS=len(kinds), CHUNK=CHUNK, **consts, num_warps=4)
     return window_rows, state_rows, keys, per_kind

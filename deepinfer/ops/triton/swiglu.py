@@ -12,16 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops.triton import pdl
 from deepinfer.ops.triton.rounding import round_to
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, out_ptr, inter, limit, stride_g, stride_o, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    pdl.enter(PDL)
+def _swiglu_kernel(gu_ptr, out_ptr, inter, limit, stride_g, stride_o, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
@@ -44,6 +41,5 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     if gu.shape[0]:
         block = min(1024, triton.next_power_of_2(inter))
         _swiglu_kernel[(gu.shape[0], triton.cdiv(inter, block))](
-            gu, out, inter, float(limit), gu.stride(0), out.stride(0), BLOCK=block, INTERPRET=_INTERPRET, num_warps=4,
-            **pdl.kwargs())
+            gu, out, inter, float(limit), gu.stride(0), out.stride(0), BLOCK=block, INTERPRET=_INTERPRET, num_warps=4)
     return out.reshape(*shape[:-1], inter)
