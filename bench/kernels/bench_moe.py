@@ -136,10 +136,11 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
 # model stores (``fp4_codes.expert_layout``: tile-major, placed codes) unless "layout" names another:
 # "tiled" (tile-major, unplaced codes) or "checkpoint". Configs without K splits must give the pick's bits;
 # K-split ones (not batch invariant) report their relative difference instead.
-_DECODE_SWEEP = [dict(layout="checkpoint"), dict(layout="tiled"), dict(num_stages=3), dict(num_stages=5),
-                 dict(block_n1=128, num_warps=8), dict(block_n2=64),
-                 # register caps: 102 lets 5 gate/up programs share an SM (109 registers allow 4)
-                 dict(max_regs=102), dict(max_regs=96, num_stages=3), dict(max_regs=128, num_stages=3)]
+# Earlier decode rows (layouts, stages 3 / 5, 8-warp 128-row gate/up tiles, 64-row down tiles, register caps)
+# are measured in bench/results/NOTES.md runs 25, 36, 41 and 46. 128-row gate/up tiles on one warpgroup:
+# 15% fewer instructions per weight byte (loop_sass.py: 0.144 vs 0.170) for 160 registers (3 programs per SM).
+_DECODE_SWEEP = [dict(num_stages=3), dict(block_n1=128, num_stages=3), dict(block_n1=128),
+                 dict(block_n1=128, num_stages=2)]
 SWEEP: dict[int, list[dict]] = {
     **{t: _DECODE_SWEEP for t in (1, 8, 32, 128)},
     512: [dict(layout="tiled"), dict(block_n2=128), dict(num_stages=3)],
