@@ -87,13 +87,17 @@ class TileConfig:
 # Decode (a few pairs per hit expert) reads every weight once and is bound by bytes: narrow token tiles.
 # Prefill (many pairs per expert) reuses each dequantized tile across BLOCK_M tokens: wide token tiles.
 CONFIG_TABLE: tuple[tuple[float, TileConfig], ...] = (
-    (8.0, TileConfig(block_m=16, block_n1=64, block_n2=128, num_warps=4, num_stages=4)),
+    (0.125, TileConfig(block_m=16, block_n1=64, block_n2=128, num_warps=4, num_stages=4)),
+    (8.0, TileConfig(block_m=16, block_n1=128, block_n2=128, num_warps=4, num_stages=3)),
     (24.0, TileConfig(block_m=32, block_n1=64, block_n2=128, num_warps=4, num_stages=4)),
     (64.0, TileConfig(block_m=64, block_n1=128, block_n2=128, num_warps=8, num_stages=3)),
     (math.inf, TileConfig(block_m=128, block_n1=128, block_n2=128, num_warps=8, num_stages=3)),
 )
 # The wide-token rows were re-swept after the K-order change (bench/results/NOTES.md, run 20): at T=4096,
 # 128-row weight tiles with 8 warps beat 64-row ones (m128: 4626 vs 6117 µs; m64: 5975 vs 6178 µs).
+# Decode's gate/up tiles are 128 rows on one warpgroup from ~6 tokens on (run 56: 15% fewer instructions per
+# weight byte for 160 registers; the op at T = 32 / 128 583.8 / 1102.4 -> 559.7 / 1038.6 µs, model decode at
+# b32 / b128 -3%); at T = 1 the 64-row tiles' twice as many programs are faster (48.2 vs 54.8 µs).
 # Decode's down tiles are 128 rows since the tiled layout (run 36: T = 1 / 8 / 32 / 128 at 58.3 / 224 / 649 /
 # 1157 µs vs 58.9 / 231 / 671 / 1207 with 64 rows), the m32 bucket's since run 41 (T=512: 1500 vs 1610 µs).
 # fp32 activations triple the MMA operands (three bf16 parts); wider token tiles spill registers, and the
