@@ -137,10 +137,12 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
 # "tiled" (tile-major, unplaced codes) or "checkpoint". Configs without K splits must give the pick's bits;
 # K-split ones (not batch invariant) report their relative difference instead.
 # Earlier decode rows (layouts, stages 3 / 5, 8-warp 128-row gate/up tiles, 64-row down tiles, register caps)
-# are measured in bench/results/NOTES.md runs 25, 36, 41 and 46. 128-row gate/up tiles on one warpgroup:
-# 15% fewer instructions per weight byte (loop_sass.py: 0.144 vs 0.170) for 160 registers (3 programs per SM).
-_DECODE_SWEEP = [dict(num_stages=3), dict(block_n1=128, num_stages=3), dict(block_n1=128),
-                 dict(block_n1=128, num_stages=2)]
+# are measured in bench/results/NOTES.md runs 25, 36, 41 and 46; 128-row gate/up tiles on one warpgroup in
+# run 56 (now the table's pick from 0.125 pairs per expert on).
+# 256-row down tiles on one warpgroup: 0.144 vs 0.161 instructions per weight byte for 244 registers (2
+# programs per SM instead of 3).
+_DECODE_SWEEP = [dict(num_stages=3), dict(block_n1=64, num_stages=4), dict(block_n2=256),
+                 dict(block_n2=256, num_stages=2)]
 SWEEP: dict[int, list[dict]] = {
     **{t: _DECODE_SWEEP for t in (1, 8, 32, 128)},
     512: [dict(layout="tiled"), dict(block_n2=128), dict(num_stages=3)],

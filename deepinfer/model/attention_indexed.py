@@ -41,9 +41,9 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
     q = q_all[:, : attn.n_heads * attn.head_dim].view(len(x), attn.n_heads, attn.head_dim)
     # Fused norm + RoPE (one launch each on the GPU; may write q in place): see ops/ref/rope_norm.py.
     q = ops.norm_rope_heads(q, cos, sin, attn.eps)
-    kv = ops.norm_rope(xq[:, attn.x_proj.cols["kv"] :], attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)
-    window = storage.get(layer_key, "window_kv")
-    window.index_copy_(0, idx.window_rows, kv)
+    # The kv row goes straight into the window cache (one launch, no separate scatter).
+    window = ops.norm_rope(xq[:, attn.x_proj.cols["kv"] :], attn.kv_norm.weight, attn.kv_norm.eps, cos, sin,
+                           out=storage.get(layer_key, "window_kv"), rows=idx.window_rows)
 
     extra_kv = extra_idx = None
     if attn.kind != SWA:
@@ -78,7 +78,7 @@ def _indexer_rows(ix, weights: torch.Tensor, q_ix: torch.Tensor, ctx: StepContex
     """History rows of each query's top-k entries ([T, k], -1 where fewer are visible); see ``Indexer.select``.
     ``q_ix``: the indexer's query heads (ix.wq_b of the query latent), flat [T, Hi*Di]."""
     q = ix.ops.rope(q_ix.view(len(q_ix), ix.n_heads, ix.head_dim), cos, sin)
-    weights = weights.float() * ix.n_heads**-0.5
     keys = ctx.storage.get(layer_key, "index_keys")
+    # The head weights' fp32 upcast and 1/sqrt(Hi) happen inside the op (Indexer.select's weights).
     return ix.ops.indexer_topk(q, weights, keys, ci.seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,
-                               ctx.index.token_seq, as_rows=True)
+                               ctx.index.token_seq, as_rows=True, weight_scale=ix.n_heads**-0.5)

@@ -14,7 +14,7 @@ The index-list entries serve the batched step path (``model/attention_indexed.py
 cache through per-step row lists instead of gathered per-sequence tensors:
 
   sparse_attention_indexed(q, kv, indices, sinks, scale, kv_extra, indices_extra) -> [L,H,D]
-  indexer_topk(q, weights, keys, key_rows, limits, topk, scale, query_rows, as_rows) -> [L,k] int64
+  indexer_topk(q, weights, keys, key_rows, limits, topk, scale, query_rows, as_rows, weight_scale) -> [L,k] int64
   compress_state(proj, col, state, rows, ape, positions) -> None (writes state rows)
   compress_emit(state, slot_rows, entry_rows, out, norm_weight, eps, cos, sin, overlap) -> None (writes out)
 
@@ -24,7 +24,7 @@ RMSNorm and RoPE of the attention block (``ops/ref/rope_norm.py``; norm_rope_hea
 
   rms_norm(x [...,C], weight [C], eps) -> [...,C]   (every RMSNorm module)
   norm_rope_heads(q [T,H,D], cos [T,R/2], sin [T,R/2], eps) -> [T,H,D]
-  norm_rope(x [T,D], weight [D], eps, cos, sin) -> [T,D]
+  norm_rope(x [T,D], weight [D], eps, cos, sin, *, out=None, rows=None) -> [T,D] (rows: out[rows[t]] = row t)
   rope(x [T,...,D], cos, sin, inverse=False) -> [T,...,D]
 
 MoE routing after the gate GEMM (``ops/ref/moe.py``; weights in the logits dtype):

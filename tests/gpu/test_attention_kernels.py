@@ -278,6 +278,28 @@ def test_indexer_tie_free(L, hi, di, E, topk, dtype, device) -> None:
     _check_exact(q, w, keys, rows, limits, topk, 0.125)
 
 
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("L, hi, di, E, topk", SMALL_IDX[1:3])
+def test_indexer_weight_scale_on_a_bf16_slice(L, hi, di, E, topk, device) -> None:
+    """Head weights given as a bf16 column slice of a wider projection output, upcast and scaled in the op
+    (``weight_scale``): the same picks and rows as the reference, and as passing weights.float() * scale."""
+    g = _gen(E * 7 + L)
+    R = E + 9
+    q = torch.randint(-1, 2, (L, hi, di), generator=g).to(torch.bfloat16)
+    keys = torch.randint(-1, 2, (R, di), generator=g).to(torch.bfloat16)
+    # Power-of-two weights and small integer q, k: every score is exact whatever the summation order.
+    sign = torch.randint(0, 2, (L, hi + 7), generator=g) * 2.0 - 1.0
+    wide = (sign * 2.0 ** torch.randint(-4, 2, (L, hi + 7), generator=g).float()).to(torch.bfloat16)
+    rows, limits = _rows_and_limits(L, E, R, topk, g)
+    q, keys, wide, rows, limits = (t.to(device) for t in (q, keys, wide, rows, limits))
+    w = wide[:, 3: 3 + hi]  # strided rows, unit column stride
+    for as_rows in (False, True):
+        got = _tri_topk(q, w, keys, rows, limits, topk, 0.125, as_rows=as_rows, weight_scale=0.25)
+        want = ref_indexer_topk(q, w, keys, rows, limits, topk, 0.125, as_rows=as_rows, weight_scale=0.25)
+        assert torch.equal(got, want)
+        assert torch.equal(got, _tri_topk(q, w.float() * 0.25, keys, rows, limits, topk, 0.125, as_rows=as_rows))
+
+
 @pytest.mark.parametrize("L, hi, di, E, topk", [pytest.param(*c, marks=pytest.mark.interpret_ok) for c in SMALL_IDX]
                          + LARGE_IDX)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -93,6 +93,24 @@ def _check_norm_rope(T, D, R, dtype, device, seed) -> None:
     _check(out, ref.norm_rope(x, w, EPS, cos, sin))
 
 
+def _check_norm_rope_rows(T, D, R, dtype, device, seed) -> None:
+    """The cache-write form: token t's row lands in table[rows[t]]; every other row is left as it was."""
+    g = _gen(seed)
+    x = _acts((T, D), dtype, g, device)
+    w = (torch.rand(D, generator=g) + 0.5).to(device)
+    cos, sin = _tables(T, R, dtype, g, device)
+    rows = (torch.randperm(3 * T + 5, generator=g)[:T]).to(device)
+    table = _acts((3 * T + 5, D), dtype, g, device)
+    want = ref.norm_rope(x, w, EPS, cos, sin, out=table.clone(), rows=rows)
+    got = table.clone()
+    assert _tri().norm_rope(x, w, EPS, cos, sin, out=got, rows=rows.int() if seed % 2 else rows) is got
+    untouched = torch.ones(len(table), dtype=torch.bool, device=device)
+    untouched[rows] = False
+    assert torch.equal(got[untouched], table[untouched])
+    _check(got[rows], want[rows])
+    _check(got[rows], ref.norm_rope(x, w, EPS, cos, sin))
+
+
 def _check_rope(T, H, D, R, inverse, dtype, device, seed) -> None:
     g = _gen(seed)
     cos, sin = _tables(T, R, dtype, g, device)
@@ -137,6 +155,13 @@ def test_norm_rope_heads_small(T, H, D, R, dtype, device) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_rope_small(T, D, R, dtype, device) -> None:
     _check_norm_rope(T, D, R, dtype, device, seed=T * 17 + D + R)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("T", SMALL_T)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_rope_into_rows(T, dtype, device) -> None:
+    _check_norm_rope_rows(T, 128, 32, dtype, device, seed=T * 5 + 1)
 
 
 @pytest.mark.interpret_ok

@@ -30,8 +30,11 @@ def indexer_scores_indexed(q: torch.Tensor, weights: torch.Tensor, keys: torch.T
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
                  limits: torch.Tensor, topk: int, softmax_scale: float,
-                 query_rows: torch.Tensor | None = None, as_rows: bool = False) -> torch.Tensor:
+                 query_rows: torch.Tensor | None = None, as_rows: bool = False,
+                 weight_scale: float = 1.0) -> torch.Tensor:
     """-> [L, min(topk, E)] int64 entry numbers (not row ids), best first, -1 where fewer are visible.
+
+    The head weights used are ``weights.float() * weight_scale`` (fp32; the model's 1/sqrt(Hi) factor).
 
     ``query_rows`` [L] (optional): query l reads row ``query_rows[l]`` of ``key_rows`` (then [B, E], one
     row per sequence), so the queries of one sequence share its entry list instead of each carrying a copy.
@@ -40,7 +43,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     """
     if query_rows is not None:
         key_rows = key_rows[query_rows.long()]
-    scores = indexer_scores_indexed(q, weights, keys, key_rows, softmax_scale)
+    scores = indexer_scores_indexed(q, weights.float() * weight_scale, keys, key_rows, softmax_scale)
     picks = topk_with_tiebreak(scores, limits.to(scores.device).long(), topk)
     if not as_rows:
         return picks

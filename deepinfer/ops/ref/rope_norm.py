@@ -6,7 +6,8 @@ are checked against these. Contract::
 
   rms_norm(x [..., C], weight [C], eps) -> [..., C]             weighted RMSNorm (every ``RMSNorm`` module)
   norm_rope_heads(q [T, H, D], cos, sin, eps) -> [T, H, D]       per-head unweighted RMSNorm, then RoPE (q)
-  norm_rope(x [T, D], weight [D], eps, cos, sin) -> [T, D]       weighted RMSNorm, then RoPE (kv)
+  norm_rope(x [T, D], weight [D], eps, cos, sin) -> [T, D]       weighted RMSNorm, then RoPE (kv);
+      with ``out=table [R, D], rows=[T]`` row t goes to table[rows[t]] (the window cache write), returns table
   rope(x [T, ..., D], cos, sin, inverse=False) -> [T, ..., D]    RoPE only (indexer q, output de-rotation)
 
 cos, sin are [T, R/2] in the activation dtype; RoPE rotates the interleaved pairs of the last R channels.
@@ -30,10 +31,14 @@ def norm_rope_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: 
     return apply_rope(unweighted_rms_norm(q, eps), cos, sin)
 
 
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
-    """The kv path: ``apply_rope(rms_norm(x, weight, eps), cos, sin)``, rounded to x.dtype after each step."""
-    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
+              out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The kv path: ``apply_rope(rms_norm(x, weight, eps), cos, sin)``, rounded to x.dtype after each step.
+    With ``rows`` the result's row t is written to ``out[rows[t]]`` and ``out`` is returned."""
+    y = apply_rope(rms_norm(x, weight, eps), cos, sin)
+    if rows is None:
+        return y if out is None else out.copy_(y)
+    return out.index_copy_(0, rows, y)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -33,7 +33,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _index_score_kernel(
     q_ptr, w_ptr, k_ptr, rows_ptr, qrow_ptr, lim_ptr, key_ptr,
-    E, Hi, Di, softmax_scale,
+    E, Hi, Di, softmax_scale, weight_scale,
     stride_ql, stride_qh, stride_wl, stride_k, stride_rl, stride_ol,
     BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     SHARED_ROWS: tl.constexpr,
@@ -65,7 +65,8 @@ def _index_score_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # [BLOCK_HI, BLOCK_E], fp32 accumulation
-        w = tl.load(w_ptr + lq * stride_wl + offs_h, mask=h_mask, other=0.0)
+        # The head weights as the reference forms them: fp32, times weight_scale (one fp32 multiply).
+        w = tl.load(w_ptr + lq * stride_wl + offs_h, mask=h_mask, other=0.0).to(tl.float32) * weight_scale
         # Padded heads have q = 0 and w = 0: they add +0.0 to every score.
         s = tl.maximum(s, 0.0) * softmax_scale * w[:, None]
         score = tl.where(present, tl.sum(s, axis=0), float("-inf"))
@@ -85,7 +86,7 @@ def config(dtype: torch.dtype, hi: int, di: int) -> dict[str, int]:
 
 def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
                       limits: torch.Tensor, softmax_scale: float,
-                      query_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      query_rows: torch.Tensor | None = None, weight_scale: float = 1.0) -> torch.Tensor:
     """Scores of every entry as int64 sort keys [L, E] (see module docstring)."""
     L, hi, di = q.shape
     e = key_rows.shape[1]
@@ -95,7 +96,9 @@ def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     assert keys.dtype == q.dtype, (q.dtype, keys.dtype)
     q = q if q.stride(2) == 1 else q.contiguous()
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
-    weights = weights.float().contiguous()
+    # Any float dtype, read where it lies (a column slice of the side projection's output): the kernel does
+    # the reference's fp32 upcast and weight_scale multiply (two fewer launches per call).
+    weights = weights if weights.stride(1) == 1 else weights.contiguous()
     rows = key_rows.to(torch.int32).contiguous()
     lims = limits.to(device=q.device, dtype=torch.int32).contiguous()
     qrows = query_rows.to(device=q.device, dtype=torch.int32).contiguous() if shared else lims
@@ -106,7 +109,7 @@ def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     block_e = cfg["BLOCK_E"]
     grid = (triton.cdiv(e, block_e) * L,)
     _index_score_kernel[grid](
-        q, weights, keys, rows, qrows, lims, out, e, hi, di, float(softmax_scale),
+        q, weights, keys, rows, qrows, lims, out, e, hi, di, float(softmax_scale), float(weight_scale),
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), rows.stride(0), out.stride(0),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(di)),
         IEEE=q.dtype == torch.float32 or _INTERPRET, SHARED_ROWS=shared, num_warps=cfg["num_warps"],
@@ -145,8 +148,10 @@ def _picks_kernel(best_ptr, lim_ptr, rows_ptr, qrows_ptr, out_ptr, e, k, stride_
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
                  limits: torch.Tensor, topk: int, softmax_scale: float,
-                 query_rows: torch.Tensor | None = None, as_rows: bool = False) -> torch.Tensor:
-    """q [L, Hi, Di], weights [L, Hi] fp32, keys [R, Di], key_rows [L, E] int32 (-1 absent), limits [L]
+                 query_rows: torch.Tensor | None = None, as_rows: bool = False,
+                 weight_scale: float = 1.0) -> torch.Tensor:
+    """q [L, Hi, Di], weights [L, Hi] (used as fp32 * weight_scale), keys [R, Di], key_rows [L, E] int32
+    (-1 absent), limits [L]
     -> [L, min(topk, E)] int64 entry numbers, best first, -1 where fewer than that are visible.
     With ``query_rows`` [L], key_rows is [B, E] and query l reads its row query_rows[l]. ``as_rows``: each
     pick's row id (int32) instead of its entry number (see the reference)."""
@@ -154,7 +159,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     k = min(topk, e)
     if k <= 0 or L == 0:
         return torch.empty((L, max(k, 0)), dtype=torch.long, device=q.device)
-    sort_keys = indexer_sort_keys(q, weights, keys, key_rows, limits, softmax_scale, query_rows)
+    sort_keys = indexer_sort_keys(q, weights, keys, key_rows, limits, softmax_scale, query_rows, weight_scale)
     # Unsorted: torch's sort of the k winners costs more than the selection (two radix-sort launches); the
     # picks kernel orders them best first instead.
     best = torch.topk(sort_keys, k, dim=1, largest=True, sorted=False).values

@@ -53,11 +53,11 @@ NORM_NONE, NORM_UNWEIGHTED, NORM_WEIGHTED = 0, 1, 2
 
 @triton.jit
 def _norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, orow_ptr,
     H, W, COL0, ROPE_OFF, inv_w, eps,
     stride_xt, stride_xh, stride_ot, stride_oh, stride_cos, stride_sin,
     NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr, OUT_ROWS: tl.constexpr = False,
 ):
     # Axis 0 = token * head blocks + head block (axis 0 has no 65535 limit; prefill has many tokens).
     n_hb = tl.cdiv(H, BLOCK_H)
@@ -94,8 +94,10 @@ def _norm_rope_kernel(
         e2 = tl.where(r_mask[None, :], ev * c - od * s, ev)
         o2 = tl.where(r_mask[None, :], od * c + ev * s, od)
         y = round_to(tl.reshape(tl.join(e2, o2), [BLOCK_H, BLOCK_W]), DT, INTERPRET)
-    # y is exactly representable in DT here: the store's cast only narrows the container.
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + COL0 + offs_w[None, :], y.to(DT), mask=mask)
+    # y is exactly representable in DT here: the store's cast only narrows the container. With OUT_ROWS, token
+    # t's rows go to output row orow[t] (a cache write without a separate scatter launch).
+    t_out = tl.load(orow_ptr + t).to(tl.int64) if OUT_ROWS else t
+    tl.store(out_ptr + t_out * stride_ot + offs_h[:, None] * stride_oh + COL0 + offs_w[None, :], y.to(DT), mask=mask)
 
 
 def tiles(h: int, w: int) -> tuple[int, int, int]:
@@ -106,10 +108,12 @@ def tiles(h: int, w: int) -> tuple[int, int, int]:
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, norm: int, rope_dim: int,
-            inverse: bool, col0: int, width: int) -> None:
-    """x, out [T, H, D] with unit channel stride; rows' channels [col0, col0 + width) are processed."""
+            inverse: bool, col0: int, width: int, out_rows: torch.Tensor | None = None) -> None:
+    """x, out [T, H, D] with unit channel stride; rows' channels [col0, col0 + width) are processed. With
+    ``out_rows`` [T], token t is written to out[out_rows[t]] (out then has any number of rows)."""
     t, h, d = x.shape
-    assert out.shape == x.shape and out.dtype == x.dtype and x.stride(2) == 1 and out.stride(2) == 1
+    assert out.shape[1:] == x.shape[1:] and out.dtype == x.dtype and x.stride(2) == 1 and out.stride(2) == 1
+    assert out_rows is not None or out.shape[0] == t
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     if t * h == 0:
         return
@@ -128,11 +132,11 @@ def _launch(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, no
     block_h, block_w, num_warps = tiles(h, width)
     grid = (t * triton.cdiv(h, block_h),)
     _norm_rope_kernel[grid](
-        x, weight, cos, sin, out,
+        x, weight, cos, sin, out, out if out_rows is None else out_rows,
         h, width, col0, (width - rope_dim) // 2, 1.0 / width, float(eps),
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
         NORM=norm, ROPE=rope_dim > 0, INVERSE=inverse, BLOCK_H=block_h, BLOCK_W=block_w,
-        INTERPRET=_INTERPRET, num_warps=num_warps, enable_fp_fusion=False,
+        INTERPRET=_INTERPRET, OUT_ROWS=out_rows is not None, num_warps=num_warps, enable_fp_fusion=False,
     )
 
 
@@ -169,12 +173,18 @@ def norm_rope_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: 
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
-              out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, D]: weighted RMSNorm, then RoPE on the last R channels -> [T, D] (into ``out`` when given)."""
+              out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D]: weighted RMSNorm, then RoPE on the last R channels -> [T, D] (into ``out`` when given); with
+    ``rows`` [T], row t goes to out[rows[t]] of a table out [R, D] (the window cache write), out returned."""
     assert x.dim() == 2, f"x {tuple(x.shape)}: want [T, D]"
-    out = _new_out(x, out)
+    if rows is None:
+        out = _new_out(x, out)
+    else:
+        assert out is not None and out.dim() == 2 and out.shape[1] == x.shape[1] and out.stride(1) == 1, "bad out"
+        assert rows.shape == (len(x),) and rows.dtype in (torch.int32, torch.int64), "bad rows"
     xr = x[:, None, :] if x.stride(1) == 1 else x.contiguous()[:, None, :]
-    _launch(xr, out[:, None, :], weight, cos, sin, eps, NORM_WEIGHTED, 2 * cos.shape[-1], False, 0, x.shape[1])
+    _launch(xr, out[:, None, :], weight, cos, sin, eps, NORM_WEIGHTED, 2 * cos.shape[-1], False, 0, x.shape[1],
+            out_rows=rows)
     return out
 
 
