@@ -121,7 +121,7 @@ class FusedFP4Experts(nn.Module):
                 add: torch.Tensor | None = None, before_add: Callable[[], None] | None = None) -> torch.Tensor:
         """Routed experts' output, plus ``add`` (the shared expert's output) when given; ``before_add`` runs
         right before ``add`` is read (a stream join when the shared expert runs beside the routed ones)."""
-        return self.ops.moe_experts_fp4(x.contiguous(), ids.long(), weights.float(), self.w13, self.s13, self.w2,
+        return self.ops.moe_experts_fp4(x.contiguous(), ids.long(), weights, self.w13, self.s13, self.w2,
                                         self.s2, self.limit, add=add, before_add=before_add)
 
 

@@ -197,6 +197,17 @@ def test_duplicate_slots_are_independent(device) -> None:
 
 
 @pytest.mark.interpret_ok
+def test_router_dtype_weights_are_upcast_exactly(device) -> None:
+    """bf16 routing weights (the router's logits dtype) give the bits of the same weights passed as fp32."""
+    weights = make_weights(4, 64, 32, device, 23, "e8m0")
+    x, ids, w = make_tokens(7, 64, 2, 4, device, 24, torch.bfloat16)
+    w16 = w.to(torch.bfloat16)
+    got, want = run_both(x, ids, w16, weights)
+    assert torch.equal(got, run_both(x, ids, w16.float(), weights)[0])
+    assert torch.equal(want, ref_moe(x, ids, w16.float(), *weights, LIMIT))
+
+
+@pytest.mark.interpret_ok
 def test_reference_matches_model_expert(device) -> None:
     """The spec agrees with ``model.moe.Expert`` on the dequantized weights (CPU, fp32)."""
     from deepinfer.model.moe import Expert

@@ -27,6 +27,10 @@ from deepinfer.model.quant import dequant_fp4
 FP4_GROUP = 32
 
 
+# The router's weights come in the logits' dtype; both implementations upcast them exactly to fp32.
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_moe_experts_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                            w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor) -> tuple[int, int]:
     """Shape/dtype preconditions shared by both implementations; returns (E, I). Never syncs the device."""
@@ -37,8 +41,8 @@ def check_moe_experts_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights
         raise ValueError(f"topk_ids: expected int64 [T={t}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     if topk_ids.shape[1] < 1:
         raise ValueError("topk_ids: k must be at least 1")
-    if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_weights: expected fp32 {tuple(topk_ids.shape)}, got "
+    if topk_weights.dtype not in _WEIGHT_DTYPES or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights: expected fp32/bf16/fp16 {tuple(topk_ids.shape)} (used as fp32), got "
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
     if w13.dtype != torch.int8 or w13.dim() != 3 or w13.shape[2] * 2 != h or w13.shape[1] % 2:
         raise ValueError(f"w13: expected int8 [E, 2I, H/2={h // 2}], got {w13.dtype} {tuple(w13.shape)}")
@@ -78,7 +82,7 @@ def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         w13_e = dequant_fp4(w13[e], s13[e])  # fp32 [2I, H], exact
         gate, up = (xf[tok] @ w13_e.t()).split(inter, dim=-1)
         hid = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-        per_slot[tok, slot] = (hid @ dequant_fp4(w2[e], s2[e]).t()) * topk_weights[tok, slot, None]
+        per_slot[tok, slot] = (hid @ dequant_fp4(w2[e], s2[e]).t()) * topk_weights[tok, slot, None].float()
     acc = per_slot[:, 0]
     for j in range(1, k):  # the combine: slot order, fp32
         acc = acc + per_slot[:, j]

@@ -84,6 +84,13 @@ def config(dtype: torch.dtype, hi: int, di: int) -> dict[str, int]:
     return {"BLOCK_E": 64, "num_warps": 4, "num_stages": 2}
 
 
+def _query_rows(query_rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The kernels read int32 or int64 row numbers as they come (the step's token_seq is int64): no copy."""
+    if query_rows.dtype in (torch.int32, torch.int64) and query_rows.device == device and query_rows.stride(0) == 1:
+        return query_rows
+    return query_rows.to(device=device, dtype=torch.int32).contiguous()
+
+
 def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor,
                       limits: torch.Tensor, softmax_scale: float,
                       query_rows: torch.Tensor | None = None, weight_scale: float = 1.0) -> torch.Tensor:
@@ -101,7 +108,7 @@ def indexer_sort_keys(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     weights = weights if weights.stride(1) == 1 else weights.contiguous()
     rows = key_rows.to(torch.int32).contiguous()
     lims = limits.to(device=q.device, dtype=torch.int32).contiguous()
-    qrows = query_rows.to(device=q.device, dtype=torch.int32).contiguous() if shared else lims
+    qrows = _query_rows(query_rows, q.device) if shared else lims
     out = torch.empty((L, e), dtype=torch.int64, device=q.device)
     if L == 0 or e == 0:
         return out
@@ -166,7 +173,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     rows = key_rows.to(torch.int32).contiguous()
     lims = limits.to(device=q.device, dtype=torch.int32).contiguous()
     if query_rows is not None:
-        qrows = query_rows.to(device=q.device, dtype=torch.int32).contiguous()
+        qrows = _query_rows(query_rows, q.device)
     else:  # key_rows holds one row per query (only read with as_rows)
         qrows = torch.arange(L, device=q.device, dtype=torch.int32) if as_rows else lims
     out = torch.empty((L, k), dtype=torch.int32 if as_rows else torch.long, device=q.device)

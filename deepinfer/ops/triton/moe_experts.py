@@ -314,7 +314,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, add_ptr, H, stride_split,
     ok = offs < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        wj = tl.load(w_ptr + t * TOPK + j)
+        wj = tl.load(w_ptr + t * TOPK + j).to(tl.float32)  # the router's dtype, upcast exactly
         yj = tl.load(y_ptr + (t * TOPK + j) * H + offs, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLITS):
             yj += tl.load(y_ptr + s * stride_split + (t * TOPK + j) * H + offs, mask=ok, other=0.0)
