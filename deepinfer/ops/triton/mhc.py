@@ -93,7 +93,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # Triton 3.6's CPU interpreter truncates fp32 -> bf16; interpreted runs round the bits first (``_to_out``).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: the partial-sum scratch and internally allocated outputs start as NaN.
