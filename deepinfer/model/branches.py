@@ -5,9 +5,7 @@ layer do not read each other's results, the second one runs on a side stream and
   * attention (CSA/HCA layers): the compressors' chain (bf16 side projections of x, state rows, pooled
     entries and index keys) beside the query/window chain (wq_a|wkv, q norm, wq_b, RoPE, window write);
   * MoE: the shared expert (w1|w3, SwiGLU, w2) beside the router and the routed experts; the routed
-    experts' combine, which adds the shared output, waits for it (``moe_experts_fp4``'s ``before_add``);
-  * mHC: each site's Sinkhorn (post and comb, read only by hc_post) beside the attention or MoE block that
-    reads the collapsed stream, on a third stream (the block's own branches fork and join meanwhile).
+    experts' combine, which adds the shared output, waits for it (``moe_experts_fp4``'s ``before_add``).
 Each fork first makes the side stream wait for everything the main stream has queued, and each branch is
 joined back before its results are read, so the kernels and their inputs are exactly those of the serial
 order and the results are the same bits. That ordering also keeps the caching allocator safe without
@@ -28,11 +26,9 @@ from deepinfer.ops import lanes
 
 
 class Branches:
-    def __init__(self, device: torch.device | None = None, lane: int = 1) -> None:
-        """Two streams on ``device`` (a CUDA device); ``None``: inline, no side stream. ``lane``: the side
-        branch's lane (``ops/lanes.py``); two Branches whose side branches can be open at once need two."""
+    def __init__(self, device: torch.device | None = None) -> None:
+        """Two streams on ``device`` (a CUDA device); ``None``: inline, no side stream."""
         self._side = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
-        self._lane = lane
         self._open = False  # a side branch has been forked and not joined yet
 
     @property
@@ -50,7 +46,7 @@ class Branches:
             raise RuntimeError("a side branch is still open: join() it before forking another")
         self._side.wait_stream(torch.cuda.current_stream(self._side.device))
         self._open = True
-        with torch.cuda.stream(self._side), lanes.lane(self._lane):
+        with torch.cuda.stream(self._side), lanes.lane(1):
             yield
 
     def join(self) -> None:

@@ -18,7 +18,6 @@ from deepinfer.config.model import SWA, ModelConfig
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.attention import Attention
 from deepinfer.model.batch import ForwardBatch
-from deepinfer.model.branches import INLINE, Branches
 from deepinfer.model.context import StepContext
 from deepinfer.model.moe import MoE
 from deepinfer.model.linear import Embedding, Linear
@@ -40,7 +39,6 @@ class Block(nn.Module):
     attn.*, ffn.*."""
 
     ops: OpTable = REF  # replaced by model/device.py for accelerated runs
-    mhc_branches: Branches = INLINE  # the Sinkhorn beside the block on the GPU path (model/branches.py)
 
     def __init__(self, cfg: ModelConfig, layer: int, kind: str, ratio: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -54,26 +52,16 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer, dtype)
 
     def _pre(self, site: str, streams: torch.Tensor):
-        """(collapsed, post, comb); with mHC branches, post and comb come from a side stream: ``join`` the
-        branches before reading them."""
         c = self.cfg
         fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
-        args = (streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        if not self.mhc_branches.enabled:
-            return self.ops.hc_pre(*args)
-        collapsed, sinkhorn = self.ops.hc_pre_split(*args)
-        with self.mhc_branches.side():  # only hc_post reads post and comb: off the block's critical path
-            post, comb = sinkhorn()
-        return collapsed, post, comb
+        return self.ops.hc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
     def forward(self, streams: torch.Tensor, ctx: StepContext, key: str, ropes: RopeTables) -> torch.Tensor:
         collapsed, post, comb = self._pre("attn", streams)
         out = self.attn(self.attn_norm(collapsed), ctx, key, ropes)
-        self.mhc_branches.join()
         streams = self.ops.hc_post(streams, out, post, comb)
         collapsed, post, comb = self._pre("ffn", streams)
         out = self.ffn(self.ffn_norm(collapsed), ctx.input_ids)
-        self.mhc_branches.join()
         return self.ops.hc_post(streams, out, post, comb)
 
 

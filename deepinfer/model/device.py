@@ -6,9 +6,8 @@ Applied after loading (gpt-fast style), never inside the model math:
     codes and scales in the op table's layout (``ops.fp4_expert_layout``: for the Triton kernels tile-major,
     each word's bits pre-placed for decoding; the same bits reordered), and the dequantized per-expert
     copies are released;
-  * with ``overlap`` (on CUDA by default), each layer's independent chains share the GPU on side streams
-    (``model/branches.py``: the compressors beside the query path, the shared expert beside the routed,
-    each mHC site's Sinkhorn beside the block it wraps);
+  * with ``overlap`` (on CUDA by default), each layer's independent chains share the GPU on two streams
+    (``model/branches.py``: the compressors beside the query path, the shared expert beside the routed);
   * the model runs the batched step path (``model/attention_indexed.py``: row lists built once per step,
     index-list kernels, no host syncs; what CUDA graphs capture), with the projections that share an
     input stacked into one GEMM each (``model/fused.py``).
@@ -144,7 +143,6 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = N
     if overlap and device.type != "cuda":
         raise ValueError(f"overlap needs a CUDA device, the model is on {device}")
     branches = Branches(device) if overlap else INLINE
-    mhc_branches = Branches(device, lane=2) if overlap else INLINE  # open while the blocks' branches fork
     for name, qw in quantized.items():
         if qw.format == "fp8" and ".experts." not in name and name.endswith(".weight"):
             parent, leaf = _parent(model, name[: -len(".weight")])
@@ -161,7 +159,5 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = N
             module.ops = ops
         if hasattr(module, "branches"):
             module.branches = branches
-        if hasattr(module, "mhc_branches"):
-            module.mhc_branches = mhc_branches
     model.ops = ops
     return model

@@ -18,8 +18,7 @@ cache through per-step row lists instead of gathered per-sequence tensors:
   compress_state(proj, col, state, rows, ape, positions) -> None (writes state rows)
   compress_emit(state, slot_rows, entry_rows, out, norm_weight, eps, cos, sin, overlap) -> None (writes out)
 
-and the mHC sites of every block: hc_pre / hc_post / hc_head (``ops/ref/mhc.py`` signatures), and hc_pre_split
-(hc_pre as (collapsed, sinkhorn() -> (post, comb)): the Sinkhorn launched when called, beside the block).
+and the mHC sites of every block: hc_pre / hc_post / hc_head (``ops/ref/mhc.py`` signatures).
 
 RMSNorm and RoPE of the attention block (``ops/ref/rope_norm.py``; norm_rope_heads and rope may write in place):
 
@@ -93,7 +92,6 @@ class OpTable:
     fp4_expert_layout: Callable
     step_rows: Callable
     linear: Callable
-    hc_pre_split: Callable
 
 
 def _checkpoint_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +109,7 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
               rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
               rope=ref_rn.rope, moe_route=ref_route.route, swiglu=ref_swiglu.swiglu,
               fp4_expert_layout=_checkpoint_layout, step_rows=ref_rows.step_rows,
-              linear=ref_linear.linear, hc_pre_split=ref_mhc.hc_pre_split)
+              linear=ref_linear.linear)
 
 
 def triton_ops() -> OpTable:
@@ -148,7 +146,7 @@ def triton_ops() -> OpTable:
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
                    rope=tri_rn.rope, moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
                    fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
-                   linear=tri_linear.linear, hc_pre_split=tri_mhc.hc_pre_split)
+                   linear=tri_linear.linear)
 
 
 def select(device: str) -> OpTable:

@@ -118,27 +118,6 @@ def test_hc_pre_v4_shapes(T, dtype, device) -> None:
     _check_pre(T, 4, 4096, dtype, device, seed=T)
 
 
-@pytest.mark.interpret_ok
-@pytest.mark.parametrize("T, N, H, k_chunk", SMALL[:4])
-def test_hc_pre_split_gives_hc_pre_bits(T, N, H, k_chunk, device, monkeypatch) -> None:
-    """hc_pre_split: the collapse at once, post and comb when ``sinkhorn()`` is called (on a side stream in
-    the model): exactly hc_pre's bits, whichever program split the finish grid takes."""
-    monkeypatch.setattr(tri, "K_CHUNK", k_chunk)
-    monkeypatch.setattr(tri, "BLOCK_H", 32)
-    args = (*_case(T, N, H, torch.bfloat16, T + 3, device), ITERS, EPS, EPS)
-    for programs in (1024, 1):  # collapse blocks spread over programs / one program per token
-        monkeypatch.setattr(tri, "FINISH_PROGRAMS", programs)
-        want = _pre(*args)
-        out = torch.full_like(want[0], float("nan"))
-        collapsed, sinkhorn = tri.hc_pre_split(*args, out=out)
-        assert collapsed.data_ptr() == out.data_ptr() and torch.equal(collapsed, want[0])
-        post, comb = sinkhorn()
-        assert torch.equal(post, want[1]) and torch.equal(comb, want[2])
-    collapsed, sinkhorn = ref.hc_pre_split(*args)
-    for g, w in zip((collapsed, *sinkhorn()), ref.hc_pre(*args)):
-        assert torch.equal(g, w)
-
-
 @pytest.mark.parametrize("case", ["softmax", "peaked", "tiny_eps"])
 def test_sinkhorn_fast_division_same_bits(case, device, monkeypatch) -> None:
     """The Sinkhorn rounds by the division's fast path (``FAST_DIV``) give div_rn's bits: on V4-like inputs

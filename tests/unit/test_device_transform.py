@@ -3,8 +3,6 @@ on the CPU computes the same function as the dequantized reference model."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from deepinfer.assets import demo_model_dir
@@ -35,34 +33,3 @@ def test_transformed_model_matches_reference_on_cpu() -> None:
     got = _logits(model, ids)
     assert (got - ref).abs().max().item() <= 1e-4
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-
-
-class _InlineSide:
-    """Branches that report a side stream but run the body in place: drives the split mHC path on the CPU."""
-
-    enabled = True
-
-    def __init__(self) -> None:
-        self.sides = self.joins = 0
-
-    @contextlib.contextmanager
-    def side(self):
-        self.sides += 1
-        yield
-
-    def join(self) -> None:
-        self.joins += 1
-
-
-def test_split_mhc_path_gives_the_one_call_bits() -> None:
-    """With mHC branches (``Block._pre``: hc_pre_split, the Sinkhorn in a side branch, joined before hc_post)
-    the model computes exactly what the one-call hc_pre path computes."""
-    ids = torch.randint(3, 4096, (150,), generator=torch.Generator().manual_seed(1)).tolist()
-    model = prepare_for_device(load_model(demo_model_dir(), dtype=torch.float32, progress=False), REF)
-    want = _logits(model, ids)
-    branches = _InlineSide()
-    for layer in model.layers:
-        layer.mhc_branches = branches
-    got = _logits(model, ids)
-    assert branches.sides == branches.joins == 2 * len(model.layers) * 3  # two sites per layer, three chunks
-    assert torch.equal(got, want)

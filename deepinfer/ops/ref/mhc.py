@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -36,21 +34,6 @@ def hc_pre(
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
     return collapsed, post, comb
-
-
-def hc_pre_split(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
-    """``hc_pre`` as (collapsed, sinkhorn): ``sinkhorn()`` returns (post, comb). The device twin launches the
-    Sinkhorn only when it is called, so that the model can run it beside the block that reads ``collapsed``."""
-    collapsed, post, comb = hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    return collapsed, lambda: (post, comb)
 
 
 def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,6 @@ Why these choices:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import triton
@@ -302,9 +301,8 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out, defer_sinkhorn=False):
-    """Shared by hc_pre, hc_pre_split and hc_head: mixes kernel, then finish kernel; returns (collapsed, post,
-    comb), or with ``defer_sinkhorn`` (collapsed, a callable that launches the Sinkhorn and returns (post, comb))."""
+def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
+    """Shared by hc_pre and hc_head: mixes kernel, then finish kernel; returns (collapsed, post, comb)."""
     t, n, h = streams.shape
     rows, k = fn.shape
     assert k == n * h and rows == (n if head else (2 + n) * n), (tuple(fn.shape), tuple(streams.shape))
@@ -315,49 +313,28 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out, defe
     dev = streams.device
     collapsed = out if out is not None else torch.empty((t, h), dtype=streams.dtype, device=dev)
     assert collapsed.shape == (t, h) and collapsed.dtype == streams.dtype and collapsed.is_contiguous()
-    mp = max(16, triton.next_power_of_2(rows + 1))  # tl.dot's minimum N; one spare column for sum x^2
-    split = triton.cdiv(k, K_CHUNK)
-    part = _empty((split, t, rows + 1), torch.float32, dev)
-    if t:
-        _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
-                                                        K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
-                                                        num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
-    block_h = min(BLOCK_H, triton.next_power_of_2(h))
-    n_blocks = triton.cdiv(h, block_h)
-
-    def finish(post, comb, per_prog: int, progs: int, sink: int) -> None:
-        """Grid (T, progs): program p collapses H blocks [p*per_prog, (p+1)*per_prog); program ``sink`` (if
-        any, -1: none) also computes post and comb."""
-        if t:
-            _finish_kernel[(t, progs)](
-                x, part, base, scale, collapsed, post, comb, t, h, rows, int(iters), float(hc_eps),
-                float(norm_eps), per_prog, sink, N=n, NP=triton.next_power_of_2(n), SPLIT=split,
-                SP=triton.next_power_of_2(split), BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET,
-                FAST_DIV=FAST_DIV and not _INTERPRET, num_warps=1)
-
-    # Collapse programs per token: every H block apart for small T, one program per token once T fills the
-    # GPU. With more than one, an extra program runs the Sinkhorn alone (in parallel with the collapse).
-    per_prog = triton.cdiv(n_blocks, max(1, min(n_blocks, triton.cdiv(FINISH_PROGRAMS, max(t, 1)))))
-    progs = triton.cdiv(n_blocks, per_prog)
-    if defer_sinkhorn:
-        finish(collapsed, collapsed, per_prog, progs, -1)  # the collapse alone: no program touches post/comb
-
-        def sinkhorn() -> tuple[torch.Tensor, torch.Tensor]:
-            # One program per token, no collapse blocks (per_prog 0). It may run on another stream than the
-            # launches above: the buffers it reads stay reserved until that stream's work is done.
-            if t and dev.type == "cuda":
-                for buf in (part, base, scale):
-                    buf.record_stream(torch.cuda.current_stream(dev))
-            post, comb = _empty((t, n), torch.float32, dev), _empty((t, n, n), torch.float32, dev)
-            finish(post, comb, 0, 1, 0)
-            return post, comb
-
-        return collapsed, sinkhorn
     # hc_head has no post/comb: the finish kernel never touches them, so pass the output as a stand-in.
     post = collapsed if head else _empty((t, n), torch.float32, dev)
     comb = collapsed if head else _empty((t, n, n), torch.float32, dev)
+    if t == 0:
+        return collapsed, post, comb
+    mp = max(16, triton.next_power_of_2(rows + 1))  # tl.dot's minimum N; one spare column for sum x^2
+    split = triton.cdiv(k, K_CHUNK)
+    part = _empty((split, t, rows + 1), torch.float32, dev)
+    _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
+                                                    K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
+                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
+    block_h = min(BLOCK_H, triton.next_power_of_2(h))
+    n_blocks = triton.cdiv(h, block_h)
+    # Collapse programs per token: every H block apart for small T, one program per token once T fills the
+    # GPU. With more than one, an extra program runs the Sinkhorn alone (in parallel with the collapse).
+    per_prog = triton.cdiv(n_blocks, max(1, min(n_blocks, triton.cdiv(FINISH_PROGRAMS, t))))
+    progs = triton.cdiv(n_blocks, per_prog)
     sink = progs if progs > 1 and not head else 0
-    finish(post, comb, per_prog, progs + (sink > 0), sink)
+    _finish_kernel[(t, progs + (sink > 0))](
+        x, part, base, scale, collapsed, post, comb, t, h, rows, int(iters), float(hc_eps), float(norm_eps),
+        per_prog, sink, N=n, NP=triton.next_power_of_2(n), SPLIT=split, SP=triton.next_power_of_2(split),
+        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, FAST_DIV=FAST_DIV and not _INTERPRET, num_warps=1)
     return collapsed, post, comb
 
 
@@ -367,16 +344,6 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """streams [T, N, H] -> (collapsed [T, H] in streams.dtype, post [T, N] fp32, comb [T, N, N] fp32)."""
     assert sinkhorn_iters >= 1
     return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, out)
-
-
-def hc_pre_split(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                 sinkhorn_iters: int, hc_eps: float, norm_eps: float, *, out: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
-    """``hc_pre`` in two launches' worth: (collapsed, sinkhorn), where ``sinkhorn()`` launches the post/comb
-    program on the current stream (the model runs it on a side stream beside the attention or MoE block,
-    which only needs ``collapsed``) and returns (post, comb). The same bits as ``hc_pre``."""
-    assert sinkhorn_iters >= 1
-    return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, out, defer_sinkhorn=True)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
