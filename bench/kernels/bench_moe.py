@@ -141,11 +141,14 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
 # run 56 (now the table's pick from 0.125 pairs per expert on).
 # 256-row down tiles on one warpgroup: 0.144 vs 0.161 instructions per weight byte for 244 registers (2
 # programs per SM instead of 3).
+# One launch (``moe_one_launch.py``, table row 1's form) against two: the gate/up and down tiles from one queue;
+# 168 registers keep the 128-row decode tiles at 3 programs per SM (179 uncapped; no spills in the loops).
 _DECODE_SWEEP = [dict(num_stages=3), dict(block_n1=64, num_stages=4), dict(block_n2=256),
-                 dict(block_n2=256, num_stages=2)]
+                 dict(block_n2=256, num_stages=2), dict(one_launch=False, max_regs=None),
+                 dict(one_launch=True, max_regs=168)]
 SWEEP: dict[int, list[dict]] = {
     **{t: _DECODE_SWEEP for t in (1, 8, 32, 128)},
-    512: [dict(layout="tiled"), dict(block_n2=128), dict(num_stages=3)],
+    512: [dict(layout="tiled"), dict(block_n2=128), dict(num_stages=3), dict(one_launch=True)],
     4096: [dict(layout="checkpoint"), dict(layout="tiled")],
 }
 
@@ -189,6 +192,7 @@ def sweep(wts: dict, rotate: int, only: list[int] | None = None) -> list[dict]:
 def cfg_str(c: dict) -> str:
     regs = f" r{c['max_regs']}" if c.get("max_regs") else ""
     split = " split" if c.get("split_gate_up") else ""
+    split += " one" if c.get("one_launch") else ""
     s1, s2 = c.get("splits1", 1), c.get("splits2", 1)
     chunks = f" k/{s1}/{s2}" if max(s1, s2) > 1 else ""
     chunks += f" {c['layout']}" if c.get("layout", "model") != "model" else ""

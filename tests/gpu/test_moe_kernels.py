@@ -271,9 +271,62 @@ def test_batch_invariance_alone_vs_batch_of_64(device, n_exp, hidden, inter, k, 
 def test_every_table_config_gives_the_same_bits(device, n_exp, hidden, inter, k) -> None:
     """The shape-bucket table may change tiles, never a row's bits: all configs agree bitwise."""
     x, ids, w, weights = _invariance_setup(device, n_exp, hidden, inter, k, torch.bfloat16)
-    outs = [run_both(x, ids, w, weights, cfg)[0] for _, cfg in tri.CONFIG_TABLE]
-    for cfg_out, (_, cfg) in zip(outs[1:], tri.CONFIG_TABLE[1:]):
-        assert torch.equal(outs[0], cfg_out), f"{cfg} differs from {tri.CONFIG_TABLE[0][1]}"
+    cfgs = [cfg for _, cfg in tri.CONFIG_TABLE]
+    cfgs += [dataclasses.replace(cfg, one_launch=not cfg.one_launch) for cfg in cfgs]  # both forms of each row
+    outs = [run_both(x, ids, w, weights, cfg)[0] for cfg in cfgs]
+    for cfg_out, cfg in zip(outs[1:], cfgs[1:]):
+        assert torch.equal(outs[0], cfg_out), f"{cfg} differs from {cfgs[0]}"
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("layout", ["checkpoint", "model"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_launch_gives_the_same_bits_and_resets(device, dtype, layout) -> None:
+    """The one-launch tile queue (``moe_one_launch.py``) gives exactly the two launches' bits, call after call
+    (its counters are zero again after each call), with the weights as the checkpoint stores them or as the
+    model does (tile-major, placed), including m-blocks that no pair uses."""
+    from deepinfer.ops.triton import moe_one_launch
+
+    n_exp, hidden, inter, k = 8, 256, 128, 3
+    ckpt = make_weights(n_exp, hidden, inter, device, seed=41, scale_fmt="e8m0")
+    weights = ckpt
+    if layout == "model":
+        weights = (*fp4_codes.expert_layout(*ckpt[:2]), *fp4_codes.expert_layout(*ckpt[2:]))
+    base = tri.FP32_CONFIG if dtype == torch.float32 else tri.CONFIG_TABLE[1][1]
+    for n_tok, seed in ((1, 42), (11, 43), (2, 44)):
+        x, ids, w = make_tokens(n_tok, hidden, k, n_exp, device, seed=seed, dtype=dtype)
+        two = tri.moe_experts_fp4_with_config(x, ids, w, *weights, LIMIT, dataclasses.replace(base, one_launch=False))
+        check(two, ref_moe(x, ids, w, *ckpt, LIMIT), dtype)
+        for _ in range(2):
+            one = tri.moe_experts_fp4_with_config(x, ids, w, *weights, LIMIT, dataclasses.replace(base, one_launch=True))
+            assert torch.equal(one, two), "one launch changes the result"
+            assert not moe_one_launch._counters(x.device).any(), "counters not reset after the call"
+    with pytest.raises(ValueError, match="one_launch"):
+        tri.moe_experts_fp4_with_config(x, ids, w, *weights, LIMIT, dataclasses.replace(base, one_launch=True,
+                                                                                        splits2=2))
+
+
+def test_one_launch_replays_in_a_cuda_graph(device) -> None:
+    """Captured once, replayed with new inputs: the counters reset inside the graph, every replay exact."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    n_exp, hidden, inter, k = 256, 4096, 2048, 6
+    weights = make_weights(n_exp, hidden, inter, device, seed=45, scale_fmt="e8m0")
+    weights = (*fp4_codes.expert_layout(*weights[:2]), *fp4_codes.expert_layout(*weights[2:]))
+    cfg = dataclasses.replace(tri.CONFIG_TABLE[1][1], one_launch=True)
+    x, ids, w = make_tokens(32, hidden, k, n_exp, device, seed=46, dtype=torch.bfloat16)
+    static = [t.clone() for t in (x, ids, w)]
+    tri.moe_experts_fp4_with_config(*static, *weights, LIMIT, cfg)  # warm-up (compiles) before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.moe_experts_fp4_with_config(*static, *weights, LIMIT, cfg)
+    for seed in (47, 48, 49):
+        x, ids, w = make_tokens(32, hidden, k, n_exp, device, seed=seed, dtype=torch.bfloat16)
+        for dst, src in zip(static, (x, ids, w)):
+            dst.copy_(src)
+        graph.replay()
+        want = tri.moe_experts_fp4_with_config(x, ids, w, *weights, LIMIT, dataclasses.replace(cfg, one_launch=False))
+        assert torch.equal(out, want)
 
 
 @pytest.mark.interpret_ok

@@ -51,14 +51,15 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.moe_experts import FP4_GROUP, check_moe_experts_args
-from deepinfer.ops.triton.fp4_codes import (PLACED_DTYPE, TILE_ROWS, block_k, dequant_fp4, k_order_rows,
-                                            logical_shape, tile_offsets, tile_step)
+from deepinfer.ops.triton.fp4_codes import PLACED_DTYPE, TILE_ROWS, block_k, logical_shape
 from deepinfer.ops.triton.moe_align import align_pairs
+from deepinfer.ops.triton.moe_one_launch import launch_one, reset_counters
+from deepinfer.ops.triton.moe_tiles import block_rows, clamped_swiglu, to_out, gate_up_tile, matmul_tile
 from deepinfer.ops.triton.rounding import round_to
 
 # Triton 3.6's CPU interpreter multiplies bf16 tensors as their raw uint16 bits, truncates fp32 -> bf16 and
 # mis-converts bf16 subnormals, so interpreted runs take fp32 detours with the same exact values
-# (see ``_mma``, ``_to_out`` and ``dequant_fp4``); the GPU code path is the other branch of each.
+# (see ``_mma``, ``to_out`` and ``dequant_fp4``); the GPU code path is the other branch of each.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: scratch buffers (h, y) start as NaN so an element no program wrote cannot pass unnoticed.
 POISON_SCRATCH = False
@@ -81,6 +82,9 @@ class TileConfig:
     # (decode), deterministic, but a different summation order than unsplit configs (not batch invariant).
     splits1: int = 1
     splits2: int = 1
+    # Kernels 1 and 2 as one launch of a tile queue (``moe_one_launch.py``): down tiles fill the gate/up
+    # tiles' last wave. The same tiles, the same bits. Not with split_gate_up or splits2 > 1.
+    one_launch: bool = False
 
 
 # Keyed on the mean number of pairs per expert (T*k / E), i.e. on shapes only, never on routing data.
@@ -88,7 +92,8 @@ class TileConfig:
 # Prefill (many pairs per expert) reuses each dequantized tile across BLOCK_M tokens: wide token tiles.
 CONFIG_TABLE: tuple[tuple[float, TileConfig], ...] = (
     (0.125, TileConfig(block_m=16, block_n1=64, block_n2=128, num_warps=4, num_stages=4)),
-    (8.0, TileConfig(block_m=16, block_n1=128, block_n2=128, num_warps=4, num_stages=3)),
+    (8.0, TileConfig(block_m=16, block_n1=128, block_n2=128, num_warps=4, num_stages=3, max_regs=168,
+                     one_launch=True)),
     (24.0, TileConfig(block_m=32, block_n1=64, block_n2=128, num_warps=4, num_stages=4)),
     (64.0, TileConfig(block_m=64, block_n1=128, block_n2=128, num_warps=8, num_stages=3)),
     (math.inf, TileConfig(block_m=128, block_n1=128, block_n2=128, num_warps=8, num_stages=3)),
@@ -98,6 +103,10 @@ CONFIG_TABLE: tuple[tuple[float, TileConfig], ...] = (
 # Decode's gate/up tiles are 128 rows on one warpgroup from ~6 tokens on (run 56: 15% fewer instructions per
 # weight byte for 160 registers; the op at T = 32 / 128 583.8 / 1102.4 -> 559.7 / 1038.6 µs, model decode at
 # b32 / b128 -3%); at T = 1 the 64-row tiles' twice as many programs are faster (48.2 vs 54.8 µs).
+# The same row runs its two GEMMs as one launch of a tile queue (``moe_one_launch.py``), capped at 168 registers
+# (3 programs per SM; 179 uncapped): the op at T = 8 / 32 / 128 195.5 / 532.8 / 974.9 -> 178.4 / 526.8 / 968.3 µs,
+# model decode b8 -3.7% (run 61). Not at T = 1 (64.5 vs 48.4 µs: all tiles start at once there, and the waiting
+# down tiles only compete with the gate/up ones) nor for the m32 row (T = 512: 1603 vs 1410 µs).
 # Decode's down tiles are 128 rows since the tiled layout (run 36: T = 1 / 8 / 32 / 128 at 58.3 / 224 / 649 /
 # 1157 µs vs 58.9 / 231 / 671 / 1207 with 64 rows), the m32 bucket's since run 41 (T=512: 1500 vs 1610 µs).
 # fp32 activations triple the MMA operands (three bf16 parts); wider token tiles spill registers, and the
@@ -113,6 +122,8 @@ def pick_config(num_pairs: int, num_experts: int, dtype: torch.dtype = torch.bfl
 
 
 def _check_config(cfg: TileConfig) -> None:
+    if cfg.one_launch and (cfg.split_gate_up or cfg.splits2 > 1):
+        raise ValueError(f"{cfg}: one_launch runs the fused gate/up tiles and an unsplit down GEMM")
     if cfg.splits1 > 1 and not cfg.split_gate_up:
         raise ValueError(f"{cfg}: splits1 > 1 needs split_gate_up (the SwiGLU kernel adds the K chunks)")
     for n in (cfg.block_n1, cfg.block_n2):
@@ -120,33 +131,6 @@ def _check_config(cfg: TileConfig) -> None:
             raise ValueError(f"{cfg}: weight tiles must be multiples of 64 rows (wgmma M per warpgroup)")
     if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
         raise ValueError(f"{cfg}: block_m must be a power of two >= 16 (MMA N side)")
-
-
-@triton.jit
-def _split_bf16(a):
-    """fp32 -> (hi, mid, lo) bf16 with hi + mid + lo == a exactly (8 + 8 + 8 significand bits)."""
-    a = a.to(tl.float32)
-    hi = a.to(tl.bfloat16)
-    r = a - hi.to(tl.float32)  # exact
-    mid = r.to(tl.bfloat16)
-    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
-
-
-@triton.jit
-def _mma(a, b, acc, INTERPRET: tl.constexpr):
-    """acc += a @ b for bf16 a, b with fp32 accumulation."""
-    if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _clamped_swiglu(g, u, limit):
-    """The experts' activation on fp32 sums; one definition for the fused and the split gate/up paths."""
-    gate = tl.minimum(g, limit)
-    up = tl.minimum(tl.maximum(u, -limit), limit)
-    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -162,27 +146,8 @@ def _swiglu_kernel(gu_ptr, h_ptr, N, limit, stride_gu, stride_split, stride_h,
     for s in tl.static_range(1, SPLITS):
         g += tl.load(gu_ptr + s * stride_split + p * stride_gu + offs, mask=ok, other=0.0)
         u += tl.load(gu_ptr + s * stride_split + p * stride_gu + N + offs, mask=ok, other=0.0)
-    hval = _clamped_swiglu(g, u, limit)
-    tl.store(h_ptr + p * stride_h + offs, _to_out(hval, h_ptr.dtype.element_ty, INTERPRET), mask=ok)
-
-
-@triton.jit
-def _to_out(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> dtype, round to nearest even (the interpreter truncates fp32 -> bf16: round its bits first)."""
-    if INTERPRET:
-        if dtype == tl.bfloat16:
-            u = v.to(tl.uint32, bitcast=True)
-            v = (u + 0x7FFF + ((u >> 16) & 1)).to(tl.float32, bitcast=True)
-    return v.to(dtype)
-
-
-@triton.jit
-def _block_rows(pair_ptr, expert_ptr, BM: tl.constexpr):
-    """This m-block's expert (-1: unused block) and its BM pair ids (-1: padding)."""
-    pid_m = tl.program_id(0)
-    e = tl.load(expert_ptr + pid_m)
-    pair = tl.load(pair_ptr + pid_m * BM + tl.arange(0, BM))
-    return e, pair
+    hval = clamped_swiglu(g, u, limit)
+    tl.store(h_ptr + p * stride_h + offs, to_out(hval, h_ptr.dtype.element_ty, INTERPRET), mask=ok)
 
 
 @triton.jit
@@ -195,56 +160,12 @@ def _gate_up_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_TILED: tl.constexpr, S_TILED: tl.constexpr,
     W_PLACED: tl.constexpr = False,
 ):
-    e, pair = _block_rows(pair_ptr, expert_ptr, BM)
+    e, pair = block_rows(pair_ptr, expert_ptr, tl.program_id(0), BM)
     if e < 0:
         return
-    valid = pair >= 0
-    tok = tl.where(valid, pair // topk, 0).to(tl.int64)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    w_mask = (offs_n < N)[:, None]
-    x_mask = valid[None, :]
-    # Loop-invariant offset tiles plus scalar bases: strides arrive as (16-divisible) arguments, so Triton
-    # can prove 16-byte alignment and issue vector loads; carrying 64-bit pointer tiles would cost registers.
-    w_off = tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
-    s_off = tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
-    x_off = tok[None, :] * stride_x + tl.arange(0, BK)[:, None]  # x^T tile [BK, BM]: the MMA's B operand
-    g_w = w13_ptr + e.to(tl.int64) * stride_we
-    u_w = g_w + N * stride_wn
-    g_s = s13_ptr + e.to(tl.int64) * stride_se
-    u_s = g_s + N * stride_sn
-    sg = tl.load(g_s + s_off, mask=w_mask, other=0)
-    su = tl.load(u_s + s_off, mask=w_mask, other=0)
-    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):  # the full reduction, always in this order (no split-K)
-        # Weights and activations are software-pipelined by Triton (cp.async, num_stages deep). Scale
-        # bytes are too narrow for that (2-byte loads per thread), so the next step's are fetched by hand,
-        # one step ahead (reading them as 32-bit words through the pipeline measured 24% slower: NOTES run 27).
-        kn = k0 + BK
-        s_next = tile_step(kn, BK, BK // 32, S_TILED)
-        sg_n = tl.load(g_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
-        su_n = tl.load(u_s + s_next + s_off, mask=w_mask & (kn < K), other=0)
-        pg = tl.load(g_w + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
-        pu = tl.load(u_w + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
-        wg = dequant_fp4(pg, sg, BN, BK, SCALE_U8, INTERPRET, W_PLACED)
-        wu = dequant_fp4(pu, su, BN, BK, SCALE_U8, INTERPRET, W_PLACED)
-        xt = k_order_rows(tl.load(x_ptr + k0 + x_off, mask=x_mask, other=0.0), BK, BM)
-        if SPLIT == 1:
-            xb = xt.to(tl.bfloat16)
-            acc_g = _mma(wg, xb, acc_g, INTERPRET)
-            acc_u = _mma(wu, xb, acc_u, INTERPRET)
-        else:
-            x_hi, x_mid, x_lo = _split_bf16(xt)
-            acc_g = _mma(wg, x_hi, acc_g, INTERPRET)
-            acc_g = _mma(wg, x_mid, acc_g, INTERPRET)
-            acc_g = _mma(wg, x_lo, acc_g, INTERPRET)
-            acc_u = _mma(wu, x_hi, acc_u, INTERPRET)
-            acc_u = _mma(wu, x_mid, acc_u, INTERPRET)
-            acc_u = _mma(wu, x_lo, acc_u, INTERPRET)
-        sg, su = sg_n, su_n
-    hval = _clamped_swiglu(acc_g, acc_u, limit)
-    h_ptrs = h_ptr + tl.where(valid, pair, 0).to(tl.int64)[None, :] * stride_h + offs_n[:, None]
-    tl.store(h_ptrs, _to_out(hval, h_ptr.dtype.element_ty, INTERPRET), mask=x_mask & w_mask)
+    gate_up_tile(x_ptr, w13_ptr, s13_ptr, h_ptr, e, pair, tl.program_id(1), K, N, stride_x, stride_we, stride_wn,
+                 stride_se, stride_sn, stride_h, limit, topk, SCALE_U8, SPLIT, INTERPRET, BM, BN, BK, W_TILED,
+                 S_TILED, W_PLACED)
 
 
 @triton.jit
@@ -261,54 +182,24 @@ def _matmul_kernel(
     """y[s, pair, n] = sum over k in chunk s of W_e[n, k] a[pair // row_div, k], fp32: the down projection
     (kernel 2), and with ``split_gate_up`` also kernel 1's gate|up rows as one [2I, H] matrix. One chunk
     (s = 0) unless a config splits K; the consumer then adds the chunks in order."""
-    e, pair = _block_rows(pair_ptr, expert_ptr, BM)
+    e, pair = block_rows(pair_ptr, expert_ptr, tl.program_id(0), BM)
     if e < 0:
         return
-    valid = pair >= 0
-    row = tl.where(valid, pair // row_div, 0).to(tl.int64)
-    out_row = tl.where(valid, pair, 0).to(tl.int64)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    w_mask = (offs_n < N)[:, None]
-    a_mask = valid[None, :]
-    w_off = tile_offsets(offs_n, stride_wn, BK // 8, W_TILED)  # int32 words
-    s_off = tile_offsets(offs_n, stride_sn, BK // 32, S_TILED)
-    a_off = row[None, :] * stride_h + tl.arange(0, BK)[:, None]  # h^T tile [BK, BM]
-    w_base = w2_ptr + e.to(tl.int64) * stride_we
-    s_base = s2_ptr + e.to(tl.int64) * stride_se
-    if K_SPLITS == 1:  # a loop over [0, K) compiles tighter (~6% fewer instructions per step)
-        k_lo = 0
-        k_hi = K
-    else:
-        k_lo = tl.program_id(2) * k_per_split
-        k_hi = k_lo + k_per_split
-    sw = tl.load(s_base + tile_step(k_lo, BK, BK // 32, S_TILED) + s_off, mask=w_mask, other=0)
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        kn = k0 + BK
-        sw_n = tl.load(s_base + tile_step(kn, BK, BK // 32, S_TILED) + s_off,  # one step ahead
-                       mask=w_mask & (kn < k_hi), other=0)
-        pw = tl.load(w_base + tile_step(k0, BK, BK // 8, W_TILED) + w_off, mask=w_mask, other=0)
-        w = dequant_fp4(pw, sw, BN, BK, SCALE_U8, INTERPRET, W_PLACED)
-        at = k_order_rows(tl.load(h_ptr + k0 + a_off, mask=a_mask, other=0.0), BK, BM)
-        if SPLIT == 1:
-            acc = _mma(w, at.to(tl.bfloat16), acc, INTERPRET)
-        else:
-            a_hi, a_mid, a_lo = _split_bf16(at)
-            acc = _mma(w, a_hi, acc, INTERPRET)
-            acc = _mma(w, a_mid, acc, INTERPRET)
-            acc = _mma(w, a_lo, acc, INTERPRET)
-        sw = sw_n
-    y_ptr += tl.program_id(2).to(tl.int64) * stride_split
-    tl.store(y_ptr + out_row[None, :] * stride_y + offs_n[:, None], acc, mask=a_mask & w_mask)
+    matmul_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, e, pair, tl.program_id(1), tl.program_id(2), K, N, stride_h,
+                stride_we, stride_wn, stride_se, stride_sn, stride_y, row_div, k_per_split, stride_split, SCALE_U8,
+                SPLIT, INTERPRET, BM, BN, BK, K_SPLITS, W_TILED, S_TILED, W_PLACED, "")
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, add_ptr, H, stride_split,
+def _combine_kernel(y_ptr, w_ptr, out_ptr, add_ptr, H, stride_split, counter_ptr, num_counters,
                     TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    INTERPRET: tl.constexpr, RESET: tl.constexpr):
     """out[t] = sum_j w[t, j] * y[t*k + j], slot order, fp32 (one program per token and H block), each y the
     in-order sum of its K chunks; with ADD, rounded to out's dtype and then + add[t], rounded again (the
-    reference's two-tensor add)."""
+    reference's two-tensor add). With RESET, program (0, 0) also zeroes the one-launch kernel's counters."""
+    if RESET:
+        if tl.program_id(0) == 0 and tl.program_id(1) == 0:
+            reset_counters(counter_ptr, num_counters)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -324,7 +215,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, add_ptr, H, stride_split,
         acc = round_to(acc, dtype, INTERPRET) + tl.load(add_ptr + t * H + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * H + offs, round_to(acc, dtype, INTERPRET).to(dtype), mask=ok)
     else:
-        tl.store(out_ptr + t * H + offs, _to_out(acc, dtype, INTERPRET), mask=ok)
+        tl.store(out_ptr + t * H + offs, to_out(acc, dtype, INTERPRET), mask=ok)
 
 
 def _k_chunk(k: int, bk: int, splits: int) -> int:
@@ -404,6 +295,10 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         _swiglu_kernel[(t * k, triton.cdiv(inter, block))](
             gu, hid, inter, float(limit), gu.stride(1), gu.stride(0), hid.stride(0),
             SPLITS=cfg.splits1, BLOCK=block, INTERPRET=_INTERPRET, num_warps=4)
+    elif cfg.one_launch:
+        counters = launch_one(x, w13, s13, hid, w2, s2, y, pair_of_row, expert_of_block, limit, k, cfg, scale_u8=scale_u8,
+                   split=split, interpret=_INTERPRET, bk1=bk1, bk2=bk2,
+                   tiled=(tiled1, s_tiled1, tiled2, s_tiled2), placed=(placed1, placed2))
     else:
         _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n1))](
             x, w13, s13, hid, pair_of_row, expert_of_block, h, inter,
@@ -413,22 +308,25 @@ def moe_experts_fp4_with_config(x: torch.Tensor, topk_ids: torch.Tensor, topk_we
             W_TILED=tiled1, S_TILED=s_tiled1, W_PLACED=placed1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
         )
-    _matmul_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2), cfg.splits2)](
-        hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
-        hid.stride(0), w2.stride(0), inter // 8, s2.stride(0), sn2, y.stride(1), 1,
-        _k_chunk(inter, bk2, cfg.splits2), y.stride(0),
-        SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
-        K_SPLITS=cfg.splits2, W_TILED=tiled2, S_TILED=s_tiled2, W_PLACED=placed2,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
-    )
+    if not cfg.one_launch:
+        _matmul_kernel[(num_blocks, triton.cdiv(h, cfg.block_n2), cfg.splits2)](
+            hid, w2, s2, y, pair_of_row, expert_of_block, inter, h,
+            hid.stride(0), w2.stride(0), inter // 8, s2.stride(0), sn2, y.stride(1), 1,
+            _k_chunk(inter, bk2, cfg.splits2), y.stride(0),
+            SCALE_U8=scale_u8, SPLIT=split, INTERPRET=_INTERPRET, BM=cfg.block_m, BN=cfg.block_n2, BK=bk2,
+            K_SPLITS=cfg.splits2, W_TILED=tiled2, S_TILED=s_tiled2, W_PLACED=placed2,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
+        )
     block_h = min(1024, triton.next_power_of_2(h))
     if add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()):
         raise ValueError(f"add: expected contiguous {x.dtype} {tuple(x.shape)}")
     if add is not None and before_add is not None:
         before_add()  # only the combine reads add: the kernels above overlap whatever still writes it
+    reset = counters if cfg.one_launch else pair_of_row  # (not written without one_launch)
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_weights, out, out if add is None else add, h, y.stride(0),
-                                                 TOPK=k, SPLITS=cfg.splits2, BLOCK_H=block_h, ADD=add is not None,
-                                                 INTERPRET=_INTERPRET, num_warps=4)
+                                                 reset, reset.numel(), TOPK=k, SPLITS=cfg.splits2,
+                                                 BLOCK_H=block_h, ADD=add is not None, INTERPRET=_INTERPRET,
+                                                 RESET=cfg.one_launch, num_warps=4)
     return out
 
 
