@@ -42,6 +42,11 @@ class _Request:
     # Per tail pool, the index of the first block not yet released; entries before it are all -1.
     # Releases only ever happen at the front and truncation only at the back, so -1s form a prefix.
     first_live: dict[str, int] = field(default_factory=lambda: {p: 0 for p in TAIL_POOLS})
+    # ``tables`` as tuples, built on the first ``block_tables`` call after a change (None: stale). Tables
+    # change once per ``block_size`` tokens, yet are read every step; handing out the same tuple objects
+    # also lets a decode graph's ``StepBuffer`` (``model/step_index.py``) see them unchanged at a pointer
+    # comparison.
+    frozen: dict[str, tuple[int, ...]] | None = None
 
 
 class CacheManager:
@@ -81,7 +86,11 @@ class CacheManager:
         return len(self._get(req_id).tables[HISTORY]) * self.block_size
 
     def block_tables(self, req_id: Hashable) -> dict[str, tuple[int, ...]]:
-        return {p: tuple(t) for p, t in self._get(req_id).tables.items()}
+        """Pool -> block ids; the tuples are shared until the tables change (the dict is the caller's)."""
+        r = self._get(req_id)
+        if r.frozen is None:
+            r.frozen = {p: tuple(t) for p, t in r.tables.items()}
+        return dict(r.frozen)
 
     def num_free_blocks(self, pool: str) -> int:
         return self.pools[pool].num_free
@@ -122,7 +131,9 @@ class CacheManager:
         if r is None:
             r = self._reqs[req_id] = _Request()
         for p in POOLS:
-            r.tables[p].extend(self.pools[p].allocate(need[p]))
+            if need[p]:
+                r.tables[p].extend(self.pools[p].allocate(need[p]))
+                r.frozen = None
 
     def commit(self, req_id: Hashable, num_computed: int) -> None:
         """Set the request's cached length to ``num_computed`` after a step; release stale tail blocks.
@@ -148,6 +159,7 @@ class CacheManager:
                 table[lo:keep_from] = [RELEASED] * len(stale)
                 self.pools[p].free(stale)  # oldest first: they become the first evicted later
                 r.first_live[p] = keep_from
+                r.frozen = None
 
     def truncate(self, req_id: Hashable, n: int) -> None:
         """Roll the request back to its first ``n`` positions, returning every block past them.
@@ -169,6 +181,7 @@ class CacheManager:
                         f"were released (length {r.length}, spec_slack {self.spec_slack}); free and recompute"
                     )
         keep = self.blocks_for_count(n)
+        r.frozen = None
         for p in POOLS:
             table = r.tables[p]
             dropped = [b for b in reversed(table[keep:]) if b != RELEASED]  # tail first
@@ -217,6 +230,8 @@ class CacheManager:
             raise AssertionError(f"request {rid!r}: length {r.length} but only {nblocks} blocks")
         if RELEASED in r.tables[HISTORY]:
             raise AssertionError(f"request {rid!r}: released entry in the history table")
+        if r.frozen is not None and r.frozen != {p: tuple(t) for p, t in r.tables.items()}:
+            raise AssertionError(f"request {rid!r}: cached block tables {r.frozen} are stale")
         for p in TAIL_POOLS:
             lo, table = r.first_live[p], r.tables[p]
             if any(b != RELEASED for b in table[:lo]) or RELEASED in table[lo:]:

@@ -17,13 +17,23 @@ All layers of a pool share one row numbering (every per-position tensor has stri
 tensor of ratio m has stride m), so one list serves all layers. Padding tokens (graph buckets) belong to
 a padding sequence whose tables are empty: they write to a spare row past the last block of each pool
 (``KVStorage.spare_row``) and read nothing (-1 everywhere).
+
+The host half runs before every decode step, so it is built for few Python operations per sequence: the
+tensors of a StepIndex are views of one flat int64 buffer (``FlatLayout``; the step's token ids have a
+slot there too), so a step ships with one host-to-device copy, and block tables are converted to int64
+by a ``StepBuffer`` (one per graph bucket) only where they changed since its previous step: turning Python
+ints into int64 costs tens of ns each, and a batch's tables hold thousands of them while changing only
+once per ``block_size`` tokens.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cached_property, lru_cache
 from itertools import chain
+from operator import eq, itemgetter
 
 import numpy as np
 import torch
@@ -75,7 +85,20 @@ class StepIndex:
         return [f.name for f in fields(self) if f.type == "torch.Tensor"]
 
     def to(self, device: torch.device | str) -> "StepIndex":
-        moved = {n: getattr(self, n).to(device, non_blocking=True) for n in self._tensors()}
+        """The index on ``device``: one copy when its tensors are views of one buffer (``build_step_index``
+        makes them so), else one per tensor."""
+        tensors = {n: getattr(self, n) for n in self._tensors()}
+        filled = {n: t for n, t in tensors.items() if t.numel()}  # empty ones need no data (nor valid offsets)
+        moved = {n: t.to(device, non_blocking=True) for n, t in tensors.items() if n not in filled}
+        region = _covering(list(filled.values())) if filled else None
+        if region is None:
+            moved.update({n: t.to(device, non_blocking=True) for n, t in filled.items()})
+        else:
+            flat, lo = region
+            dst = flat.to(device, non_blocking=True)  # ``flat`` itself when already there
+            # as_strided offsets count from the start of the storage, not of ``dst``.
+            base = dst.storage_offset() - lo
+            moved.update({n: dst.as_strided(t.shape, t.stride(), base + t.storage_offset()) for n, t in filled.items()})
         return StepIndex(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **moved})
 
     def copy_(self, src: "StepIndex") -> None:
@@ -104,22 +127,206 @@ def compress_kinds(layout) -> tuple[tuple[int, bool], ...]:
     return tuple(kinds)
 
 
-def _tables(batch: ForwardBatch, pool: str, num_seqs: int, width: int) -> np.ndarray:
-    """[num_seqs, width] block ids (-1 padding); blocks past ``width`` cover positions no step reads."""
-    out = np.full((num_seqs, width), -1, dtype=np.int64)
-    tables = [r.block_tables[pool][:width] for r in batch.runs]
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    flat = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
-    # One scatter instead of a row-by-row copy: row i gets its table in columns 0..len-1.
-    rows = np.repeat(np.arange(len(tables)), lens)
-    out[rows, np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)] = flat
-    return out
+_ALIGN = 64  # segment starts in a flat buffer, in int64s: 512 bytes, as if each tensor were allocated alone
+_TABLE_POOLS = (WINDOW, STATE, HISTORY)  # order of the tables in a flat buffer
+_pool_tables = itemgetter(*_TABLE_POOLS)
+# Up to this many runs, per-run table copies and residency checks cost less than the vectorized versions'
+# dozen numpy calls each.
+_SMALL_BATCH = 8
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where one step's token ids and StepIndex tensors sit in a single flat int64 buffer.
+
+    Segments: ids [T], token_seq [T], positions [T], seq_end [B], then the window, state and history tables
+    [B, width], ``table_stride`` apart. Each starts on a multiple of ``_ALIGN``, so kernels see pointers as
+    aligned as separately allocated tensors. The host builds a step into such a buffer and ships it with
+    one copy; a captured graph reads views of its device twin. Works on numpy arrays and torch tensors
+    alike (1-D slices, and reshapes of contiguous ones, are views in both).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    width: int  # table columns: cdiv(span, block_size)
+
+    @staticmethod
+    @lru_cache(maxsize=256)
+    def for_span(num_tokens: int, num_seqs: int, span: int, block_size: int) -> "FlatLayout":
+        """The layout for tables of ``span`` positions (one instance per shape: its offsets are cached)."""
+        return FlatLayout(num_tokens, num_seqs, -(-span // block_size))
+
+    @cached_property
+    def _starts(self) -> tuple[int, int, int, int, int]:
+        """Where token_seq, positions, seq_end and the window table start; the tables' stride."""
+        at = _aligned(self.num_tokens)
+        return at, 2 * at, 3 * at, 3 * at + _aligned(self.num_seqs), _aligned(self.num_seqs * self.width)
+
+    @property
+    def table_stride(self) -> int:
+        return self._starts[4]
+
+    @property
+    def size(self) -> int:
+        return self._starts[3] + 3 * self._starts[4]
+
+    def ids(self, flat):
+        return flat[: self.num_tokens]
+
+    def split(self, flat) -> tuple:
+        """(token_seq, positions, seq_end, window_table, state_table, history_table) as views of ``flat``."""
+        t, b, w = self.num_tokens, self.num_seqs, self.width
+        ts, pos, end, first, stride = self._starts
+        return (flat[ts : ts + t], flat[pos : pos + t], flat[end : end + b],
+                flat[first : first + b * w].reshape(b, w),
+                flat[first + stride : first + stride + b * w].reshape(b, w),
+                flat[first + 2 * stride : first + 2 * stride + b * w].reshape(b, w))
+
+    def table_block(self, flat):
+        """The three tables and the gaps between them, 1-D: row i of table p starts at p * table_stride +
+        i * width (one fill and one scatter reach them all)."""
+        return flat[self._starts[3] : self.size]
+
+    def tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """StepIndex's tensor fields as views of ``flat``: ``dataclasses.replace(index, **layout.tensors(buf))``
+        re-points a host-built index at the device buffer it is copied to."""
+        token_seq, positions, seq_end, window, state, history = self.split(flat)
+        return {"token_seq": token_seq, "positions": positions, "window_table": window, "state_table": state,
+                "history_table": history, "seq_end": seq_end}
+
+
+def _covering(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
+    """A 1-D view over the part of one storage that holds all ``tensors`` and its storage offset, when they
+    are contiguous int64 views of one buffer; else None."""
+    ptr = tensors[0].untyped_storage().data_ptr()
+    if not all(t.dtype == torch.int64 and t.is_contiguous() and t.untyped_storage().data_ptr() == ptr
+               for t in tensors):
+        return None
+    lo = min(t.storage_offset() for t in tensors)
+    hi = max(t.storage_offset() + t.numel() for t in tensors)
+    return tensors[0].as_strided((hi - lo,), (1,), lo), lo
+
+
+_layout_facts: dict[int, tuple] = {}
+
+
+def _facts(layout) -> tuple[tuple[tuple[int, bool], ...], int]:
+    """(compress_kinds(layout), layout.tail(STATE)), once per layout: both walk every layer (~10 us for V4's
+    43 on a slow host), and so would hashing the layout, hence the identity key (the entry holds the
+    layout, so its id stays its own)."""
+    hit = _layout_facts.get(id(layout))
+    if hit is None or hit[0] is not layout:
+        if len(_layout_facts) >= 64:
+            _layout_facts.clear()
+        hit = _layout_facts[id(layout)] = (layout, compress_kinds(layout), layout.tail(STATE))
+    return hit[1], hit[2]
+
+
+def _fill_tables(block: np.ndarray, tables: tuple, stride: int, runs) -> None:
+    """Copy every run's tables into the three [B, width] ``tables`` (which hold -1; ``block`` spans them,
+    ``stride`` apart); columns past ``width`` cover positions no step reads and are dropped."""
+    width = tables[0].shape[1]
+    src = [t for r in runs for t in _pool_tables(r.block_tables)]  # table k: run k // 3, pool k % 3
+    lens = list(map(len, src))
+    # struct converts Python ints about twice as fast as np.fromiter (the bulk of this function).
+    flat = np.frombuffer(struct.pack(f"{sum(lens)}q", *chain.from_iterable(src)), dtype=np.int64)
+    if len(runs) <= _SMALL_BATCH:  # a few slice copies cost less than the scatter's dozen numpy calls
+        start = 0
+        for k, n in enumerate(lens):
+            m = min(n, width)
+            tables[k % 3][k // 3, :m] = flat[start : start + m]
+            start += n
+        return
+    lens = np.array(lens, dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    k = np.arange(len(lens))
+    dest = np.repeat((k % 3) * stride + (k // 3) * width - starts, lens) + np.arange(len(flat))
+    if lens.max() > width:
+        keep = np.arange(len(flat)) - np.repeat(starts, lens) < width
+        dest, flat = dest[keep], flat[keep]
+    block[dest] = flat
+
+
+class StepBuffer:
+    """A host buffer that fixed-shape steps (one CUDA-graph bucket) are built in, one after another.
+
+    ``tensor`` is laid out by ``layout`` (``FlatLayout``); ``write`` fills it with a step's index (what
+    ``build_step_index`` with the same shapes returns the views of); ``ids`` is its token-id segment, which
+    the caller fills. Steps of a bucket mostly carry the same sequences with the same block tables (a
+    table changes once per ``block_size`` tokens), so the buffer remembers which tables each row of its
+    three [B, width] tables holds and rewrites only the rows whose tables changed, instead of resetting
+    all of them (3 x B x width int64s: MBs for a long ``max_len``) and converting every table's Python
+    ints again. A row is compared to what it holds by equality, which for the same tuple objects
+    (``CacheManager.block_tables`` and ``SequenceCache.plan`` hand them out until a table changes) is a
+    pointer comparison; only tuples are remembered, as a list may change in place. Nothing but ``write``
+    may write the tables.
+    """
+
+    def __init__(self, num_tokens: int, num_seqs: int, max_len: int, block_size: int,
+                 pin_memory: bool = False) -> None:
+        self.layout = FlatLayout.for_span(num_tokens, num_seqs, max_len, block_size)
+        self.max_len = max_len
+        self.tensor = torch.zeros(self.layout.size, dtype=torch.int64, pin_memory=pin_memory)
+        flat = self.tensor.numpy()
+        self.ids = self.layout.ids(flat)
+        self._tables = self.layout.split(flat)[3:]
+        self.layout.table_block(flat).fill(-1)
+        self._held: list = []  # row i < len: the (window, state, history) tables it holds; None: rewrite
+
+    def write(self, batch: ForwardBatch, storage, window: int) -> None:
+        """Build the step's index into ``tensor`` (all of it but ``ids``); errors as ``build_step_index``."""
+        _write(batch, storage.layout, window, self.layout.num_tokens, self.layout.num_seqs, self.max_len, self)
+
+    def _update_tables(self, runs) -> None:
+        """Rewrite the rows whose tables differ from what they hold; reset rows no run uses any more."""
+        tables, held = self._tables, self._held
+        width = self.layout.width
+        now = [_pool_tables(r.block_tables) for r in runs]
+        if now == held:
+            return
+        same = list(map(eq, now, held))
+        # Should a row's write raise, the rows stay unknown and the next write rewrites them all.
+        self._held = [None] * max(len(held), len(now))
+        for i in [i for i, s in enumerate(same) if not s] + list(range(len(same), len(now))):
+            trip = now[i]
+            for table, t in zip(tables, trip):
+                m = min(len(t), width)
+                table[i, :m] = t[:m]
+                table[i, m:] = -1
+            if not type(trip[0]) is type(trip[1]) is type(trip[2]) is tuple:
+                now[i] = None
+        for table in tables:
+            table[len(now) : len(held)] = -1
+        self._held = now
+
+
+def _all_resident(block: np.ndarray, stride: int, width: int, first: np.ndarray, end: np.ndarray, window: int,
+                  state_tail: int, block_size: int) -> bool:
+    """``_check_resident`` on the filled tables (``block``, as in ``_fill_tables``), for all runs at once: True
+    when every block it needs is resident. False when one is not, or when some run's block range is empty
+    or reaches past ``width`` (only malformed batches): the per-run check then decides and names the run."""
+    backs = np.array([window - 1, state_tail] if state_tail else [window - 1], dtype=np.int64)
+    pools, b = len(backs), len(first)
+    lo = np.maximum(first - backs[:, None], 0) // block_size  # [pools, b]
+    hi = (end - 1) // block_size  # [b]
+    count = hi - lo  # blocks - 1
+    if count.min() < 0 or hi.max() >= width:
+        return False
+    # Every run's range as k columns, the shorter ones repeating their last block.
+    cols = np.minimum(lo[:, :, None] + np.arange(count.max() + 1), hi[:, None])
+    at = (np.arange(pools) * stride)[:, None, None] + (np.arange(b) * width)[:, None] + cols
+    return bool(block[at].min() >= 0)
 
 
 def _check_resident(batch: ForwardBatch, layout, window: int) -> None:
-    """Host-side guard (cheap, per run): every window/state block the step reads or writes is resident.
-    The device derivation would otherwise turn a released block into "no key" silently."""
-    bs, state_tail = layout.block_size, layout.tail(STATE)
+    """Host-side guard (per run): every window/state block the step reads or writes is resident. The device
+    derivation would otherwise turn a released block into "no key" silently. Large batches run the
+    vectorized ``_all_resident`` first and come here only to name the failing run."""
+    bs, state_tail = layout.block_size, _facts(layout)[1]
     for i, r in enumerate(batch.runs):
         for pool, back, what in ((WINDOW, window - 1, "window keys"), (STATE, state_tail, "compressor state")):
             if pool == STATE and not state_tail:
@@ -130,45 +337,72 @@ def _check_resident(batch: ForwardBatch, layout, window: int) -> None:
                 raise IndexError(f"runs[{i}] {what}: a needed block of pool {pool!r} is missing or was released")
 
 
-def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: int | None = None,
-                     num_seqs: int | None = None, max_len: int | None = None) -> StepIndex:
-    """The host half of a step's index (CPU tensors). Optional fixed shapes (what a captured graph needs):
-    tokens padded to ``num_tokens``, sequences to ``num_seqs``, tables sized for ``max_len`` positions."""
-    layout = storage.layout
+def _write(batch: ForwardBatch, layout, window: int, num_tokens: int | None, num_seqs: int | None,
+           max_len: int | None, buffer: StepBuffer | None = None) -> tuple[torch.Tensor, FlatLayout, int]:
+    """Build the step's index into ``buffer.tensor`` (or a new tensor); returns it, its layout and the span."""
     bs = layout.block_size
     runs = batch.runs
-    t_real, b_real = batch.num_tokens, len(runs)
+    b_real = len(runs)
+    # Each run's scalars are read once, into the arrays the rest works on.
+    firsts = [r.first_pos for r in runs]
+    lengths = [r.length for r in runs]
+    t_real = sum(lengths)
     t_all, b_all = num_tokens or t_real, num_seqs or b_real
     if t_all < t_real or b_all < b_real:
         raise ValueError(f"num_tokens/num_seqs: {t_all}/{b_all} is less than the batch's {t_real}/{b_real}")
     if t_all > t_real and b_all == b_real:
         raise ValueError("num_seqs: padding tokens need a padding sequence (num_seqs > the batch's sequences)")
-    _check_resident(batch, layout, window)
-    lengths = np.array([r.length for r in runs], dtype=np.int64)
-    seq = np.repeat(np.arange(b_real), lengths)
-    pos = np.concatenate([np.arange(r.first_pos, r.end_pos) for r in runs]) if runs else np.zeros(0, np.int64)
-    end_pos = np.array([r.end_pos for r in runs] + [0] * (b_all - b_real), dtype=np.int64)
-    span = max_len or max(int(end_pos.max(initial=0)), 1)
-    if end_pos.max(initial=0) > span:
-        raise ValueError(f"max_len: {span} is shorter than a sequence of the batch ({int(end_pos.max())})")
-    width = -(-span // bs)
-    pad = t_all - t_real
-    pad_seq = b_all - 1  # padding tokens belong to the padding sequence (empty tables)
+    first = np.array(firsts, dtype=np.int64)
+    lens = np.array(lengths, dtype=np.int64)
+    end = first + lens
+    longest = int(end.max(initial=0))
+    span = max_len or max(longest, 1)
+    flat_layout = FlatLayout.for_span(t_all, b_all, span, bs)
+    if buffer is None:
+        out = torch.empty(flat_layout.size, dtype=torch.int64)
+    elif flat_layout != buffer.layout:
+        raise ValueError(f"storage: block size {bs} does not match the buffer's layout {buffer.layout}")
+    else:
+        out = buffer.tensor
+    flat = out.numpy()
+    token_seq, positions, seq_end, *tables = flat_layout.split(flat)
+    block, stride, width = flat_layout.table_block(flat), flat_layout.table_stride, flat_layout.width
+    if buffer is None:
+        block.fill(-1)
+        if b_real:
+            _fill_tables(block, tables, stride, runs)
+    else:
+        buffer._update_tables(runs)
+    if b_real and (b_real <= _SMALL_BATCH or
+                   not _all_resident(block, stride, width, first, end, window, _facts(layout)[1], bs)):
+        _check_resident(batch, layout, window)
+    if longest > span:
+        raise ValueError(f"max_len: {span} is shorter than a sequence of the batch ({longest})")
+    if t_real == b_real and max(lengths, default=1) == 1:  # decode: one token per sequence
+        token_seq[:t_real] = np.arange(b_real)
+        positions[:t_real] = first
+    else:
+        token_seq[:t_real] = np.repeat(np.arange(b_real), lens)
+        positions[:t_real] = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(t_real)
+    token_seq[t_real:] = b_all - 1  # padding tokens belong to the padding sequence (empty tables)
+    positions[t_real:] = 0
+    seq_end[:b_real] = end
+    seq_end[b_real:] = 0
+    return out, flat_layout, span
+
+
+def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: int | None = None,
+                     num_seqs: int | None = None, max_len: int | None = None) -> StepIndex:
+    """The host half of a step's index (CPU tensors). Optional fixed shapes (what a captured graph needs):
+    tokens padded to ``num_tokens``, sequences to ``num_seqs``, tables sized for ``max_len`` positions.
+    The tensors are views of one new buffer laid out by ``FlatLayout`` (so ``StepIndex.to`` copies once)."""
+    out, flat_layout, span = _write(batch, storage.layout, window, num_tokens, num_seqs, max_len)
     return StepIndex(
-        token_seq=_t(np.concatenate([seq, np.full(pad, pad_seq)])),
-        positions=_t(np.concatenate([pos, np.zeros(pad, np.int64)])),
-        window_table=_t(_tables(batch, WINDOW, b_all, width)),
-        state_table=_t(_tables(batch, STATE, b_all, width)),
-        history_table=_t(_tables(batch, HISTORY, b_all, width)),
-        seq_end=_t(end_pos),
+        **flat_layout.tensors(out),
         span=span,
-        block_size=bs,
+        block_size=storage.layout.block_size,
         window=window,
-        kinds=compress_kinds(layout),
+        kinds=_facts(storage.layout)[0],
         spare_window=storage.spare_row(WINDOW),
         spare_state=storage.spare_row(STATE),
     )
-
-
-def _t(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))

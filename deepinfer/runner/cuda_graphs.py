@@ -8,10 +8,14 @@ and read nothing), and each compressed kind has ``cdiv(max_model_len, m)`` entry
 serves every context length. Steps with more sequences than the largest bucket, or with more than one
 new token per sequence (prefill, verify), run eagerly on the same batched path, which computes the same
 bits (the kernels' results do not depend on padding or entry-column count).
+
+Per step the host writes the token ids and the index into one pinned buffer per bucket (``StepBuffer``)
+and ships it with one asynchronous copy; the graph's static inputs are views of that buffer's device twin.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +23,7 @@ import torch
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.step_index import StepIndex, build_step_index
+from deepinfer.model.step_index import StepBuffer, StepIndex, build_step_index
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:
@@ -32,8 +36,15 @@ def default_sizes(max_num_seqs: int) -> list[int]:
 
 
 class _Graph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, ids: torch.Tensor, index: StepIndex, logits: torch.Tensor):
-        self.graph, self.ids, self.index, self.logits = graph, ids, index, logits
+    """One bucket: its graph, its static inputs (token ids and ``index``: views of the flat ``device``
+    buffer), the pinned ``host`` buffer each step is built in, and ``copied``: recorded after each copy
+    out of ``host``."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, host: StepBuffer, device: torch.Tensor, index: StepIndex,
+                 logits: torch.Tensor) -> None:
+        self.graph, self.host, self.device, self.index, self.logits = graph, host, device, index, logits
+        self.ids = host.layout.ids(device)
+        self.copied = torch.cuda.Event()
 
 
 class DecodeGraphs:
@@ -60,8 +71,11 @@ class DecodeGraphs:
         """Capture every bucket, largest first, sharing one memory pool (buckets never run concurrently)."""
         pool = None
         for b in reversed(self.sizes):
-            ids = torch.zeros(b, dtype=torch.long, device=self.device)
-            index = self._padding_index(b).to(self.device)
+            host = StepBuffer(b, b, self.max_model_len, self.storage.layout.block_size, pin_memory=True)
+            host.write(ForwardBatch(()), self.storage, self.model.cfg.sliding_window)
+            flat = host.tensor.to(self.device)  # blocking: warm-up and capture read it right away
+            index = dataclasses.replace(self._padding_index(b), **host.layout.tensors(flat))
+            ids = host.layout.ids(flat)
             # Warm up on a side stream (Triton compiles here), as graph capture requires.
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -72,7 +86,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model.logits(self.model(ids, None, self.storage, index))
             pool = graph.pool()
-            self._graphs[b] = _Graph(graph, ids, index, logits)
+            self._graphs[b] = _Graph(graph, host, flat, index, logits)
         torch.cuda.synchronize()
 
     def fits(self, batch: ForwardBatch) -> bool:
@@ -83,9 +97,13 @@ class DecodeGraphs:
         n = len(batch.runs)
         b = next(s for s in self.sizes if s >= n)
         g = self._graphs[b]
-        g.index.copy_(self._padding_index(b, batch))
-        ids = torch.zeros(b, dtype=torch.long)
-        ids[:n] = torch.as_tensor(input_ids, dtype=torch.long)
-        g.ids.copy_(ids, non_blocking=True)
+        # The last copy out of this pinned buffer may still be in flight: the engine reads the logits back
+        # (a sync) before its next step, but a caller need not. Wait for that copy before rewriting.
+        g.copied.synchronize()
+        g.host.write(batch, self.storage, self.model.cfg.sliding_window)
+        g.host.ids[:n] = input_ids
+        g.host.ids[n:] = 0
+        g.device.copy_(g.host.tensor, non_blocking=True)
+        g.copied.record()
         g.graph.replay()
         return g.logits[:n]

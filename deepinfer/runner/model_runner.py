@@ -6,7 +6,10 @@ of requests that asked for ``prompt_logprobs`` (sample 0 only; siblings share th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
@@ -38,6 +41,26 @@ class PromptLogprobChunk:
 class StepResult:
     sampled: tuple[SampledToken, ...]
     prompt_logprobs: tuple[PromptLogprobChunk, ...]
+
+
+class _Span(SequenceABC):
+    """``items[lo:hi]`` without the copy. ``SamplingRow.build`` takes a row's prompt and output ids but
+    reads only their lengths unless a penalty is on (then it iterates them once), while slicing them
+    copies the whole history of every sampled row at every step (microseconds per thousand tokens)."""
+
+    __slots__ = ("_items", "_lo", "_hi")
+
+    def __init__(self, items: list[int], lo: int, hi: int) -> None:
+        self._items, self._lo, self._hi = items, lo, hi
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self._items, self._lo, self._hi)
+
+    def __getitem__(self, i):
+        return self._items[self._lo : self._hi][i]
 
 
 class ModelRunner:
@@ -100,16 +123,13 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, items) -> tuple[SampledToken, ...]:
         if not items:
             return ()
-        rows = [
-            SamplingRow.build(
-                it.seq.params,
-                seed=it.seq.seed,
-                prompt_token_ids=it.seq.token_ids[: it.seq.num_prompt],
-                output_token_ids=it.seq.output_ids,
-                eos_token_ids=(self.eos_token_id,),
-            )
-            for it in items
-        ]
+        eos = (self.eos_token_id,)
+        rows = []
+        for it in items:
+            seq = it.seq
+            ids, n_prompt = seq.token_ids, seq.num_prompt
+            rows.append(SamplingRow.build(seq.params, seed=seq.seed, prompt_token_ids=_Span(ids, 0, n_prompt),
+                                          output_token_ids=_Span(ids, n_prompt, len(ids)), eos_token_ids=eos))
         out = self.sampler(logits, rows)
         tokens = out.tolist()
         return tuple(SampledToken(it.seq, tok, lp) for it, tok, lp in zip(items, tokens, out.logprobs))

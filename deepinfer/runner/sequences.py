@@ -25,6 +25,10 @@ class SequenceCache:
         self.storage = KVStorage(layout, counts, dtype, device)
         self._free = {p: list(range(counts[p] - 1, -1, -1)) for p in POOLS}
         self._tables: dict[int, dict[str, list[int]]] = {}
+        # Each sequence's tables as tuples and the blocks they cover, until they grow: ``plan`` hands the
+        # same tuple objects to every step in between (no per-step copy; a graph's ``StepBuffer`` then
+        # sees unchanged tables at a pointer comparison), and skips ``_ensure`` while they cover the step.
+        self._frozen: dict[int, tuple[dict[str, tuple[int, ...]], int]] = {}
         self._lengths: dict[int, int] = {}
         self._next_id = 0
 
@@ -47,11 +51,14 @@ class SequenceCache:
     def free(self, sid: int) -> None:
         for pool, table in self._tables.pop(sid).items():
             self._free[pool].extend(b for b in reversed(table) if b >= 0)
+        self._frozen.pop(sid, None)
         del self._lengths[sid]
 
     def _ensure(self, sid: int, end_pos: int) -> None:
         need = -(-end_pos // self.layout.block_size)
         for pool, table in self._tables[sid].items():
+            if len(table) < need:
+                self._frozen.pop(sid, None)  # the tuples ``plan`` handed out no longer match
             while len(table) < need:
                 if not self._free[pool]:
                     raise RuntimeError(f"SequenceCache: pool {pool!r} is out of blocks")
@@ -60,13 +67,17 @@ class SequenceCache:
     def plan(self, new_tokens: Mapping[int, Sequence[int]]) -> tuple[torch.Tensor, ForwardBatch]:
         """Build the flat token array and ForwardBatch appending ``new_tokens[sid]`` to each sequence."""
         runs, ids, offset = [], [], 0
+        frozen, bs = self._frozen, self.layout.block_size
         for sid, toks in new_tokens.items():
-            start = self._lengths[sid]
-            self._ensure(sid, start + len(toks))
-            tables = {p: tuple(t) for p, t in self._tables[sid].items()}
-            runs.append(SeqRun(offset, len(toks), start, tables))
-            ids.extend(int(t) for t in toks)
-            offset += len(toks)
+            start, n = self._lengths[sid], len(toks)
+            hit = frozen.get(sid)
+            if hit is None or hit[1] * bs < start + n:
+                self._ensure(sid, start + n)
+                tables = self._tables[sid]
+                hit = frozen[sid] = ({p: tuple(t) for p, t in tables.items()}, min(map(len, tables.values())))
+            runs.append(SeqRun(offset, n, start, dict(hit[0])))
+            ids += map(int, toks)
+            offset += n
         return torch.tensor(ids, dtype=torch.long), ForwardBatch(tuple(runs))
 
     def commit(self, new_tokens: Mapping[int, Sequence[int]]) -> None:
