@@ -313,7 +313,7 @@ def test_one_launch_replays_in_a_cuda_graph(device) -> None:
     n_exp, hidden, inter, k = 256, 4096, 2048, 6
     weights = make_weights(n_exp, hidden, inter, device, seed=45, scale_fmt="e8m0")
     weights = (*fp4_codes.expert_layout(*weights[:2]), *fp4_codes.expert_layout(*weights[2:]))
-    cfg = dataclasses.replace(tri.CONFIG_TABLE[1][1], one_launch=True)
+    cfg = dataclasses.replace(tri.CONFIG_TABLE[2][1], one_launch=True)
     x, ids, w = make_tokens(32, hidden, k, n_exp, device, seed=46, dtype=torch.bfloat16)
     static = [t.clone() for t in (x, ids, w)]
     tri.moe_experts_fp4_with_config(*static, *weights, LIMIT, cfg)  # warm-up (compiles) before capture

@@ -18,9 +18,11 @@ No deadlock: by the time a program holds a down tile, every gate/up tile has bee
 is running, and gate/up tiles wait on nothing. The combine kernel, next in stream order, zeroes the
 counters for the next call or graph replay (``reset_counters``).
 One program per tile rather than a persistent loop over tiles: inside a loop the compiler keeps both tiles'
-state live at once (239 registers for the decode tiles, 2 programs per SM; 168 without the loop).
-While a down tile waits it asks L2 for its weight slab (bulk prefetches): at batch 1 every tile starts at
-once, and the down weights stream in while the gate/up tiles, which are bound by instruction issue, run.
+state live at once (239 registers for the 128-row decode tiles, 2 programs per SM; 179 without the loop,
+and 168 with a cap and no spills, 3 programs per SM).
+Where every tile starts at once (a single decode token: 384 tiles for 396 program slots) nothing is left to
+fill, and the waiting programs only compete with the working ones: the table keeps two launches there. An
+L2 prefetch of a waiting down tile's weights measured no gain (bench/results/NOTES.md, run 62).
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ from deepinfer.ops import lanes
 from deepinfer.ops.triton.moe_tiles import block_rows, gate_up_tile, matmul_tile
 
 MAX_BLOCKS = 1 << 16
-# Waiting down tiles ask L2 for their weights (benchmarks switch it off to compare).
-PREFETCH = True
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -50,16 +50,6 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _prefetch_l2(base, nbytes, LANES: tl.constexpr):
-    """Ask L2 for ``nbytes`` (a multiple of 16 * LANES) from ``base`` with one bulk prefetch per thread."""
-    chunk = nbytes // LANES
-    addr = base.to(tl.pointer_type(tl.int8)) + tl.arange(0, LANES).to(tl.int64) * chunk
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0;", "=r,l,r",
-                              [addr, tl.full([LANES], 0, tl.int32) + chunk], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
 def _experts_kernel(
     x_ptr, w13_ptr, s13_ptr, h_ptr, w2_ptr, s2_ptr, y_ptr, pair_ptr, expert_ptr, counter_ptr,
     num_blocks, H, I,
@@ -70,7 +60,6 @@ def _experts_kernel(
     BN1: tl.constexpr, BN2: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr,
     W_TILED1: tl.constexpr, S_TILED1: tl.constexpr, W_PLACED1: tl.constexpr,
     W_TILED2: tl.constexpr, S_TILED2: tl.constexpr, W_PLACED2: tl.constexpr,
-    PREFETCH: tl.constexpr, LANES: tl.constexpr,
 ):
     done_ptr = counter_ptr + 1
     n1 = tl.cdiv(I, BN1)
@@ -92,13 +81,8 @@ def _experts_kernel(
         nb = u % n2
         e, pair = block_rows(pair_ptr, expert_ptr, mb, BM)
         if e >= 0:
-            if tl.atomic_add(done_ptr + mb, 0, sem="acquire") < n1:
-                if PREFETCH:  # this tile's codes and scales: BN2 contiguous rows in either layout
-                    _prefetch_l2(w2_ptr + e.to(tl.int64) * stride_we2 + nb * BN2 * stride_wn2, BN2 * I // 2, LANES)
-                    _prefetch_l2(s2_ptr + e.to(tl.int64) * stride_se2 + nb * BN2 * stride_sn2,
-                                 BN2 * I // 32 * (1 if SCALE_U8 else 4), 1)
-                while tl.atomic_add(done_ptr + mb, 0, sem="acquire") < n1:
-                    pass
+            while tl.atomic_add(done_ptr + mb, 0, sem="acquire") < n1:
+                pass
             matmul_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, e, pair, nb, 0, I, H, stride_h, stride_we2, stride_wn2,
                         stride_se2, stride_sn2, stride_y, 1, I, 0, SCALE_U8, SPLIT, INTERPRET, BM, BN2, BK2, 1,
                         W_TILED2, S_TILED2, W_PLACED2, ".cg")
@@ -115,8 +99,6 @@ def launch_one(x, w13, s13, hid, w2, s2, y, pair_of_row, expert_of_block, limit:
         raise ValueError(f"one_launch: {num_blocks} m-blocks, at most {MAX_BLOCKS}")
     (tiled1, s_tiled1, tiled2, s_tiled2), (placed1, placed2) = tiled, placed
     tiles = num_blocks * (triton.cdiv(inter, cfg.block_n1) + triton.cdiv(h, cfg.block_n2))
-    lanes_ = 32 * cfg.num_warps
-    prefetch = PREFETCH and not interpret and (cfg.block_n2 * inter // 2) % (16 * lanes_) == 0
     counters = _counters(x.device)
     _experts_kernel[(tiles,)](
         x, w13, s13, hid, w2, s2, y, pair_of_row, expert_of_block, counters,
@@ -126,7 +108,7 @@ def launch_one(x, w13, s13, hid, w2, s2, y, pair_of_row, expert_of_block, limit:
         float(limit), k,
         SCALE_U8=scale_u8, SPLIT=split, INTERPRET=interpret, BM=cfg.block_m, BN1=cfg.block_n1, BN2=cfg.block_n2,
         BK1=bk1, BK2=bk2, W_TILED1=tiled1, S_TILED1=s_tiled1, W_PLACED1=placed1, W_TILED2=tiled2,
-        S_TILED2=s_tiled2, W_PLACED2=placed2, PREFETCH=prefetch, LANES=lanes_,
+        S_TILED2=s_tiled2, W_PLACED2=placed2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs,
     )
     return counters[: 1 + num_blocks]
