@@ -36,14 +36,19 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
                           "index_keys", ci, emit_cos, emit_sin, ops)
     # Stacked projections (model/fused.py): x -> [q latent | kv], q latent -> [q heads | indexer q heads].
     xq = attn.x_proj(x)
-    q_res = attn.q_norm(xq[:, : attn.x_proj.cols["kv"]])
+    # The q latent's RMSNorm, and the kv row's norm + RoPE straight into the window cache: one launch on the
+    # GPU (ops/ref/rope_norm.py); likewise the heads' norm + RoPE with the indexer heads' RoPE below.
+    window = storage.get(layer_key, "window_kv")
+    q_res = ops.latent_norms(xq, attn.x_proj.cols["kv"], attn.q_norm.weight, attn.q_norm.eps, attn.kv_norm.weight,
+                             attn.kv_norm.eps, cos, sin, window=window, rows=idx.window_rows)
     q_all = attn.q_proj(q_res)
     q = q_all[:, : attn.n_heads * attn.head_dim].view(len(x), attn.n_heads, attn.head_dim)
-    # Fused norm + RoPE (one launch each on the GPU; may write q in place): see ops/ref/rope_norm.py.
-    q = ops.norm_rope_heads(q, cos, sin, attn.eps)
-    # The kv row goes straight into the window cache (one launch, no separate scatter).
-    window = ops.norm_rope(xq[:, attn.x_proj.cols["kv"] :], attn.kv_norm.weight, attn.kv_norm.eps, cos, sin,
-                           out=storage.get(layer_key, "window_kv"), rows=idx.window_rows)
+    if attn.kind == CSA:  # may write q and q_ix in place
+        ix = attn.indexer
+        q_ix = q_all[:, attn.q_proj.cols["ix_q"] :].view(len(x), ix.n_heads, ix.head_dim)
+        q, q_ix = ops.heads_norm_rope(q, cos, sin, attn.eps, q_ix)
+    else:
+        q = ops.norm_rope_heads(q, cos, sin, attn.eps)
 
     extra_kv = extra_idx = None
     if attn.kind != SWA:
@@ -52,11 +57,9 @@ def attention_indexed(attn, x: torch.Tensor, ctx: StepContext, layer_key: str) -
         if attn.kind == HCA:  # every visible entry, entry j in column j (fixed split boundaries)
             extra_idx = ci.visible_rows
         else:
-            ix = attn.indexer
             weights = side[:, cols["ix_w"] : cols["ix_w"] + ix.n_heads]
             # Entries and index keys share the history pool's row numbering: the picks come back as rows.
-            q_ix = q_all[:, attn.q_proj.cols["ix_q"] :]
-            extra_idx = _indexer_rows(ix, weights, q_ix, ctx, layer_key, ci, cos, sin)
+            extra_idx = _indexer_rows(ix, weights, q_ix, ctx, layer_key, ci)
     out = ops.sparse_attention_indexed(q, window, idx.window_keys, attn.attn_sink, attn.head_dim**-0.5,
                                        extra_kv, extra_idx)
     out = ops.rope(out, cos, sin, inverse=True)  # rope channels only, in place on the GPU
@@ -73,11 +76,10 @@ def _compress(comp, side: torch.Tensor, col: int, ctx: StepContext, layer_key: s
                       comp.norm.weight, comp.norm.eps, cos, sin, comp.overlap)
 
 
-def _indexer_rows(ix, weights: torch.Tensor, q_ix: torch.Tensor, ctx: StepContext, layer_key: str,
-                  ci: CompressIndex, cos, sin) -> torch.Tensor:
+def _indexer_rows(ix, weights: torch.Tensor, q: torch.Tensor, ctx: StepContext, layer_key: str,
+                  ci: CompressIndex) -> torch.Tensor:
     """History rows of each query's top-k entries ([T, k], -1 where fewer are visible); see ``Indexer.select``.
-    ``q_ix``: the indexer's query heads (ix.wq_b of the query latent), flat [T, Hi*Di]."""
-    q = ix.ops.rope(q_ix.view(len(q_ix), ix.n_heads, ix.head_dim), cos, sin)
+    ``q``: the indexer's query heads (ix.wq_b of the query latent, RoPE applied), [T, Hi, Di]."""
     keys = ctx.storage.get(layer_key, "index_keys")
     # The head weights' fp32 upcast and 1/sqrt(Hi) happen inside the op (Indexer.select's weights).
     return ix.ops.indexer_topk(q, weights, keys, ci.seq_rows, ci.limits, ix.topk, ix.head_dim**-0.5,

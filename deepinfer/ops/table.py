@@ -26,6 +26,8 @@ RMSNorm and RoPE of the attention block (``ops/ref/rope_norm.py``; norm_rope_hea
   norm_rope_heads(q [T,H,D], cos [T,R/2], sin [T,R/2], eps) -> [T,H,D]
   norm_rope(x [T,D], weight [D], eps, cos, sin, *, out=None, rows=None) -> [T,D] (rows: out[rows[t]] = row t)
   rope(x [T,...,D], cos, sin, inverse=False) -> [T,...,D]
+  latent_norms(xq [T,C+D], C, q_weight, q_eps, kv_weight, kv_eps, cos, sin, *, window, rows) -> [T,C]
+  heads_norm_rope(q [T,H,D], cos, sin, eps, q_ix [T,Hi,Di]) -> (q, q_ix)   (pairs of the above, one launch)
 
 MoE routing after the gate GEMM (``ops/ref/moe.py``; weights in the logits dtype):
 
@@ -87,6 +89,8 @@ class OpTable:
     norm_rope_heads: Callable
     norm_rope: Callable
     rope: Callable
+    latent_norms: Callable
+    heads_norm_rope: Callable
     moe_route: Callable
     swiglu: Callable
     fp4_expert_layout: Callable
@@ -107,7 +111,8 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
               ref_attn.sparse_attention_indexed, ref_index.indexer_topk, ref_emit.compress_emit,
               ref_state.compress_state, ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
               rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
-              rope=ref_rn.rope, moe_route=ref_route.route, swiglu=ref_swiglu.swiglu,
+              rope=ref_rn.rope, latent_norms=ref_rn.latent_norms, heads_norm_rope=ref_rn.heads_norm_rope,
+              moe_route=ref_route.route, swiglu=ref_swiglu.swiglu,
               fp4_expert_layout=_checkpoint_layout, step_rows=ref_rows.step_rows,
               linear=ref_linear.linear)
 
@@ -144,7 +149,8 @@ def triton_ops() -> OpTable:
                    tri_attn.sparse_attention_indexed, tri_index.indexer_topk, tri_emit.compress_emit,
                    tri_state.compress_state, tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
-                   rope=tri_rn.rope, moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
+                   rope=tri_rn.rope, latent_norms=tri_rn.latent_norms, heads_norm_rope=tri_rn.heads_norm_rope,
+                   moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
                    fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
                    linear=tri_linear.linear)
 

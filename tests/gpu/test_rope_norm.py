@@ -248,3 +248,49 @@ def test_norm_rope_v4_shapes(T, dtype, device) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_v4_shapes(T, H, D, inverse, dtype, device) -> None:
     _check_rope(T, H, D, 64, inverse, dtype, device, seed=T + D)
+
+
+def _check_pairs(T, C, D, R, H, HD, HI, HID, dtype, device, seed) -> None:
+    """``latent_norms`` and ``heads_norm_rope`` (two ops per launch) give exactly the separate ops' bits, in
+    place where those are, and leave the window rows no token writes as they were."""
+    g, tri = _gen(seed), _tri()
+    xq = _acts((T, C + D), dtype, g, device)
+    wq, wkv = (torch.rand(C, generator=g) + 0.5).to(device), (torch.rand(D, generator=g) + 0.5).to(device)
+    cos, sin = _tables(T, R, dtype, g, device)
+    rows = torch.randperm(3 * T + 5, generator=g)[:T].to(device)
+    table = _acts((3 * T + 5, D), dtype, g, device)
+    got_table = table.clone()
+    q_res = tri.latent_norms(xq, C, wq, EPS, wkv, EPS, cos, sin, window=got_table, rows=rows)
+    assert torch.equal(q_res, tri.rms_norm(xq[:, :C], wq, EPS))
+    assert torch.equal(got_table, tri.norm_rope(xq[:, C:], wkv, EPS, cos, sin, out=table.clone(), rows=rows))
+    want_table = table.clone()
+    _check(q_res, ref.latent_norms(xq, C, wq, EPS, wkv, EPS, cos, sin, window=want_table, rows=rows))
+    _check(got_table, want_table)
+    q_all = _acts((T, H * HD + HI * HID), dtype, g, device)
+    q, q_ix = q_all[:, : H * HD].view(T, H, HD), q_all[:, H * HD :].view(T, HI, HID)
+    want_q, want_ix = tri.norm_rope_heads(q.clone(), cos, sin, EPS), tri.rope(q_ix.clone(), cos, sin)
+    ref_q, ref_ix = ref.heads_norm_rope(q, cos, sin, EPS, q_ix)
+    got_q, got_ix = tri.heads_norm_rope(q, cos, sin, EPS, q_ix)
+    assert got_q.data_ptr() == q.data_ptr() and got_ix.data_ptr() == q_ix.data_ptr()  # in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_ix, want_ix)
+    _check(got_q, ref_q)
+    _check(got_ix, ref_ix)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairs_small(T, dtype, device) -> None:
+    _check_pairs(T, 96, 128, 32, 5, 128, 3, 64, dtype, device, seed=T + 40)
+
+
+@pytest.mark.interpret_ok
+def test_pairs_fall_back_to_two_launches(device) -> None:
+    """Rows wider than one 4-warp tile (a q latent of 8192) take two launches: the same results."""
+    _check_pairs(2, 8192, 128, 32, 2, 64, 2, 64, torch.bfloat16, device, seed=47)
+
+
+@pytest.mark.parametrize("T", V4_T)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairs_v4_shapes(T, dtype, device) -> None:
+    _check_pairs(T, 1024, 512, 64, 64, 512, 64, 128, dtype, device, seed=T + 50)

@@ -59,10 +59,44 @@ def _norm_rope_kernel(
     NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr, OUT_ROWS: tl.constexpr = False,
 ):
-    # Axis 0 = token * head blocks + head block (axis 0 has no 65535 limit; prefill has many tokens).
+    _norm_rope_program(tl.program_id(0), x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, orow_ptr, H, W, COL0, ROPE_OFF,
+                       inv_w, eps, stride_xt, stride_xh, stride_ot, stride_oh, stride_cos, stride_sin, NORM, ROPE,
+                       INVERSE, BLOCK_H, BLOCK_W, INTERPRET, OUT_ROWS)
+
+
+@triton.jit
+def _norm_rope_pair_kernel(
+    FIRST,  # programs of job A; job B's program i is program FIRST + i
+    xa, wa, ca, sa, oa, ra, Ha, Wa, C0a, ROa, iwa, epsa, sxta, sxha, sota, soha, scosa, ssina,
+    xb, wb, cb, sb, ob, rb, Hb, Wb, C0b, ROb, iwb, epsb, sxtb, sxhb, sotb, sohb, scosb, ssinb,
+    NORM_A: tl.constexpr, ROPE_A: tl.constexpr, INVERSE_A: tl.constexpr, BLOCK_H_A: tl.constexpr,
+    BLOCK_W_A: tl.constexpr, OUT_ROWS_A: tl.constexpr,
+    NORM_B: tl.constexpr, ROPE_B: tl.constexpr, INVERSE_B: tl.constexpr, BLOCK_H_B: tl.constexpr,
+    BLOCK_W_B: tl.constexpr, OUT_ROWS_B: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Two launches of ``_norm_rope_kernel`` as one: each program runs exactly what it would run in its own
+    job's launch (same code, same tile), so the results are the same bits and one launch is saved."""
+    pid = tl.program_id(0)
+    if pid < FIRST:
+        _norm_rope_program(pid, xa, wa, ca, sa, oa, ra, Ha, Wa, C0a, ROa, iwa, epsa, sxta, sxha, sota, soha, scosa,
+                           ssina, NORM_A, ROPE_A, INVERSE_A, BLOCK_H_A, BLOCK_W_A, INTERPRET, OUT_ROWS_A)
+    else:
+        _norm_rope_program(pid - FIRST, xb, wb, cb, sb, ob, rb, Hb, Wb, C0b, ROb, iwb, epsb, sxtb, sxhb, sotb, sohb,
+                           scosb, ssinb, NORM_B, ROPE_B, INVERSE_B, BLOCK_H_B, BLOCK_W_B, INTERPRET, OUT_ROWS_B)
+
+
+@triton.jit
+def _norm_rope_program(
+    pid, x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, orow_ptr,
+    H, W, COL0, ROPE_OFF, inv_w, eps,
+    stride_xt, stride_xh, stride_ot, stride_oh, stride_cos, stride_sin,
+    NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr, OUT_ROWS: tl.constexpr,
+):
+    # Program pid = token * head blocks + head block (axis 0 has no 65535 limit; prefill has many tokens).
     n_hb = tl.cdiv(H, BLOCK_H)
-    t = (tl.program_id(0) // n_hb).to(tl.int64)
-    offs_h = ((tl.program_id(0) % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    t = (pid // n_hb).to(tl.int64)
+    offs_h = ((pid % n_hb) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     offs_w = tl.arange(0, BLOCK_W)
     w_mask = offs_w < W
     mask = (offs_h < H)[:, None] & w_mask[None, :]
@@ -107,16 +141,20 @@ def tiles(h: int, w: int) -> tuple[int, int, int]:
     return block_h, block_w, min(16, max(4, block_h * block_w // 1024))
 
 
-def _launch(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, norm: int, rope_dim: int,
-            inverse: bool, col0: int, width: int, out_rows: torch.Tensor | None = None) -> None:
-    """x, out [T, H, D] with unit channel stride; rows' channels [col0, col0 + width) are processed. With
+_CONSTS = ("NORM", "ROPE", "INVERSE", "BLOCK_H", "BLOCK_W", "OUT_ROWS")
+
+
+def _job(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, norm: int, rope_dim: int,
+         inverse: bool, col0: int, width: int, out_rows: torch.Tensor | None = None):
+    """One launch's (programs, runtime args, constexprs, num_warps), or None when there is nothing to do.
+    x, out [T, H, D] with unit channel stride; rows' channels [col0, col0 + width) are processed. With
     ``out_rows`` [T], token t is written to out[out_rows[t]] (out then has any number of rows)."""
     t, h, d = x.shape
     assert out.shape[1:] == x.shape[1:] and out.dtype == x.dtype and x.stride(2) == 1 and out.stride(2) == 1
     assert out_rows is not None or out.shape[0] == t
     assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
     if t * h == 0:
-        return
+        return None
     if rope_dim:
         assert d % 2 == 0 and 0 < rope_dim <= d and cos.shape == sin.shape == (t, rope_dim // 2), (
             f"x {tuple(x.shape)} cos {tuple(cos.shape)} sin {tuple(sin.shape)}")
@@ -130,14 +168,33 @@ def _launch(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, no
     else:
         weight = x  # unused placeholder
     block_h, block_w, num_warps = tiles(h, width)
-    grid = (t * triton.cdiv(h, block_h),)
-    _norm_rope_kernel[grid](
-        x, weight, cos, sin, out, out if out_rows is None else out_rows,
-        h, width, col0, (width - rope_dim) // 2, 1.0 / width, float(eps),
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
-        NORM=norm, ROPE=rope_dim > 0, INVERSE=inverse, BLOCK_H=block_h, BLOCK_W=block_w,
-        INTERPRET=_INTERPRET, OUT_ROWS=out_rows is not None, num_warps=num_warps, enable_fp_fusion=False,
-    )
+    args = (x, weight, cos, sin, out, out if out_rows is None else out_rows,
+            h, width, col0, (width - rope_dim) // 2, 1.0 / width, float(eps),
+            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0))
+    consts = (norm, rope_dim > 0, inverse, block_h, block_w, out_rows is not None)
+    return t * triton.cdiv(h, block_h), args, consts, num_warps
+
+
+def _launch(*job_args, **job_kwargs) -> None:
+    job = _job(*job_args, **job_kwargs)
+    if job is not None:
+        programs, args, consts, num_warps = job
+        _norm_rope_kernel[(programs,)](*args, **dict(zip(_CONSTS, consts)), INTERPRET=_INTERPRET,
+                                       num_warps=num_warps, enable_fp_fusion=False)
+
+
+def _launch_pair(a, b) -> None:
+    """Two jobs (``_job``) in one launch where both have work and tiles of the same warp count (a program's
+    code, and so its bits, depend on it); else each in its own launch."""
+    if a is None or b is None or a[3] != b[3]:
+        for job in (a, b):
+            if job is not None:
+                _norm_rope_kernel[(job[0],)](*job[1], **dict(zip(_CONSTS, job[2])), INTERPRET=_INTERPRET,
+                                             num_warps=job[3], enable_fp_fusion=False)
+        return
+    consts = {**{f"{k}_A": v for k, v in zip(_CONSTS, a[2])}, **{f"{k}_B": v for k, v in zip(_CONSTS, b[2])}}
+    _norm_rope_pair_kernel[(a[0] + b[0],)](a[0], *a[1], *b[1], **consts, INTERPRET=_INTERPRET, num_warps=a[3],
+                                           enable_fp_fusion=False)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -194,3 +251,34 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     d, r = rows.shape[2], 2 * cos.shape[-1]
     _launch(rows, rows, None, cos, sin, 0.0, NORM_NONE, r, inverse, d - r, r)
     return rows.view(x.shape)
+
+
+def latent_norms(xq: torch.Tensor, kv_col: int, q_weight: torch.Tensor, q_eps: float, kv_weight: torch.Tensor,
+                 kv_eps: float, cos: torch.Tensor, sin: torch.Tensor, *, window: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor:
+    """``rms_norm(xq[:, :kv_col], q_weight, q_eps)`` (returned) and ``norm_rope(xq[:, kv_col:], kv_weight, kv_eps,
+    cos, sin, out=window, rows=rows)`` in one launch: the attention block's two norms of its first GEMM."""
+    q_lat, kv = xq[:, :kv_col], xq[:, kv_col:]
+    assert kv.dim() == 2 and kv.stride(1) == 1 and q_lat.stride(1) == 1, "xq: want [T, C] with unit column stride"
+    assert window.dim() == 2 and window.shape[1] == kv.shape[1] and window.stride(1) == 1, "bad window"
+    assert rows.shape == (len(xq),) and rows.dtype in (torch.int32, torch.int64), "bad rows"
+    q_res = torch.empty(q_lat.shape, dtype=xq.dtype, device=xq.device)
+    # As ``rms_norm``: all rows as one "token" of T rows; as ``norm_rope``: T tokens of one row.
+    c = q_lat.shape[1]
+    a = _job(q_lat.reshape(1, -1, c), q_res.view(1, -1, c), q_weight, None, None, q_eps, NORM_WEIGHTED, 0, False,
+             0, c)
+    b = _job(kv[:, None, :], window[:, None, :], kv_weight, cos, sin, kv_eps, NORM_WEIGHTED, 2 * cos.shape[-1], False,
+             0, kv.shape[1], out_rows=rows)
+    _launch_pair(a, b)
+    return q_res
+
+
+def heads_norm_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, q_ix: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_rope_heads(q, cos, sin, eps)`` and ``rope(q_ix, cos, sin)`` in one launch (both in place, both
+    returned): the attention heads' and the indexer heads' queries, which share their RoPE angles."""
+    q, rows = _rows(q), _rows(q_ix)
+    d, r = rows.shape[2], 2 * cos.shape[-1]
+    _launch_pair(_job(q, q, None, cos, sin, eps, NORM_UNWEIGHTED, r, False, 0, q.shape[2]),
+                 _job(rows, rows, None, cos, sin, 0.0, NORM_NONE, r, False, d - r, r))
+    return q, rows.view(q_ix.shape)
