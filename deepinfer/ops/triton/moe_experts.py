@@ -11,6 +11,9 @@ Plan (all on the device, no host sync, so the whole call can be captured in a CU
                  bench/results/NOTES.md runs 27-28.)
   kernel 2       per (m-block, n-block of H): y[pair, n] = W2 h, fp32 (``_matmul_kernel``).
   combine        per token: out[t] = sum_j w[t, j] * y[t*k + j] in slot order, fp32, one cast to x.dtype.
+A program's share of kernels 1 and 2 (a tile) lives in ``moe_tiles.py``; ``TileConfig.one_launch`` runs both
+kernels' tiles from one launch instead (``moe_one_launch.py``: down tiles start as soon as their m-block's
+gate/up tiles are done, filling the gate/up tail), with the same bits.
 
 Why these choices:
 * No FP4 tensor cores on Hopper. Packed bytes stream from HBM into shared memory (cp.async, num_stages
@@ -59,7 +62,7 @@ from deepinfer.ops.triton.rounding import round_to
 
 # Triton 3.6's CPU interpreter multiplies bf16 tensors as their raw uint16 bits, truncates fp32 -> bf16 and
 # mis-converts bf16 subnormals, so interpreted runs take fp32 detours with the same exact values
-# (see ``_mma``, ``to_out`` and ``dequant_fp4``); the GPU code path is the other branch of each.
+# (see ``moe_tiles._mma``, ``to_out`` and ``dequant_fp4``); the GPU code path is the other branch of each.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: scratch buffers (h, y) start as NaN so an element no program wrote cannot pass unnoticed.
 POISON_SCRATCH = False

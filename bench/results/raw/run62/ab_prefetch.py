@@ -1,6 +1,7 @@
 """The expert op at small T: two launches vs one launch of the tile queue, the waiting down tiles' L2 prefetch on
 and off, for the 64-row (table row 0) and the 128-row, 168-register (row 1) gate/up tiles. Graph-timed, the
-model's weight layout, 4 routing sets rotated (bench_moe.py's harness)."""
+model's weight layout, 4 routing sets rotated (bench_moe.py's harness). Ran at 54fdd6e; the prefetch switch
+(moe_one_launch.PREFETCH) was removed after this run."""
 import dataclasses, json, os, sys
 sys.path[:0] = ["."]
 import torch
