@@ -95,7 +95,7 @@ class TileConfig:
 # Prefill (many pairs per expert) reuses each dequantized tile across BLOCK_M tokens: wide token tiles.
 CONFIG_TABLE: tuple[tuple[float, TileConfig], ...] = (
     (0.03, TileConfig(block_m=16, block_n1=64, block_n2=128, num_warps=4, num_stages=4)),
-    (0.125, TileConfig(block_m=16, block_n1=64, block_n2=128, num_warps=4, num_stages=4, one_launch=True)),
+    (0.08, TileConfig(block_m=16, block_n1=64, block_n2=128, num_warps=4, num_stages=4, one_launch=True)),
     (8.0, TileConfig(block_m=16, block_n1=128, block_n2=128, num_warps=4, num_stages=3, max_regs=168,
                      one_launch=True)),
     (24.0, TileConfig(block_m=32, block_n1=64, block_n2=128, num_warps=4, num_stages=4)),
@@ -104,15 +104,16 @@ CONFIG_TABLE: tuple[tuple[float, TileConfig], ...] = (
 )
 # The wide-token rows were re-swept after the K-order change (bench/results/NOTES.md, run 20): at T=4096,
 # 128-row weight tiles with 8 warps beat 64-row ones (m128: 4626 vs 6117 µs; m64: 5975 vs 6178 µs).
-# Decode's gate/up tiles are 128 rows on one warpgroup from ~6 tokens on (run 56: 15% fewer instructions per
+# Decode's gate/up tiles are 128 rows on one warpgroup from 4 tokens on (run 56: 15% fewer instructions per
 # weight byte for 160 registers; the op at T = 32 / 128 583.8 / 1102.4 -> 559.7 / 1038.6 µs, model decode at
 # b32 / b128 -3%); at T = 1 the 64-row tiles' twice as many programs are faster (48.2 vs 54.8 µs).
 # From 2 tokens on (V4-Flash's k = 6 of 256), decode runs its two GEMMs as one launch of a tile queue
 # (``moe_one_launch.py``); the 128-row tiles capped at 168 registers (3 programs per SM; 179 uncapped). The op,
-# two launches -> one: T = 2 73.3 -> 63.8 µs, 4: 113.0 -> 110.9 (64-row tiles); 8 / 32 / 128: 193.5 / 528.4 /
-# 974.9 -> 178.4 / 520.6 / 968.3; model decode b8 -3.7% (runs 61, 62). Not at T = 1 (48.5 vs 62.3 µs: every tile
-# starts at once, so the waiting down tiles only compete with the gate/up ones) nor for the m32 row (T = 512:
-# 1603 vs 1410 µs).
+# two launches -> one: T = 2 73.3 -> 63.8 µs (64-row tiles; 128-row: 87.6); T = 4 113.0 -> 110.9 (64-row),
+# 106.3 -> 105.5 (128-row), hence 128 rows from 4 tokens (0.08 pairs per expert) on; 8 / 32 / 128: 193.5 /
+# 528.4 / 974.9 -> 178.4 / 520.6 / 968.3; model decode b8 -3.7% (runs 61, 62). Not at T = 1 (48.5 vs 62.3 µs:
+# every tile starts at once, so the waiting down tiles only compete with the gate/up ones) nor for the m32 row
+# (T = 512: 1603 vs 1410 µs).
 # Decode's down tiles are 128 rows since the tiled layout (run 36: T = 1 / 8 / 32 / 128 at 58.3 / 224 / 649 /
 # 1157 µs vs 58.9 / 231 / 671 / 1207 with 64 rows), the m32 bucket's since run 41 (T=512: 1500 vs 1610 µs).
 # fp32 activations triple the MMA operands (three bf16 parts); wider token tiles spill registers, and the
