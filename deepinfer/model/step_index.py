@@ -101,12 +101,6 @@ class StepIndex:
             moved.update({n: dst.as_strided(t.shape, t.stride(), base + t.storage_offset()) for n, t in filled.items()})
         return StepIndex(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **moved})
 
-    def copy_(self, src: "StepIndex") -> None:
-        """Copy ``src`` (same shapes) into these tensors in place (CUDA-graph static inputs)."""
-        assert (src.span, src.block_size, src.kinds) == (self.span, self.block_size, self.kinds)
-        for n in self._tensors():
-            getattr(self, n).copy_(getattr(src, n), non_blocking=True)
-
     def rows(self, derive: Callable = ref_step_rows) -> StepRows:
         """Every row list of the step, computed where the tensors live (no host sync; graph-capturable) by
         ``derive`` (the op table's ``step_rows``: ``ops/ref/step_rows.py`` or its one-launch Triton twin)."""
