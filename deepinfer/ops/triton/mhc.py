@@ -309,21 +309,33 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     block_k = min(BLOCK_K, K_CHUNK)
     assert K_CHUNK % block_k == 0
     x = streams.contiguous()
-    fn, base, scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
-    dev = streams.device
-    collapsed = out if out is not None else torch.empty((t, h), dtype=streams.dtype, device=dev)
-    assert collapsed.shape == (t, h) and collapsed.dtype == streams.dtype and collapsed.is_contiguous()
+    fn = fn.float().contiguous()
+    if t == 0:
+        return finish(x, None, fn, base, scale, iters, hc_eps, norm_eps, head, out)
+    mp = max(16, triton.next_power_of_2(rows + 1))  # tl.dot's minimum N; one spare column for sum x^2
+    split = triton.cdiv(k, K_CHUNK)
+    part = _empty((split, t, rows + 1), torch.float32, x.device)
+    _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
+                                                    K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
+                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
+    return finish(x, part, fn, base, scale, iters, hc_eps, norm_eps, head, out)
+
+
+def finish(x, part, fn, base, scale, iters, hc_eps, norm_eps, head, out):
+    """The finish kernel on the mixes partials ``part`` [K chunks, T, rows + 1] of streams ``x``: returns
+    (collapsed, post, comb). Also the second launch of ``mhc_fused.hc_post_pre``."""
+    t, n, h = x.shape
+    rows = fn.shape[0]
+    base, scale = base.float().contiguous(), scale.float().contiguous()
+    dev = x.device
+    collapsed = out if out is not None else torch.empty((t, h), dtype=x.dtype, device=dev)
+    assert collapsed.shape == (t, h) and collapsed.dtype == x.dtype and collapsed.is_contiguous()
     # hc_head has no post/comb: the finish kernel never touches them, so pass the output as a stand-in.
     post = collapsed if head else _empty((t, n), torch.float32, dev)
     comb = collapsed if head else _empty((t, n, n), torch.float32, dev)
     if t == 0:
         return collapsed, post, comb
-    mp = max(16, triton.next_power_of_2(rows + 1))  # tl.dot's minimum N; one spare column for sum x^2
-    split = triton.cdiv(k, K_CHUNK)
-    part = _empty((split, t, rows + 1), torch.float32, dev)
-    _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
-                                                    K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
-                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
+    split = part.shape[0]
     block_h = min(BLOCK_H, triton.next_power_of_2(h))
     n_blocks = triton.cdiv(h, block_h)
     # Collapse programs per token: every H block apart for small T, one program per token once T fills the
