@@ -5,7 +5,8 @@ Same signatures as the reference, plus keyword-only output tensors: ``out=`` (co
 
 Why: the reference spends ~60 tiny launches per ``hc_pre`` (the Sinkhorn rounds on [T, N, N]), twice per
 layer; in decode the launches, not the bytes, set the step time. Here ``hc_pre`` is two launches,
-``hc_post`` one, whatever ``sinkhorn_iters`` is.
+``hc_post`` one, whatever ``sinkhorn_iters`` is; between two sites the model calls ``mhc_fused.hc_post_pre``,
+which runs the post kernel's work and the next site's mixes as one launch, then ``finish``.
 
 Plan (no host sync, no atomics, so a call can be captured in a CUDA graph). Numbers for V4-Flash: N=4,
 H=4096, K=N*H=16384, fn [24, K] fp32 = 1.5 MB, bf16 streams (32 KB per token); byte counts per program.

@@ -37,6 +37,9 @@ import triton.language as tl
 from deepinfer.ops.triton import mhc
 from deepinfer.ops.triton.mhc import _round, _to_out
 
+# One launch for the post and the mixes; A/Bs switch it off to compare with hc_post then hc_pre.
+FUSE = True
+
 
 @triton.jit(do_not_specialize=["T"])
 def _post_mixes_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, T, H, ROWS,
@@ -91,7 +94,7 @@ def hc_post_pre(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, co
     x = streams.contiguous()
     block_k = min(mhc.BLOCK_K, mhc.K_CHUNK)
     aliased = result is not None and result.data_ptr() == x.data_ptr()
-    if t == 0 or h % mhc.K_CHUNK or mhc.K_CHUNK % block_k or aliased:
+    if not FUSE or t == 0 or h % mhc.K_CHUNK or mhc.K_CHUNK % block_k or aliased:
         new = mhc.hc_post(x, out, post, comb, result=result)
         return (new, *mhc.hc_pre(new, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, out=collapsed))
     y = result if result is not None else torch.empty_like(x)
