@@ -1,13 +1,11 @@
 """``mhc_fused.hc_post_pre`` (one site's hc_post and the next site's hc_pre, two launches) vs the reference,
-vs the separate Triton kernels, and its batch invariance.
+and its batch invariance.
 
-Against ``ops/ref/mhc.py:hc_post_pre``: the new streams pass the hc_post checks of test_mhc_kernels.py
-(a bf16 element matches or is one ulp off where the 4-term mix sums in another order), and the pre half is
-checked against the reference hc_pre *of the kernel's own new streams* with hc_pre's tolerances (so a rare
-ulp in a stream does not count twice).
-Against the separate Triton kernels (GPU only: the interpreter computes every dot as an fp32 matmul of its
-own): the pre half equals ``mhc.hc_pre`` of the new streams bit for bit, since the fused kernel runs the
-mixes kernel's tiles, steps and order on the values it stores.
+The new streams pass the hc_post checks of test_mhc_kernels.py (a bf16 element matches the reference or is
+one ulp off where the 4-term mix sums in another order). The pre half is checked against the reference
+hc_pre *of the kernel's own new streams* with hc_pre's tolerances (so a rare ulp in a stream does not count
+twice): the fused kernel runs the mixes kernel's tiles and steps (tf32x3, 32-column steps per 128-column
+chunk) on the values it stores.
 """
 
 from __future__ import annotations
@@ -95,17 +93,6 @@ def test_post_pre_falls_back(case, device, monkeypatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_post_pre_v4_shapes(T, dtype, device) -> None:
     _check(T, 4, 4096, dtype, device, seed=T)
-
-
-@pytest.mark.parametrize("T", [1, 8, 300])
-def test_pre_half_equals_separate_kernels(T, device) -> None:
-    """The pre half is hc_pre of the new streams bit for bit (the mixes kernel's tiles, steps and order)."""
-    if device == "cpu":
-        pytest.skip("the interpreter's dots are fp32 matmuls of its own; the bit claim is the GPU's")
-    args, got = _check(T, 4, 4096, torch.bfloat16, device, seed=T + 1)
-    streams, out, post, comb, fn, base, scale = args
-    for g, w in zip(got[1:], tri.hc_pre(got[0], fn, base, scale, ITERS, EPS, EPS)):
-        assert torch.equal(g, w)
 
 
 @pytest.mark.interpret_ok
