@@ -51,32 +51,18 @@ class Block(nn.Module):
         self.attn = Attention(cfg, kind, ratio, dtype)
         self.ffn = MoE(cfg, layer, dtype)
 
-    def _site(self, site: str) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
-
-    def _post_pre(self, site: str, streams: torch.Tensor, carry: tuple | None):
-        """The previous site's hc_post (``carry`` = its (out, post, comb); None at the first block), then
-        this site's hc_pre: (streams, collapsed, post, comb). One op, so the device runs the post and the
-        next mixes as one launch."""
+    def _pre(self, site: str, streams: torch.Tensor):
         c = self.cfg
-        args = (*self._site(site), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        if carry is None:
-            return (streams, *self.ops.hc_pre(streams, *args))
-        return self.ops.hc_post_pre(streams, *carry, *args)
-
-    def run(self, streams: torch.Tensor, ctx: StepContext, key: str, ropes: RopeTables,
-            carry: tuple | None = None) -> tuple[torch.Tensor, tuple]:
-        """The block with its last hc_post left to the caller: returns (streams, (out, post, comb)), and
-        takes the previous block's in ``carry``, so consecutive blocks join at one hc_post_pre."""
-        streams, collapsed, post, comb = self._post_pre("attn", streams, carry)
-        out = self.attn(self.attn_norm(collapsed), ctx, key, ropes)
-        streams, collapsed, post, comb = self._post_pre("ffn", streams, (out, post, comb))
-        out = self.ffn(self.ffn_norm(collapsed), ctx.input_ids)
-        return streams, (out, post, comb)
+        fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
+        return self.ops.hc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
     def forward(self, streams: torch.Tensor, ctx: StepContext, key: str, ropes: RopeTables) -> torch.Tensor:
-        streams, carry = self.run(streams, ctx, key, ropes)
-        return self.ops.hc_post(streams, *carry)
+        collapsed, post, comb = self._pre("attn", streams)
+        out = self.attn(self.attn_norm(collapsed), ctx, key, ropes)
+        streams = self.ops.hc_post(streams, out, post, comb)
+        collapsed, post, comb = self._pre("ffn", streams)
+        out = self.ffn(self.ffn_norm(collapsed), ctx.input_ids)
+        return self.ops.hc_post(streams, out, post, comb)
 
 
 class MTPBlock(Block):
@@ -146,10 +132,9 @@ class DeepseekV4(nn.Module):
         ctx = self.context(input_ids, batch, storage, index)
         x = self.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        carry = None
         for i, layer in enumerate(self.layers):
-            streams, carry = layer.run(streams, ctx, f"layers.{i}", self.ropes, carry)
-        return self.ops.hc_post(streams, *carry)
+            streams = layer(streams, ctx, f"layers.{i}", self.ropes)
+        return streams
 
     def _head(self, streams: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
         c = self.cfg

@@ -18,8 +18,7 @@ cache through per-step row lists instead of gathered per-sequence tensors:
   compress_state(proj, col, state, rows, ape, positions) -> None (writes state rows)
   compress_emit(state, slot_rows, entry_rows, out, norm_weight, eps, cos, sin, overlap) -> None (writes out)
 
-and the mHC sites of every block: hc_pre / hc_post / hc_head (``ops/ref/mhc.py`` signatures), and
-hc_post_pre (one site's hc_post, then the next site's hc_pre: -> (streams, collapsed, post, comb)).
+and the mHC sites of every block: hc_pre / hc_post / hc_head (``ops/ref/mhc.py`` signatures).
 
 RMSNorm and RoPE of the attention block (``ops/ref/rope_norm.py``; norm_rope_heads and rope may write in place):
 
@@ -86,7 +85,6 @@ class OpTable:
     hc_pre: Callable
     hc_post: Callable
     hc_head: Callable
-    hc_post_pre: Callable
     rms_norm: Callable
     norm_rope_heads: Callable
     norm_rope: Callable
@@ -111,7 +109,7 @@ def _ref_indexer_select(q, weights, keys, limits, topk, scale):
 REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, ref_fp8.fp8_linear_grouped,
               ref_moe.moe_experts_fp4,
               ref_attn.sparse_attention_indexed, ref_index.indexer_topk, ref_emit.compress_emit,
-              ref_state.compress_state, ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head, ref_mhc.hc_post_pre,
+              ref_state.compress_state, ref_mhc.hc_pre, ref_mhc.hc_post, ref_mhc.hc_head,
               rms_norm=ref_rn.rms_norm, norm_rope_heads=ref_rn.norm_rope_heads, norm_rope=ref_rn.norm_rope,
               rope=ref_rn.rope, latent_norms=ref_rn.latent_norms, heads_norm_rope=ref_rn.heads_norm_rope,
               moe_route=ref_route.route, swiglu=ref_swiglu.swiglu,
@@ -127,7 +125,6 @@ def triton_ops() -> OpTable:
     from deepinfer.ops.triton import indexer_topk as tri_index
     from deepinfer.ops.triton import linear as tri_linear
     from deepinfer.ops.triton import mhc as tri_mhc
-    from deepinfer.ops.triton import mhc_fused as tri_mhc_fused
     from deepinfer.ops.triton import moe_experts as tri_moe
     from deepinfer.ops.triton import moe_route as tri_route
     from deepinfer.ops.triton import rope_norm as tri_rn
@@ -151,7 +148,6 @@ def triton_ops() -> OpTable:
                    tri_moe.moe_experts_fp4,
                    tri_attn.sparse_attention_indexed, tri_index.indexer_topk, tri_emit.compress_emit,
                    tri_state.compress_state, tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
-                   tri_mhc_fused.hc_post_pre,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
                    rope=tri_rn.rope, latent_norms=tri_rn.latent_norms, heads_norm_rope=tri_rn.heads_norm_rope,
                    moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,

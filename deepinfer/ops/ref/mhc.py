@@ -51,20 +51,3 @@ def hc_head(
     mixes = F.linear(flat, fn.float())
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
-def hc_post_pre(
-    streams: torch.Tensor,
-    out: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    sinkhorn_iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One site's hc_post, then the next site's hc_pre on its result: (new streams, collapsed, post, comb)."""
-    new = hc_post(streams, out, post, comb)
-    return (new, *hc_pre(new, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps))

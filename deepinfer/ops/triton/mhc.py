@@ -5,8 +5,7 @@ Same signatures as the reference, plus keyword-only output tensors: ``out=`` (co
 
 Why: the reference spends ~60 tiny launches per ``hc_pre`` (the Sinkhorn rounds on [T, N, N]), twice per
 layer; in decode the launches, not the bytes, set the step time. Here ``hc_pre`` is two launches,
-``hc_post`` one, whatever ``sinkhorn_iters`` is; between two sites the model calls ``mhc_fused.hc_post_pre``,
-which runs the post kernel's work and the next site's mixes as one launch, then ``finish``.
+``hc_post`` one, whatever ``sinkhorn_iters`` is.
 
 Plan (no host sync, no atomics, so a call can be captured in a CUDA graph). Numbers for V4-Flash: N=4,
 H=4096, K=N*H=16384, fn [24, K] fp32 = 1.5 MB, bf16 streams (32 KB per token); byte counts per program.
@@ -310,33 +309,21 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     block_k = min(BLOCK_K, K_CHUNK)
     assert K_CHUNK % block_k == 0
     x = streams.contiguous()
-    fn = fn.float().contiguous()
-    if t == 0:
-        return finish(x, None, fn, base, scale, iters, hc_eps, norm_eps, head, out)
-    mp = max(16, triton.next_power_of_2(rows + 1))  # tl.dot's minimum N; one spare column for sum x^2
-    split = triton.cdiv(k, K_CHUNK)
-    part = _empty((split, t, rows + 1), torch.float32, x.device)
-    _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
-                                                    K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
-                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
-    return finish(x, part, fn, base, scale, iters, hc_eps, norm_eps, head, out)
-
-
-def finish(x, part, fn, base, scale, iters, hc_eps, norm_eps, head, out):
-    """The finish kernel on the mixes partials ``part`` [K chunks, T, rows + 1] of streams ``x``: returns
-    (collapsed, post, comb). Also the second launch of ``mhc_fused.hc_post_pre``."""
-    t, n, h = x.shape
-    rows = fn.shape[0]
-    base, scale = base.float().contiguous(), scale.float().contiguous()
-    dev = x.device
-    collapsed = out if out is not None else torch.empty((t, h), dtype=x.dtype, device=dev)
-    assert collapsed.shape == (t, h) and collapsed.dtype == x.dtype and collapsed.is_contiguous()
+    fn, base, scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
+    dev = streams.device
+    collapsed = out if out is not None else torch.empty((t, h), dtype=streams.dtype, device=dev)
+    assert collapsed.shape == (t, h) and collapsed.dtype == streams.dtype and collapsed.is_contiguous()
     # hc_head has no post/comb: the finish kernel never touches them, so pass the output as a stand-in.
     post = collapsed if head else _empty((t, n), torch.float32, dev)
     comb = collapsed if head else _empty((t, n, n), torch.float32, dev)
     if t == 0:
         return collapsed, post, comb
-    split = part.shape[0]
+    mp = max(16, triton.next_power_of_2(rows + 1))  # tl.dot's minimum N; one spare column for sum x^2
+    split = triton.cdiv(k, K_CHUNK)
+    part = _empty((split, t, rows + 1), torch.float32, dev)
+    _mixes_kernel[(triton.cdiv(t, BLOCK_T), split)](x, fn, part, t, k, rows,
+                                                    K_CHUNK=K_CHUNK, BLOCK_T=BLOCK_T, BLOCK_K=block_k, MP=mp,
+                                                    num_warps=4, num_stages=min(5, K_CHUNK // block_k + 1))
     block_h = min(BLOCK_H, triton.next_power_of_2(h))
     n_blocks = triton.cdiv(h, block_h)
     # Collapse programs per token: every H block apart for small T, one program per token once T fills the
