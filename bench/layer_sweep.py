@@ -13,6 +13,9 @@ head and the preamble (row lists, RoPE tables, embedding: once per step) each ti
 The N layers are V4-Flash's layers 2..N+1 (--first-layer): CSA and HCA alternating like 41 of its 43
 layers, one of them hash-routed. Eager times of the same batched path are kept for comparison. Prefill runs eagerly in
 --chunk-token steps. Reported against the weight-byte floor at the measured copy bandwidth.
+All 43 layers do not fit one H200: their native-format weights take ~154 GB (~3.6 GB a layer, 3.4 GB of it
+the 256 FP4 experts) against its 141 GB, so N layers are timed and the figures extrapolated; an N that does not
+fit stops with a message naming --layers.
 With --hf the HF transformers peer (bf16, same shapes, eager attention) runs where it fits: decode at batch
 <= 32 after an HF prefill of the smallest context, prefill at L <= 4096. JSON goes to --out.
 """
@@ -350,7 +353,12 @@ def main() -> None:
     native = from_layer(TINY if args.tiny else FLASH, args.first_layer)
     if args.hf_only:
         return rerun_hf(native, Path(args.hf_only), Path(args.out))
-    model = build(native, args.layers, args.device)
+    try:
+        model = build(native, args.layers, args.device)
+    except torch.cuda.OutOfMemoryError as e:
+        total = torch.cuda.mem_get_info()[1]
+        raise SystemExit(f"--layers {args.layers}: the weights do not fit in the device's {total / 2**30:.1f} GiB; "
+                         "pass fewer layers (per-layer figures are extrapolated to 43 layers)") from e
     n = args.layers
     bw = gemm = None
     if args.device == "cuda":
