@@ -1,9 +1,10 @@
-"""The ``deepinfer`` command: ``generate``, ``chat``, ``serve``, ``info``.
+"""The ``deepinfer`` command: ``generate``, ``chat``, ``serve``, ``info``, ``eval``, ``bench serve``.
 
     deepinfer generate "def fibonacci(n):" --max-tokens 64 --temperature 0
     deepinfer chat --thinking
     deepinfer serve --port 8000 --api-key sk-local
     deepinfer info --model /path/to/DeepSeek-V4-Flash
+    deepinfer bench serve --base-url http://127.0.0.1:8000 --num-prompts 100 --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from deepinfer.benchmarks.serve import main as bench_serve
+
+    return bench_serve(a)
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     from deepinfer.model.summary import summarize
 
@@ -174,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.eval.perplexity import add_eval_parser
 
     add_eval_parser(sub)  # deepinfer eval: held-out perplexity / accuracy / MTP acceptance, deepinfer vs HF
+    from deepinfer.benchmarks.options import add_bench_parser
+
+    add_bench_parser(sub).set_defaults(func=cmd_bench_serve)  # deepinfer bench serve: a serving benchmark client
     return p
 
 
