@@ -33,6 +33,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of device memory for weights, activations and the cache")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while step N runs (same tokens; default: on with a GPU, off on the CPU)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -59,6 +61,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+        async_scheduling=a.async_scheduling,
     )
 
 

@@ -36,6 +36,9 @@ class EngineArgs:
     seed: int = 0
     load_progress: bool = True
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launches its kernels from Python)
+    # Plan and submit step N+1 before reading step N's tokens (same tokens; off: one step at a time).
+    # None: on with an accelerator, off on the CPU (which computes each step itself: nothing to overlap).
+    async_scheduling: bool | None = None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -76,6 +79,7 @@ class EngineConfig:
     seed: int
     load_progress: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -109,6 +113,8 @@ class EngineConfig:
             seed=args.seed,
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
+            async_scheduling=(device != "cpu" if args.async_scheduling is None
+                              else _check_bool("async_scheduling", args.async_scheduling)),
         )
 
 
@@ -118,6 +124,12 @@ def _resolve_dtype(name: str, device: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype: {name!r} is not supported; allowed: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be true or false, got {value!r}")
+    return value
 
 
 def _check_positive(args: EngineArgs) -> None:

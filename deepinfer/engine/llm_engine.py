@@ -1,6 +1,12 @@
 """LLMEngine: the request lifecycle around one model. ``step()`` is the whole loop body:
 
-    plan = scheduler.schedule() -> result = runner.execute(plan) -> scheduler.commit(plan) -> outputs
+    schedule N -> runner.submit(plan N) -> commit N -> apply the results of N (sync) or of N-1 (async)
+
+With async scheduling (the default) the host plans and submits step N+1 before reading step N's tokens, so
+the device never waits for detokenization, stop checks or streaming: a sequence's token from step N is a
+placeholder in step N+1 that the device fills itself. Draws are keyed by (seed, position), so the tokens
+are those of the synchronous loop; a stop found one step late costs one discarded token of that sequence
+(it is freed, and the extra draw's result is ignored).
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import append_token, build_output, finish, to_position_logprobs
 from deepinfer.engine.sequence import RequestState
 from deepinfer.engine.sizing import build_cache
+from deepinfer.kv.manager import cdiv
 from deepinfer.model.device import prepare_for_device
+from deepinfer.model.fused import use_batched_path
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
-from deepinfer.runner.model_runner import ModelRunner, StepResult
-from deepinfer.sched.scheduler import Scheduler, StepPlan
+from deepinfer.runner.input_batch import InputBatch
+from deepinfer.runner.model_runner import ModelRunner, StepHandle
+from deepinfer.sched.scheduler import Schedule, Scheduler
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer")
@@ -32,17 +41,22 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer_dir)
         self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device,
                                 strict_mtp=False, progress=config.load_progress)
-        if config.device == "cuda":  # quantized weights + Triton kernels; the CPU path stays pure PyTorch
+        if config.device == "cuda":  # quantized weights + Triton kernels
             prepare_for_device(self.model, select_ops(config.device))
+        else:  # the same batched path on the reference ops
+            use_batched_path(self.model)
         self.cache, self.storage, self.facts = build_cache(config, self.model)
-        self.scheduler = Scheduler(config.scheduler, self.cache)
-        mc = config.model
+        mc, sc = config.model, config.scheduler
+        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,))
         graphs = None
         if config.device == "cuda" and not config.enforce_eager:
-            sc = config.scheduler
             graphs = DecodeGraphs(self.model, self.storage, sc.max_model_len, default_sizes(sc.max_num_seqs))
             graphs.capture()
-        self.runner = ModelRunner(self.model, self.storage, self.cache, mc.eos_token_id, graphs)
+        self.input_batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size),
+                                      mc.vocab_size, config.device)
+        self.runner = ModelRunner(self.model, self.storage, self.input_batch, graphs)
+        self.async_scheduling = config.async_scheduling
+        self._inflight: tuple[Schedule, StepHandle] | None = None  # async: submitted, results not applied
         max_cached = self.facts.num_blocks["history"] * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, config.scheduler.max_model_len, max_cached)
         self.requests: dict[str, RequestState] = {}
@@ -83,14 +97,17 @@ class LLMEngine:
     # ---- the loop body --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        plan = self.scheduler.schedule()
-        for seq in plan.unschedulable:
+        schedule = self.scheduler.schedule()
+        for seq in schedule.unschedulable:
             finish(seq, "length")
-        touched = {seq.request.request_id for seq in plan.unschedulable}
-        if not plan.empty:
-            result = self.runner.execute(plan)
-            self.scheduler.commit(plan)
-            touched |= self._apply(plan, result)
+        touched = {seq.request.request_id for seq in schedule.unschedulable}
+        handle = self.runner.submit(schedule.plan)  # an empty plan still carries departures
+        self.scheduler.commit(schedule)
+        current = None if schedule.empty else (schedule, handle)
+        if self.async_scheduling:
+            current, self._inflight = self._inflight, current
+        if current is not None:
+            touched |= self._apply(*current)
         for rid in [r for r in self.requests if r in touched]:  # arrival order
             req = self.requests[rid]
             for seq in req.seqs:
@@ -101,16 +118,24 @@ class LLMEngine:
                 del self.requests[rid]
         return outputs
 
-    def _apply(self, plan: StepPlan, result: StepResult) -> set[str]:
+    def _apply(self, schedule: Schedule, handle: StepHandle) -> set[str]:
+        """Fold a finished step's results into its sequences (waits for them to reach the host)."""
+        result = handle.result()
         touched: set[str] = set()
         limit = self.config.scheduler.max_model_len
+        by_id = {seq.seq_id: seq for seq in schedule.seqs}
         for chunk in result.prompt_logprobs:
-            req = chunk.seq.request
-            req.prompt_logprobs.extend(self._position_logprobs(chunk.values))
-            req.prompt_logprobs_done = chunk.first_target - 1 + len(chunk.values)
+            req = by_id[chunk.seq_id].request
+            if req.request_id in self.requests:
+                req.prompt_logprobs.extend(self._position_logprobs(chunk.values))
         for s in result.sampled:
-            append_token(s.seq, s.token_id, s.logprobs, self.config.model.eos_token_id, limit, self._decode_one)
-            touched.add(s.seq.request.request_id)
+            seq = by_id[s.seq_id]
+            seq.num_pending -= len(s.token_ids)
+            for token, lp in zip(s.token_ids, s.logprobs):
+                if seq.finished:  # a stop found after later draws were planned: those are dropped
+                    break
+                append_token(seq, token, lp, self.config.model.eos_token_id, limit, self._decode_one)
+                touched.add(seq.request.request_id)
         return touched
 
     def _position_logprobs(self, values):

@@ -31,6 +31,8 @@ class Sequence:
     arrival: int
     detok: object  # IncrementalDetokenizer
     num_computed: int = 0
+    # Tokens drawn on the device whose ids have not reached the host yet (async scheduling: at most 1).
+    num_pending: int = 0
     status: Status = Status.WAITING
     text: str = ""
     finish_reason: str | None = None
@@ -70,7 +72,7 @@ class RequestState:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    prompt_logprobs_done: int = 0  # prompt positions whose logprobs are computed
+    prompt_logprobs_planned: int = 0  # prompt positions whose logprobs some step computes
 
     @property
     def finished(self) -> bool:

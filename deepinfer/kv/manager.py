@@ -65,6 +65,25 @@ class CacheManager:
         # whose (zero-byte) blocks are still tracked for uniform tables but never limit a rollback.
         self._holds_rows = {p: any(t.pool == p for s in layout.layers for t in s.tensors) for p in TAIL_POOLS}
         self._reqs: dict[Hashable, _Request] = {}
+        # (req, pool, start, ids, length) per table change, for a consumer that mirrors the tables (the
+        # scheduler turns them into a plan's table edits); None: not recorded.
+        self._edits: list[tuple] | None = None
+
+    # ------------------------------------------------------------------------------------------- edits
+    def track_edits(self) -> None:
+        """Record every table change from now on (``drain_edits`` hands them out)."""
+        if self._edits is None:
+            self._edits = []
+
+    def drain_edits(self) -> list[tuple]:
+        """Table changes since the last drain, oldest first: (req_id, pool, start, block ids, table length).
+        A freed request's edits are dropped (its table is gone as a whole)."""
+        edits, self._edits = self._edits or [], ([] if self._edits is not None else None)
+        return edits
+
+    def _edited(self, req_id: Hashable, pool: str, start: int, table: list[int]) -> None:
+        if self._edits is not None:
+            self._edits.append((req_id, pool, start, tuple(table[start:]), len(table)))
 
     # ------------------------------------------------------------------------------------------ queries
     def blocks_for_count(self, n: int) -> int:
@@ -132,8 +151,10 @@ class CacheManager:
             r = self._reqs[req_id] = _Request()
         for p in POOLS:
             if need[p]:
+                start = len(r.tables[p])
                 r.tables[p].extend(self.pools[p].allocate(need[p]))
                 r.frozen = None
+                self._edited(req_id, p, start, r.tables[p])
 
     def commit(self, req_id: Hashable, num_computed: int) -> None:
         """Set the request's cached length to ``num_computed`` after a step; release stale tail blocks.
@@ -160,6 +181,8 @@ class CacheManager:
                 self.pools[p].free(stale)  # oldest first: they become the first evicted later
                 r.first_live[p] = keep_from
                 r.frozen = None
+                if self._edits is not None:
+                    self._edits.append((req_id, p, lo, (RELEASED,) * (keep_from - lo), len(table)))
 
     def truncate(self, req_id: Hashable, n: int) -> None:
         """Roll the request back to its first ``n`` positions, returning every block past them.
@@ -187,6 +210,7 @@ class CacheManager:
             dropped = [b for b in reversed(table[keep:]) if b != RELEASED]  # tail first
             del table[keep:]
             self.pools[p].free(dropped)
+            self._edited(req_id, p, keep, table)
         for p in TAIL_POOLS:  # a no-op unless n == 0 or the pool holds no rows: -1s stay a prefix
             r.first_live[p] = min(r.first_live[p], keep)
         r.length = n
@@ -196,6 +220,8 @@ class CacheManager:
         r = self._reqs.pop(req_id, None)
         if r is None:
             raise KeyError(f"unknown request {req_id!r}")
+        if self._edits:
+            self._edits = [e for e in self._edits if e[0] != req_id]
         for p in POOLS:
             # Tail first, so that a later LRU prefix cache evicts the least reusable blocks first.
             self.pools[p].free([b for b in reversed(r.tables[p]) if b != RELEASED])

@@ -270,10 +270,19 @@ class StepBuffer:
         self._tables = self.layout.split(flat)[3:]
         self.layout.table_block(flat).fill(-1)
         self._held: list = []  # row i < len: the (window, state, history) tables it holds; None: rewrite
+        self._used = [num_seqs, self.layout.width]  # [rows, cols] of the tables the last slot write set
 
     def write(self, batch: ForwardBatch, storage, window: int) -> None:
         """Build the step's index into ``tensor`` (all of it but ``ids``); errors as ``build_step_index``."""
-        _write(batch, storage.layout, window, self.layout.num_tokens, self.layout.num_seqs, self.max_len, self)
+        self._used = [self.layout.num_seqs, self.layout.width]  # slot writes after this reset everything
+        _write_runs(batch, storage.layout, window, self.layout.num_tokens, self.layout.num_seqs, self.max_len, self)
+
+    def write_slots(self, slots: np.ndarray, first: np.ndarray, lens: np.ndarray, tables: SlotTables, storage,
+                    window: int) -> None:
+        """``write`` for runs kept in batch slots (``build_slot_index``'s arguments)."""
+        self._held = [None] * self.layout.num_seqs  # run-table writes after this rewrite every row
+        _write_slots(slots, first, lens, tables, storage.layout, window, self.layout.num_tokens,
+                     self.layout.num_seqs, self.max_len, self)
 
     def _update_tables(self, runs) -> None:
         """Rewrite the rows whose tables differ from what they hold; reset rows no run uses any more."""
@@ -316,38 +325,39 @@ def _all_resident(block: np.ndarray, stride: int, width: int, first: np.ndarray,
     return bool(block[at].min() >= 0)
 
 
-def _check_resident(batch: ForwardBatch, layout, window: int) -> None:
+def _check_resident(first: np.ndarray, end: np.ndarray, table_of: Callable[[int, str], object], layout,
+                    window: int) -> None:
     """Host-side guard (per run): every window/state block the step reads or writes is resident. The device
     derivation would otherwise turn a released block into "no key" silently. Large batches run the
-    vectorized ``_all_resident`` first and come here only to name the failing run."""
+    vectorized ``_all_resident`` first and come here only to name the failing run. ``table_of(i, pool)``:
+    run i's block table of ``pool`` (a sequence of block ids, -1 released)."""
     bs, state_tail = layout.block_size, _facts(layout)[1]
-    for i, r in enumerate(batch.runs):
+    for i, (f, e) in enumerate(zip(first.tolist(), end.tolist())):
         for pool, back, what in ((WINDOW, window - 1, "window keys"), (STATE, state_tail, "compressor state")):
             if pool == STATE and not state_tail:
                 continue
-            table = r.block_tables[pool]
-            lo, hi = max(0, r.first_pos - back) // bs, (r.end_pos - 1) // bs
+            table = table_of(i, pool)
+            lo, hi = max(0, f - back) // bs, (e - 1) // bs
             if hi >= len(table) or min(table[lo : hi + 1]) < 0:
                 raise IndexError(f"runs[{i}] {what}: a needed block of pool {pool!r} is missing or was released")
 
 
-def _write(batch: ForwardBatch, layout, window: int, num_tokens: int | None, num_seqs: int | None,
-           max_len: int | None, buffer: StepBuffer | None = None) -> tuple[torch.Tensor, FlatLayout, int]:
-    """Build the step's index into ``buffer.tensor`` (or a new tensor); returns it, its layout and the span."""
+def _write(first: np.ndarray, lens: np.ndarray, layout, window: int, num_tokens: int | None,
+           num_seqs: int | None, max_len: int | None, fill: Callable, table_of: Callable,
+           buffer: StepBuffer | None = None) -> tuple[torch.Tensor, FlatLayout, int]:
+    """Build a step's index into ``buffer.tensor`` (or a new tensor); returns it, its layout and the span.
+
+    ``first``/``lens``: each run's first position and token count; ``fill(block, tables, stride, fresh)``
+    writes the runs' block tables into the three [B, width] ``tables`` (``fresh``: they hold -1, else they
+    hold the buffer's previous step); ``table_of(i, pool)`` names run i's table for error messages."""
     bs = layout.block_size
-    runs = batch.runs
-    b_real = len(runs)
-    # Each run's scalars are read once, into the arrays the rest works on.
-    firsts = [r.first_pos for r in runs]
-    lengths = [r.length for r in runs]
-    t_real = sum(lengths)
+    b_real = len(first)
+    t_real = int(lens.sum())
     t_all, b_all = num_tokens or t_real, num_seqs or b_real
     if t_all < t_real or b_all < b_real:
         raise ValueError(f"num_tokens/num_seqs: {t_all}/{b_all} is less than the batch's {t_real}/{b_real}")
     if t_all > t_real and b_all == b_real:
         raise ValueError("num_seqs: padding tokens need a padding sequence (num_seqs > the batch's sequences)")
-    first = np.array(firsts, dtype=np.int64)
-    lens = np.array(lengths, dtype=np.int64)
     end = first + lens
     longest = int(end.max(initial=0))
     span = max_len or max(longest, 1)
@@ -363,16 +373,14 @@ def _write(batch: ForwardBatch, layout, window: int, num_tokens: int | None, num
     block, stride, width = flat_layout.table_block(flat), flat_layout.table_stride, flat_layout.width
     if buffer is None:
         block.fill(-1)
-        if b_real:
-            _fill_tables(block, tables, stride, runs)
-    else:
-        buffer._update_tables(runs)
+    if b_real or buffer is not None:
+        fill(block, tables, stride, buffer is None)
     if b_real and (b_real <= _SMALL_BATCH or
                    not _all_resident(block, stride, width, first, end, window, _facts(layout)[1], bs)):
-        _check_resident(batch, layout, window)
+        _check_resident(first, end, table_of, layout, window)
     if longest > span:
         raise ValueError(f"max_len: {span} is shorter than a sequence of the batch ({longest})")
-    if t_real == b_real and max(lengths, default=1) == 1:  # decode: one token per sequence
+    if t_real == b_real and int(lens.max(initial=1)) == 1:  # decode: one token per sequence
         token_seq[:t_real] = np.arange(b_real)
         positions[:t_real] = first
     else:
@@ -385,12 +393,62 @@ def _write(batch: ForwardBatch, layout, window: int, num_tokens: int | None, num
     return out, flat_layout, span
 
 
-def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: int | None = None,
-                     num_seqs: int | None = None, max_len: int | None = None) -> StepIndex:
-    """The host half of a step's index (CPU tensors). Optional fixed shapes (what a captured graph needs):
-    tokens padded to ``num_tokens``, sequences to ``num_seqs``, tables sized for ``max_len`` positions.
-    The tensors are views of one new buffer laid out by ``FlatLayout`` (so ``StepIndex.to`` copies once)."""
-    out, flat_layout, span = _write(batch, storage.layout, window, num_tokens, num_seqs, max_len)
+def _write_runs(batch: ForwardBatch, layout, window: int, num_tokens: int | None, num_seqs: int | None,
+                max_len: int | None, buffer: StepBuffer | None = None) -> tuple[torch.Tensor, FlatLayout, int]:
+    """``_write`` for a ForwardBatch (tables as per-run tuples of Python ints)."""
+    runs = batch.runs
+    first = np.array([r.first_pos for r in runs], dtype=np.int64)
+    lens = np.array([r.length for r in runs], dtype=np.int64)
+
+    def fill(block, tables, stride, fresh):
+        if fresh:
+            _fill_tables(block, tables, stride, runs)
+        else:
+            buffer._update_tables(runs)
+
+    return _write(first, lens, layout, window, num_tokens, num_seqs, max_len, fill,
+                  lambda i, pool: runs[i].block_tables[pool], buffer)
+
+
+class SlotTables:
+    """Block tables kept per batch slot as [slots, max_blocks] int64 arrays (-1: none or released), one per
+    pool: the runner's persistent batch state (``runner/input_batch.py``) edits them in place as the
+    scheduler's table diffs arrive, and a step's tables are a fancy-indexed copy of its slots' rows."""
+
+    def __init__(self, num_slots: int, max_blocks: int) -> None:
+        self.arrays = {p: np.full((num_slots, max_blocks), -1, dtype=np.int64) for p in _TABLE_POOLS}
+
+    def write(self, block: np.ndarray, tables: tuple, stride: int, slots: np.ndarray, fresh: bool,
+              used: list[int] | None = None) -> None:
+        """Copy rows ``slots`` into the step's ``tables`` (columns past a table's width are dropped).
+        ``used``: [rows, cols] the previous write covered, when ``tables`` still hold it (a graph bucket's
+        buffer): only what this step does not overwrite is reset to -1."""
+        b, width = len(slots), tables[0].shape[1]
+        cols = min(width, self.arrays[WINDOW].shape[1])
+        for table, pool in zip(tables, _TABLE_POOLS):
+            table[:b, :cols] = self.arrays[pool][slots, :cols]
+        if used is not None and not fresh:
+            rows, prev_cols = used
+            for table in tables:
+                table[b:rows] = -1
+                table[:b, cols:prev_cols] = -1
+        if used is not None:
+            used[:] = [b, cols]
+
+
+def _write_slots(slots: np.ndarray, first: np.ndarray, lens: np.ndarray, tables: SlotTables, layout,
+                 window: int, num_tokens: int | None, num_seqs: int | None, max_len: int | None,
+                 buffer: StepBuffer | None = None) -> tuple[torch.Tensor, FlatLayout, int]:
+    """``_write`` for runs that live in batch slots (tables from ``SlotTables``)."""
+
+    def fill(block, step_tables, stride, fresh):
+        tables.write(block, step_tables, stride, slots, fresh, None if buffer is None else buffer._used)
+
+    return _write(first, lens, layout, window, num_tokens, num_seqs, max_len, fill,
+                  lambda i, pool: tables.arrays[pool][slots[i]], buffer)
+
+
+def _index(out: torch.Tensor, flat_layout: FlatLayout, span: int, storage, window: int) -> StepIndex:
     return StepIndex(
         **flat_layout.tensors(out),
         span=span,
@@ -400,3 +458,20 @@ def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: i
         spare_window=storage.spare_row(WINDOW),
         spare_state=storage.spare_row(STATE),
     )
+
+
+def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: int | None = None,
+                     num_seqs: int | None = None, max_len: int | None = None) -> StepIndex:
+    """The host half of a step's index (CPU tensors). Optional fixed shapes (what a captured graph needs):
+    tokens padded to ``num_tokens``, sequences to ``num_seqs``, tables sized for ``max_len`` positions.
+    The tensors are views of one new buffer laid out by ``FlatLayout`` (so ``StepIndex.to`` copies once)."""
+    out, flat_layout, span = _write_runs(batch, storage.layout, window, num_tokens, num_seqs, max_len)
+    return _index(out, flat_layout, span, storage, window)
+
+
+def build_slot_index(slots: np.ndarray, first: np.ndarray, lens: np.ndarray, tables: SlotTables, storage,
+                     window: int) -> StepIndex:
+    """``build_step_index`` for runs kept in batch slots: run i is slot ``slots[i]``, its new tokens at
+    positions ``first[i]`` .. ``first[i] + lens[i] - 1``."""
+    out, flat_layout, span = _write_slots(slots, first, lens, tables, storage.layout, window, None, None, None)
+    return _index(out, flat_layout, span, storage, window)

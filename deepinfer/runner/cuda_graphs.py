@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.step_index import StepBuffer, StepIndex, build_step_index
+from deepinfer.model.step_index import SlotTables, StepBuffer, StepIndex, build_step_index
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:
@@ -48,10 +49,17 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: DeepseekV4, storage: KVStorage, max_model_len: int, sizes: Sequence[int]) -> None:
+    """Graphs for steps of B sequences with ``tokens_per_seq`` new tokens each (1: decode; k+1: verifying k
+    drafts), logits at every token, for B up to each bucket size."""
+
+    def __init__(self, model: DeepseekV4, storage: KVStorage, max_model_len: int, sizes: Sequence[int],
+                 tokens_per_seq: int = 1) -> None:
         if not model.indexed:
             raise ValueError("DecodeGraphs needs the batched path (model.indexed, set by prepare_for_device)")
+        if tokens_per_seq < 1:
+            raise ValueError(f"tokens_per_seq: must be >= 1, got {tokens_per_seq}")
         self.model, self.storage = model, storage
+        self.tokens_per_seq = tokens_per_seq
         self.sizes = sorted(set(sizes))
         self.max_model_len = max_model_len
         self.device = next(model.buffers()).device
@@ -63,15 +71,16 @@ class DecodeGraphs:
 
     def _padding_index(self, b: int, batch: ForwardBatch | None = None) -> StepIndex:
         window = self.model.cfg.sliding_window
-        return build_step_index(batch or ForwardBatch(()), self.storage, window, num_tokens=b, num_seqs=b,
-                                max_len=self.max_model_len)
+        return build_step_index(batch or ForwardBatch(()), self.storage, window, num_tokens=b * self.tokens_per_seq,
+                                num_seqs=b, max_len=self.max_model_len)
 
     @torch.no_grad()
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool (buckets never run concurrently)."""
         pool = None
         for b in reversed(self.sizes):
-            host = StepBuffer(b, b, self.max_model_len, self.storage.layout.block_size, pin_memory=True)
+            host = StepBuffer(b * self.tokens_per_seq, b, self.max_model_len, self.storage.layout.block_size,
+                              pin_memory=True)
             host.write(ForwardBatch(()), self.storage, self.model.cfg.sliding_window)
             flat = host.tensor.to(self.device)  # blocking: warm-up and capture read it right away
             index = dataclasses.replace(self._padding_index(b), **host.layout.tensors(flat))
@@ -90,20 +99,46 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, batch: ForwardBatch) -> bool:
-        return 0 < len(batch.runs) <= self.max_batch and all(r.length == 1 for r in batch.runs)
+        q = self.tokens_per_seq
+        return 0 < len(batch.runs) <= self.max_batch and all(r.length == q for r in batch.runs)
+
+    def fits_slots(self, num_seqs: int, num_tokens: int) -> bool:
+        """A step of ``num_seqs`` sequences with ``num_tokens`` new tokens in all can replay a bucket (the
+        caller checks that each has the same count)."""
+        return 0 < num_seqs <= self.max_batch and num_tokens == num_seqs * self.tokens_per_seq
 
     def run(self, input_ids: Sequence[int], batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] (a view into the graph's output: read it before the next replay)."""
+        """Logits [B * tokens_per_seq, V] (a view into the graph's output: read it before the next replay)."""
         n = len(batch.runs)
-        b = next(s for s in self.sizes if s >= n)
-        g = self._graphs[b]
-        # The last copy out of this pinned buffer may still be in flight: the engine reads the logits back
-        # (a sync) before its next step, but a caller need not. Wait for that copy before rewriting.
-        g.copied.synchronize()
+        g = self._bucket(n)
         g.host.write(batch, self.storage, self.model.cfg.sliding_window)
+        return self._replay(g, n, input_ids)
+
+    def run_slots(self, input_ids, slots: np.ndarray, first: np.ndarray, tables: SlotTables,
+                  placeholders: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``run`` for sequences kept in batch slots (the engine's runner): ``tokens_per_seq`` tokens each,
+        sequence i in slot ``slots[i]`` from position ``first[i]``. ``placeholders`` (rows, values on the
+        device): inputs the host does not know, written into the graph's token ids after the copy."""
+        n = len(slots)
+        g = self._bucket(n)
+        g.host.write_slots(slots, first, np.full(n, self.tokens_per_seq, dtype=np.int64), tables, self.storage,
+                           self.model.cfg.sliding_window)
+        return self._replay(g, n, input_ids, placeholders)
+
+    def _bucket(self, n: int) -> _Graph:
+        g = self._graphs[next(s for s in self.sizes if s >= n)]
+        # The last copy out of this bucket's pinned buffer may still be in flight (with async scheduling the
+        # host builds step N+1 while N runs). Wait for that copy, not for the step, before rewriting.
+        g.copied.synchronize()
+        return g
+
+    def _replay(self, g: _Graph, n: int, input_ids, placeholders=None) -> torch.Tensor:
+        n *= self.tokens_per_seq
         g.host.ids[:n] = input_ids
         g.host.ids[n:] = 0
         g.device.copy_(g.host.tensor, non_blocking=True)
         g.copied.record()
+        if placeholders is not None:
+            g.ids[placeholders[0]] = placeholders[1]
         g.graph.replay()
         return g.logits[:n]

@@ -1,145 +1,209 @@
-"""ModelRunner: turns a StepPlan into one model forward, logits for the rows that need them, and samples.
+"""ModelRunner: turns a StepPlan into one model forward, logits for the rows that need them, and draws.
 
-Rows needing logits: the last new token of every sequence that samples this step, plus prompt positions
-of requests that asked for ``prompt_logprobs`` (sample 0 only; siblings share the prompt).
+``submit(plan)`` edits the persistent batch state (``input_batch.py``), launches the step and returns a
+``StepHandle`` at once; ``StepHandle.result()`` waits for the step's results to reach the host (the one
+host sync of a step). Between the two the host is free: the engine plans and submits the next step, whose
+placeholder inputs the device takes from this step's draws (async scheduling).
+
+Rows needing logits: the last ``num_samples`` new tokens of every sequence that draws this step, plus the
+prompt positions of ``prompt_logprobs`` jobs. Every step runs the batched path (``model/attention_indexed``,
+the reference ops on the CPU); decode steps replay a CUDA graph when one is captured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain
 
+import numpy as np
 import torch
 
-from deepinfer.engine.sequence import Sequence
-from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.storage import KVStorage
-from deepinfer.model.batch import ForwardBatch, SeqRun
 from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.step_index import build_slot_index
 from deepinfer.runner.cuda_graphs import DecodeGraphs
-from deepinfer.sampling import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
-from deepinfer.sched.scheduler import StepPlan
+from deepinfer.runner.input_batch import InputBatch
+from deepinfer.sampling import TokenLogprobs
+from deepinfer.sampling.logprobs import LogprobTensors
+from deepinfer.sampling.sampler import draw
+from deepinfer.sched.plan import StepPlan
 
 
 @dataclass(frozen=True, slots=True)
-class SampledToken:
-    seq: Sequence
-    token_id: int
-    logprobs: TokenLogprobs | None
+class SeqSamples:
+    seq_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class PromptLogprobChunk:
-    seq: Sequence
+    seq_id: str
     first_target: int  # prompt index of the first target token covered
     values: tuple[TokenLogprobs, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    sampled: tuple[SampledToken, ...]
-    prompt_logprobs: tuple[PromptLogprobChunk, ...]
+    sampled: tuple[SeqSamples, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobChunk, ...] = ()
 
 
-class _Span(SequenceABC):
-    """``items[lo:hi]`` without the copy. ``SamplingRow.build`` takes a row's prompt and output ids but
-    reads only their lengths unless a penalty is on (then it iterates them once), while slicing them
-    copies the whole history of every sampled row at every step (microseconds per thousand tokens)."""
+@dataclass(frozen=True, slots=True)
+class _Draws:
+    """Where a step's draws go: per drawing sequence, its id and its rows among the drawn rows."""
 
-    __slots__ = ("_items", "_lo", "_hi")
+    seq_ids: tuple[str, ...]
+    counts: tuple[int, ...]
+    num_logprobs: tuple[int | None, ...]  # per drawn row
 
-    def __init__(self, items: list[int], lo: int, hi: int) -> None:
-        self._items, self._lo, self._hi = items, lo, hi
 
-    def __len__(self) -> int:
-        return self._hi - self._lo
+class StepHandle:
+    """A submitted step. Its result tensors were copied towards the host when it was submitted;
+    ``result()`` waits for those copies (not for later steps) and builds plain Python values."""
 
-    def __iter__(self) -> Iterator[int]:
-        return islice(self._items, self._lo, self._hi)
+    def __init__(self, draws: _Draws | None = None, tokens: torch.Tensor | None = None,
+                 logprobs: LogprobTensors | None = None, prompt: list | None = None,
+                 done: torch.cuda.Event | None = None) -> None:
+        self._draws, self._tokens, self._logprobs, self._prompt, self._done = draws, tokens, logprobs, prompt, done
+        self._result: StepResult | None = None
 
-    def __getitem__(self, i):
-        return self._items[self._lo : self._hi][i]
+    def result(self) -> StepResult:
+        if self._result is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._result = StepResult(self._sampled(), self._prompt_chunks())
+        return self._result
+
+    def _sampled(self) -> tuple[SeqSamples, ...]:
+        d = self._draws
+        if d is None or not d.seq_ids:
+            return ()
+        tokens = self._tokens.tolist()
+        lps: list[TokenLogprobs | None] = [None] * len(tokens)
+        if self._logprobs is not None:
+            want = [b for b, n in enumerate(d.num_logprobs) if n is not None]
+            for b, lp in zip(want, self._logprobs.resolve([d.num_logprobs[b] for b in want])):
+                lps[b] = lp
+        out, row = [], 0
+        for seq_id, k in zip(d.seq_ids, d.counts):
+            out.append(SeqSamples(seq_id, tuple(tokens[row : row + k]), tuple(lps[row : row + k])))
+            row += k
+        return tuple(out)
+
+    def _prompt_chunks(self) -> tuple[PromptLogprobChunk, ...]:
+        if not self._prompt:
+            return ()
+        tensors, jobs = self._prompt
+        values = tensors.resolve([k for _, _, n, k in jobs for _ in range(n)])
+        out, row = [], 0
+        for seq_id, first_target, n, _ in jobs:
+            out.append(PromptLogprobChunk(seq_id, first_target, values[row : row + n]))
+            row += n
+        return tuple(out)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    # From the GPU: an asynchronous copy into pinned memory, ordered after the kernels that produce it.
+    return t.to("cpu", non_blocking=True) if t.is_cuda else t
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, storage: KVStorage, cache: CacheManager, eos_token_id: int,
+    def __init__(self, model: DeepseekV4, storage: KVStorage, batch: InputBatch,
                  graphs: DecodeGraphs | None = None) -> None:
-        self.model = model
-        self.graphs = graphs
-        self.storage = storage
-        self.cache = cache
-        self.eos_token_id = eos_token_id
-        self.sampler = Sampler()
+        if not model.indexed:
+            raise ValueError("ModelRunner runs the batched path: call use_batched_path(model) (or prepare_for_device)")
+        self.model, self.storage, self.batch, self.graphs = model, storage, batch, graphs
         self.device = next(model.parameters()).device
+        self.window = model.cfg.sliding_window
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        ids, runs, offset = [], [], 0
-        for item in plan.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            ids.extend(seq.token_ids[item.first_pos : item.first_pos + n])
-            runs.append(SeqRun(offset, n, item.first_pos, self.cache.block_tables(seq.seq_id)))
-            offset += n
-        batch = ForwardBatch(tuple(runs))
-        sample_rows, sample_items, prompt_jobs = self._select_rows(plan, runs)
-        rows = sample_rows + [r for job in prompt_jobs for r in job[2]]
-        if self.graphs is not None and not prompt_jobs and len(sample_rows) == len(runs) and self.graphs.fits(batch):
-            # A decode step: every sequence samples its one new token; replay the captured graph.
-            logits = self.graphs.run(ids, batch).float()
-            return StepResult(self._sample(logits, sample_items), ())
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        streams = self.model(input_ids, batch, self.storage)
+    def submit(self, plan: StepPlan) -> StepHandle:
+        self.batch.apply(plan)
+        if plan.empty:
+            return StepHandle()
+        batch, work = self.batch, plan.work
+        slots = np.fromiter((batch.slot_of[w.seq_id] for w in work), dtype=np.int64, count=len(work))
+        first = np.fromiter((w.first_pos for w in work), dtype=np.int64, count=len(work))
+        lens = np.fromiter((w.num_tokens for w in work), dtype=np.int64, count=len(work))
+        starts = np.cumsum(lens) - lens
+        ids = np.fromiter(chain.from_iterable(w.token_ids + (-1,) * w.num_placeholders for w in work),
+                          dtype=np.int64, count=int(lens.sum()))
+        placeholders = self._placeholders(work, slots, starts)
+        draw_rows, draw_slots, draw_pos, last_rows, counts = [], [], [], [], []
+        for w, slot, start in zip(work, slots.tolist(), starts.tolist()):
+            k = w.num_samples
+            if k:
+                if k > 1 and batch.sampling[slot].has_penalty:
+                    raise ValueError(f"{w.seq_id}: several draws in one step are not supported with penalties")
+                end = start + w.num_tokens
+                draw_rows.extend(range(end - k, end))
+                draw_slots.extend([slot] * k)
+                # The token drawn from row r's logits goes to position (r's position) + 1.
+                draw_pos.extend(range(w.first_pos + w.num_tokens - k + 1, w.first_pos + w.num_tokens + 1))
+                last_rows.append(len(draw_rows) - 1)
+                counts.append(k)
+        jobs = [(w, start) for w, start in zip(work, starts.tolist()) if w.prompt_logprobs is not None]
+        prompt_rows = [start + w.prompt_logprobs.offset + i for w, start in jobs
+                       for i in range(len(w.prompt_logprobs.targets))]
+        q = self.graphs.tokens_per_seq if self.graphs is not None else 0
+        graph_ok = (self.graphs is not None and not jobs and self.graphs.fits_slots(len(work), len(ids))
+                    and all(w.num_tokens == q == w.num_samples for w in work))
+        if graph_ok:
+            logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders)
+        else:
+            logits = self._forward(ids, slots, first, lens, placeholders, draw_rows + prompt_rows)
+        logits = logits.float()
+        nd = len(draw_rows)
+        handle_args: dict = {}
+        if nd:
+            t = batch.sampling_tensors(draw_slots, draw_pos)
+            tokens = draw(logits[:nd], t)
+            batch.record([draw_slots[i] for i in last_rows], tokens, last_rows)
+            lp_rows = [b for b, n in enumerate(t.num_logprobs) if n is not None]
+            draws = _Draws(tuple(w.seq_id for w in work if w.num_samples), tuple(counts), t.num_logprobs)
+            handle_args.update(draws=draws, tokens=_to_host(tokens))
+            if lp_rows:
+                idx = torch.tensor(lp_rows, device=logits.device)
+                max_n = max(t.num_logprobs[b] for b in lp_rows)
+                lp = LogprobTensors.compute(logits[:nd][idx], tokens[idx], max_n)
+                handle_args["logprobs"] = LogprobTensors(*(_to_host(x) for x in (lp.token_ids, lp.chosen, lp.ranks,
+                                                                                   lp.top_vals, lp.top_ids)))
+        if jobs:
+            handle_args["prompt"] = self._prompt_logprobs(logits[nd:], [w for w, _ in jobs])
+        done = None
+        if logits.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return StepHandle(**handle_args, done=done)
+
+    def _placeholders(self, work, slots: np.ndarray, starts: np.ndarray):
+        """(flat rows, device values) of the inputs still on the device, or None."""
+        rows, owners = [], []
+        for w, slot, start in zip(work, slots.tolist(), starts.tolist()):
+            if w.num_placeholders:
+                if w.num_placeholders != 1:
+                    raise ValueError(f"{w.seq_id}: {w.num_placeholders} placeholder inputs; one step drew one")
+                rows.append(start + w.num_tokens - 1)
+                owners.append(slot)
         if not rows:
-            return StepResult((), ())
-        logits = self.model.logits(streams[torch.tensor(rows, device=self.device)]).float()
-        sampled = self._sample(logits[: len(sample_rows)], sample_items)
-        prompt = self._prompt_logprobs(logits[len(sample_rows) :], prompt_jobs)
-        return StepResult(sampled, prompt)
-
-    def _select_rows(self, plan: StepPlan, runs: list[SeqRun]):
-        sample_rows, sample_items, prompt_jobs = [], [], []
-        for item, run in zip(plan.scheduled, runs):
-            if item.samples:
-                sample_rows.append(run.start + run.length - 1)
-                sample_items.append(item)
-            job = self._prompt_job(item, run)
-            if job is not None:
-                prompt_jobs.append(job)
-        return sample_rows, sample_items, prompt_jobs
-
-    def _prompt_job(self, item, run: SeqRun):
-        seq, req = item.seq, item.seq.request
-        if req.params.prompt_logprobs is None or seq.index != 0:
             return None
-        # Position p predicts prompt token p + 1; only positions not already reported (preemption).
-        lo = max(item.first_pos, req.prompt_logprobs_done)
-        hi = min(item.first_pos + item.num_new_tokens, seq.num_prompt - 1)
-        if lo >= hi:
-            return None
-        rows = [run.start + (p - item.first_pos) for p in range(lo, hi)]
-        return (seq, lo, rows)
+        dev = self.device
+        values = self.batch.last_tokens[torch.tensor(owners, dtype=torch.long).to(dev, non_blocking=True)]
+        return torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True), values
 
-    def _sample(self, logits: torch.Tensor, items) -> tuple[SampledToken, ...]:
-        if not items:
-            return ()
-        eos = (self.eos_token_id,)
-        rows = []
-        for it in items:
-            seq = it.seq
-            ids, n_prompt = seq.token_ids, seq.num_prompt
-            rows.append(SamplingRow.build(seq.params, seed=seq.seed, prompt_token_ids=_Span(ids, 0, n_prompt),
-                                          output_token_ids=_Span(ids, n_prompt, len(ids)), eos_token_ids=eos))
-        out = self.sampler(logits, rows)
-        tokens = out.tolist()
-        return tuple(SampledToken(it.seq, tok, lp) for it, tok, lp in zip(items, tokens, out.logprobs))
+    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders, rows: list[int]) -> torch.Tensor:
+        index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window).to(self.device)
+        input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        if placeholders is not None:
+            input_ids[placeholders[0]] = placeholders[1]
+        streams = self.model(input_ids, None, self.storage, index)
+        if not rows:
+            return streams.new_zeros(0, self.model.cfg.vocab_size)
+        return self.model.logits(streams[torch.tensor(rows).to(self.device, non_blocking=True)])
 
-    def _prompt_logprobs(self, logits: torch.Tensor, jobs) -> tuple[PromptLogprobChunk, ...]:
-        out, offset = [], 0
-        for seq, lo, rows in jobs:
-            n = len(rows)
-            targets = torch.tensor(seq.token_ids[lo + 1 : lo + 1 + n], device=logits.device)
-            values = prompt_logprobs(logits[offset : offset + n], targets, seq.params.prompt_logprobs)
-            out.append(PromptLogprobChunk(seq, lo + 1, tuple(values)))
-            offset += n
-        return tuple(out)
+    def _prompt_logprobs(self, logits: torch.Tensor, work) -> tuple[LogprobTensors, list]:
+        jobs = [w.prompt_logprobs for w in work]
+        targets = torch.tensor([t for j in jobs for t in j.targets], dtype=torch.int64).to(logits.device)
+        lp = LogprobTensors.compute(logits, targets, max(j.num_logprobs for j in jobs))
+        host = LogprobTensors(*(_to_host(x) for x in (lp.token_ids, lp.chosen, lp.ranks, lp.top_vals, lp.top_ids)))
+        return host, [(w.seq_id, j.first_target, len(j.targets), j.num_logprobs) for w, j in zip(work, jobs)]

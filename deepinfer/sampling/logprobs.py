@@ -52,6 +52,37 @@ def topn_stable(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.gather(values, 1, top_ids), top_ids
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class LogprobTensors:
+    """Logprob results still on the device (computing them needs no host sync; reading them does)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    chosen: torch.Tensor  # [B] float32
+    ranks: torch.Tensor  # [B] int64
+    top_vals: torch.Tensor  # [B, max n] float32
+    top_ids: torch.Tensor  # [B, max n] int64
+
+    @classmethod
+    def compute(cls, logits: torch.Tensor, token_ids: torch.Tensor, max_n: int) -> "LogprobTensors":
+        """Logprob and rank of ``token_ids[b]`` under ``log_softmax(logits[b])`` and the top ``max_n``."""
+        lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        token_ids = token_ids.to(torch.int64)
+        chosen = torch.gather(lp, 1, token_ids[:, None])
+        ranks = (lp > chosen).sum(dim=-1) + 1
+        top_vals, top_ids = topn_stable(lp, max_n) if max_n > 0 else (lp[:, :0], token_ids[:, None][:, :0])
+        return cls(token_ids, chosen[:, 0], ranks, top_vals, top_ids)
+
+    def resolve(self, num_logprobs: Sequence[int]) -> tuple[TokenLogprobs, ...]:
+        """Plain Python objects (one device->host copy per tensor); row b keeps its top ``num_logprobs[b]``."""
+        chosen_l, ranks_l, ids_l = self.chosen.tolist(), self.ranks.tolist(), self.token_ids.tolist()
+        top_vals_l, top_ids_l = self.top_vals.tolist(), self.top_ids.tolist()
+        out = []
+        for b, n in enumerate(num_logprobs):
+            top = tuple(zip(top_ids_l[b][:n], top_vals_l[b][:n]))
+            out.append(TokenLogprobs(token_id=int(ids_l[b]), logprob=chosen_l[b], rank=int(ranks_l[b]), top=top))
+        return tuple(out)
+
+
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]
 ) -> tuple[TokenLogprobs, ...]:
@@ -66,19 +97,7 @@ def token_logprobs(
         )
     if logits.shape[0] == 0:
         return ()
-    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    chosen = torch.gather(lp, 1, token_ids.to(torch.int64)[:, None])
-    ranks = (lp > chosen).sum(dim=-1) + 1
-    max_n = max(num_logprobs)
-    top_vals, top_ids = topn_stable(lp, max_n) if max_n > 0 else (lp[:, :0], token_ids[:, None][:, :0])
-    # One device->host copy per tensor, then plain Python objects.
-    chosen_l, ranks_l, ids_l = chosen[:, 0].tolist(), ranks.tolist(), token_ids.tolist()
-    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-    out = []
-    for b, n in enumerate(num_logprobs):
-        top = tuple(zip(top_ids_l[b][:n], top_vals_l[b][:n]))
-        out.append(TokenLogprobs(token_id=int(ids_l[b]), logprob=chosen_l[b], rank=int(ranks_l[b]), top=top))
-    return tuple(out)
+    return LogprobTensors.compute(logits, token_ids, max(num_logprobs)).resolve(num_logprobs)
 
 
 def prompt_logprobs(

@@ -31,6 +31,7 @@ from deepinfer.sampling.logprobs import TokenLogprobs, token_logprobs
 from deepinfer.sampling.metadata import SamplingRow
 from deepinfer.sampling.penalties import apply_penalties_and_masks
 from deepinfer.sampling.rng import gumbel_argmax
+from deepinfer.sampling.tensors import SamplingTensors, from_rows
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -44,69 +45,96 @@ class SamplerOutput:
         return [int(t) for t in self.token_ids.tolist()]
 
 
-def _row_tensor(rows: Sequence[SamplingRow], attr: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor([getattr(r, attr) for r in rows], dtype=dtype, device=device)
-
-
-def _truncation_masks(scaled: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _truncation_masks(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Bool [b, V]: which tokens top-k then top-p keep (``scaled`` = temperature-scaled logits)."""
-    n, vocab = scaled.shape
+    vocab = scaled.shape[1]
     device = scaled.device
     # Stable descending sort: equal logits stay in id order, so the cut is deterministic.
     sorted_vals, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=device)[None, :]
-    k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=device)[:, None]
+    k = torch.where(t.top_k > 0, t.top_k, vocab)[:, None]
     keep_sorted = rank < k
-    if any(r.top_p < 1.0 for r in rows):
+    if t.use_top_p:
         # Renormalise over the top-k survivors, then keep rank r iff the mass strictly before it is < p.
         masked = sorted_vals.to(torch.float64).masked_fill(~keep_sorted, float("-inf"))
         probs = torch.softmax(masked, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64, device=device)[:, None]
+        top_p = t.top_p[:, None]
         # top_p == 1 keeps everything explicitly: rounding in the cumsum could otherwise drop the tail.
         keep_sorted &= (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)
     keep = torch.zeros_like(keep_sorted)
     return keep.scatter(1, sorted_ids, keep_sorted)
 
 
-def _min_p_mask(scaled: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Bool [b, V]: p >= min_p * p_max, i.e. exp(l - l_max) >= min_p (in float64)."""
-    min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float64, device=scaled.device)[:, None]
     scaled64 = scaled.to(torch.float64)
     ratio = torch.exp(scaled64 - scaled64.max(dim=-1, keepdim=True).values)
-    return ratio >= min_p
+    return ratio >= min_p[:, None]
+
+
+def process_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Steps 4-7 for drawing rows (``t`` holds exactly those rows): temperature-scaled logits with dropped
+    tokens set to -inf. ``logits`` must already have penalties and masks applied. The result is the exact
+    input of the Gumbel draw (and what a coupled speculative verifier must reproduce)."""
+    if not t.num_rows:
+        return logits
+    scaled = logits / t.temperature[:, None]
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if t.use_truncation:
+        keep = _truncation_masks(scaled, t)
+    if t.use_min_p:
+        keep &= _min_p_mask(scaled.masked_fill(~keep, float("-inf")), t.min_p)
+    return scaled.masked_fill(~keep, float("-inf"))
+
+
+def draw(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Steps 1-8: one token per row, [B] int64 on the logits' device (no host sync)."""
+    if logits.dim() != 2 or logits.shape[0] != t.num_rows:
+        raise ValueError(f"logits must be [B, V] with B == {t.num_rows} rows, got {tuple(logits.shape)}")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"logits must be float32, got {logits.dtype}")
+    penalized = apply_penalties_and_masks(logits, t.penalties, t.masked)
+    # Greedy: argmax returns the first maximum, i.e. the lowest token id on ties (documented by torch).
+    tokens = torch.argmax(penalized, dim=-1)
+    if t.random_rows:
+        # Only the drawing rows are processed (index_select, not masking): a row's numbers never depend on
+        # how many greedy rows share the step.
+        sub = t.select(t.random_rows)
+        idx = torch.tensor(t.random_rows, device=logits.device)
+        scores = process_random(penalized[idx], sub)
+        tokens = tokens.index_copy(0, idx, gumbel_argmax(scores, sub.seeds, sub.positions, sub.salts))
+    return tokens
 
 
 def process_random_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Steps 4-7 for non-greedy rows: temperature-scaled logits with dropped tokens set to -inf.
-
-    ``logits`` must already have penalties and masks applied. The result is the exact input of the Gumbel
-    draw (and what a coupled speculative verifier must reproduce).
-    """
+    """``process_random`` for ``SamplingRow`` inputs (no greedy rows)."""
     if any(r.is_greedy for r in rows):
         raise ValueError("process_random_rows got a greedy row; greedy rows take the argmax instead")
-    if not rows:
-        return logits
-    temperature = _row_tensor(rows, "temperature", logits.dtype, logits.device)[:, None]
-    scaled = logits / temperature
-    keep = torch.ones_like(scaled, dtype=torch.bool)
-    if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
-        keep = _truncation_masks(scaled, rows)
-    if any(r.min_p > 0.0 for r in rows):
-        keep &= _min_p_mask(scaled.masked_fill(~keep, float("-inf")), rows)
-    return scaled.masked_fill(~keep, float("-inf"))
+    return process_random(logits, from_rows(rows, logits.shape[1], logits.dtype, logits.device))
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Steps 1-7 for every row (greedy rows: steps 1-2 only). For tests, debugging and verification."""
-    penalized = apply_penalties_and_masks(logits, rows)
-    random_idx = [b for b, r in enumerate(rows) if not r.is_greedy]
-    if not random_idx:
+    t = from_rows(rows, logits.shape[1], logits.dtype, logits.device)
+    penalized = apply_penalties_and_masks(logits, t.penalties, t.masked)
+    if not t.random_rows:
         return penalized
     out = penalized.clone()
-    idx = torch.tensor(random_idx, device=logits.device)
-    out[idx] = process_random_rows(penalized[idx], [rows[b] for b in random_idx])
+    idx = torch.tensor(t.random_rows, device=logits.device)
+    out[idx] = process_random(penalized[idx], t.select(t.random_rows))
     return out
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, nums: Sequence[int | None]) -> tuple[TokenLogprobs | None, ...]:
+    """Per row: the raw-logit logprobs of ``tokens`` (None where ``nums`` is None)."""
+    want = [b for b, n in enumerate(nums) if n is not None]
+    out: list[TokenLogprobs | None] = [None] * len(nums)
+    if want:
+        idx = torch.tensor(want, device=logits.device)
+        for b, lp in zip(want, token_logprobs(logits[idx], tokens[idx], [nums[b] or 0 for b in want])):
+            out[b] = lp
+    return tuple(out)
 
 
 class Sampler:
@@ -121,37 +149,9 @@ class Sampler:
     def forward(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [B, V] with B == len(rows) == {len(rows)}, got {tuple(logits.shape)}")
-        if logits.dtype != torch.float32:
-            raise ValueError(f"logits must be float32, got {logits.dtype}")
-        device = logits.device
-        penalized = apply_penalties_and_masks(logits, rows)
-        # Greedy: argmax returns the first maximum, i.e. the lowest token id on ties (documented by torch).
-        tokens = torch.argmax(penalized, dim=-1)
-        random_idx = [b for b, r in enumerate(rows) if not r.is_greedy]
-        if random_idx:
-            # Only the sampled rows are processed (index_select, not masking): a row's numbers never depend
-            # on how many greedy rows share the step.
-            sub_rows = [rows[b] for b in random_idx]
-            idx = torch.tensor(random_idx, device=device)
-            scores = process_random_rows(penalized[idx], sub_rows)
-            seeds = _row_tensor(sub_rows, "seed", torch.int64, device)
-            positions = _row_tensor(sub_rows, "position", torch.int64, device)
-            salts = _row_tensor(sub_rows, "salt", torch.int64, device)
-            tokens = tokens.index_copy(0, idx, gumbel_argmax(scores, seeds, positions, salts))
-        return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(logits, tokens, rows))
-
-    @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]
-    ) -> tuple[TokenLogprobs | None, ...]:
-        want = [b for b, r in enumerate(rows) if r.num_logprobs is not None]
-        out: list[TokenLogprobs | None] = [None] * len(rows)
-        if want:
-            idx = torch.tensor(want, device=logits.device)
-            nums = [rows[b].num_logprobs or 0 for b in want]
-            for b, lp in zip(want, token_logprobs(logits[idx], tokens[idx], nums)):
-                out[b] = lp
-        return tuple(out)
+        t = from_rows(rows, logits.shape[1], logits.dtype, logits.device)
+        tokens = draw(logits, t)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs_of(logits, tokens, t.num_logprobs))
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -159,4 +159,5 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
     return Sampler()(logits, rows)
 
 
-__all__ = ["Sampler", "SamplerOutput", "process_logits", "process_random_rows", "sample"]
+__all__ = ["Sampler", "SamplerOutput", "draw", "logprobs_of", "process_logits", "process_random", "process_random_rows",
+           "sample"]

@@ -6,6 +6,14 @@ arrival order (FCFS, no skipping ahead). A sequence whose next tokens do not fit
 preemption by recompute of the most recently arrived running sequence not already planned this step;
 a preempted sequence keeps its generated tokens and is recomputed later, so with seeded sampling its
 output is unchanged. The cache is never overcommitted, so a full cache never crashes the engine.
+
+With async scheduling the scheduler plans step N+1 before step N's tokens reach the host: a sequence's
+``num_pending`` tokens are drawn on the device but not yet known here. They count as known tokens for
+planning (the runner feeds them forward itself as placeholders), and a sequence whose generated plus
+pending tokens already reach its limit is not planned again.
+
+``schedule()`` returns a ``Schedule``: the self-contained ``StepPlan`` for the runner (``sched/plan.py``)
+plus the live sequences it covers, for the engine.
 """
 
 from __future__ import annotations
@@ -16,43 +24,32 @@ from dataclasses import dataclass
 from deepinfer.config.engine import SchedulerConfig
 from deepinfer.engine.sequence import Sequence, Status
 from deepinfer.kv.manager import CacheManager
+from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    first_pos: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this step completes the sequence's known tokens, so a new token is drawn."""
-        return self.first_pos + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    scheduled: tuple[ScheduledSeq, ...]
-    preempted: tuple[Sequence, ...]
+class Schedule:
+    plan: StepPlan
+    seqs: tuple[Sequence, ...]  # seqs[i] is the sequence of plan.work[i]
+    preempted: tuple[Sequence, ...] = ()
     # Sequences that cannot fit even in an otherwise empty cache; the engine ends them ("length").
     unschedulable: tuple[Sequence, ...] = ()
 
     @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
     def empty(self) -> bool:
-        return not self.scheduled
+        return self.plan.empty
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.config = config
         self.cache = cache
+        self.eos_token_ids = tuple(eos_token_ids)
+        cache.track_edits()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # lifetime counter (metrics, tests)
+        self._left: list[str] = []  # sequences that left the runner's batch since the last plan
 
     # ---- membership -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -67,51 +64,88 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.seq_id in self.cache:
             self.cache.free(seq.seq_id)
+            self._left.append(seq.seq_id)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- planning -------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> Schedule:
         budget = self.config.max_num_batched_tokens
-        planned: list[ScheduledSeq] = []
+        planned: list[Sequence] = []
+        work: list[SeqWork] = []
+        joined: list[JoinedSeq] = []
         preempted: list[Sequence] = []
         for seq in self._running_order():
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(self._wanted(seq), budget)
             if self._make_room(seq, n, planned, preempted):
-                planned.append(self._take(seq, n))
+                work.append(self._take(seq, n))
+                planned.append(seq)
                 budget -= n
         while budget and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted with a token still in flight: resumable once that token is known
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.cache.can_allocate(seq.seq_id, n):
                 break  # FCFS: a later, smaller request does not overtake
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            planned.append(self._take(seq, n))
+            joined.append(self._joined(seq))
+            work.append(self._take(seq, n))
+            planned.append(seq)
             budget -= n
         stuck: tuple[Sequence, ...] = ()
-        if not planned and not self.running and self.waiting:
+        if not planned and not self.running and self.waiting and not self.waiting[0].num_pending:
             stuck = (self.waiting.popleft(),)
-        return StepPlan(tuple(planned), tuple(preempted), stuck)
+        left, self._left = tuple(self._left), []
+        edits = tuple(TableEdit(*e) for e in self.cache.drain_edits())
+        plan = StepPlan(tuple(work), tuple(joined), left, edits)
+        return Schedule(plan, tuple(planned), tuple(preempted), stuck)
+
+    def _wanted(self, seq: Sequence) -> int:
+        """New tokens the sequence could compute now: 0 when its in-flight tokens already reach its limit."""
+        if seq.num_pending and seq.num_output + seq.num_pending >= seq.params.max_new_tokens(
+                seq.num_prompt, self.config.max_model_len):
+            return 0
+        return seq.num_tokens + seq.num_pending - seq.num_computed
 
     def _running_order(self) -> list[Sequence]:
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        return decodes + prefills
+        wanted = [(s, self._wanted(s)) for s in self.running]
+        return [s for s, n in wanted if n == 1] + [s for s, n in wanted if n > 1]
 
-    def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _joined(self, seq: Sequence) -> JoinedSeq:
+        sampling = SeqSampling.of(seq.params, seq.seed, self.eos_token_ids)
+        prompt = tuple(seq.token_ids[: seq.num_prompt]) if sampling.repetition_penalty != 1.0 else ()
+        return JoinedSeq(seq.seq_id, sampling, seq.num_prompt, prompt, tuple(seq.output_ids))
+
+    def _take(self, seq: Sequence, n: int) -> SeqWork:
         self.cache.allocate(seq.seq_id, n)
-        return ScheduledSeq(seq, n, seq.num_computed)
+        first, known = seq.num_computed, seq.num_tokens
+        tokens = tuple(seq.token_ids[first : min(first + n, known)])
+        samples = 1 if first + n == known + seq.num_pending else 0
+        return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n))
 
-    def _make_room(self, seq: Sequence, n: int, planned: list[ScheduledSeq], preempted: list[Sequence]) -> bool:
-        planned_seqs = {p.seq for p in planned}
+    def _prompt_job(self, seq: Sequence, first: int, n: int) -> PromptLogprobJob | None:
+        req = seq.request
+        if req.params.prompt_logprobs is None or seq.index != 0:
+            return None
+        # Position p predicts prompt token p + 1; only positions not already planned (preemption).
+        lo = max(first, req.prompt_logprobs_planned)
+        hi = min(first + n, seq.num_prompt - 1)
+        if lo >= hi:
+            return None
+        req.prompt_logprobs_planned = hi
+        return PromptLogprobJob(lo - first, lo + 1, tuple(seq.token_ids[lo + 1 : hi + 1]), req.params.prompt_logprobs)
+
+    def _make_room(self, seq: Sequence, n: int, planned: list[Sequence], preempted: list[Sequence]) -> bool:
+        planned_seqs = set(planned)
         while not self.cache.can_allocate(seq.seq_id, n):
             victims = [s for s in self.running if s not in planned_seqs]
             victim = max(victims, key=lambda s: s.arrival)
@@ -125,6 +159,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
+        self._left.append(seq.seq_id)
         seq.num_computed = 0
         seq.status = Status.WAITING
         # Back to the head of the queue in arrival order, ahead of everything that arrived later.
@@ -132,8 +167,10 @@ class Scheduler:
         self.waiting = deque(items)
 
     # ---- after the step -------------------------------------------------------------------------------
-    def commit(self, plan: StepPlan) -> None:
-        """The model computed the planned tokens: advance each sequence and settle its cache length."""
-        for item in plan.scheduled:
-            item.seq.num_computed += item.num_new_tokens
-            self.cache.commit(item.seq.seq_id, item.seq.num_computed)
+    def commit(self, schedule: Schedule) -> None:
+        """The planned tokens are computed (or queued on the device, which computes them in order): advance
+        each sequence, settle its cache length, and count the tokens it draws as pending until applied."""
+        for seq, w in zip(schedule.seqs, schedule.plan.work):
+            seq.num_computed += w.num_tokens
+            seq.num_pending += w.num_samples
+            self.cache.commit(seq.seq_id, seq.num_computed)

@@ -110,9 +110,11 @@ def test_gpu_engine_generates_like_its_model(ckpt, device) -> None:
         assert finals[f"g{i}"] == seq
 
 
-def test_decode_graphs_replay_the_eager_step_bit_for_bit(ckpt, device) -> None:
+@pytest.mark.parametrize("q", [1, 3])
+def test_decode_graphs_replay_the_eager_step_bit_for_bit(ckpt, device, q) -> None:
     """A captured decode step (batch padded to its bucket, entry columns sized for max_model_len) gives the
-    same logits bits as the eager batched step on the same cache state, for 1..3 sequences."""
+    same logits bits as the eager batched step on the same cache state, for 1..3 sequences of q tokens
+    each (q > 1: what verifying q - 1 drafts runs)."""
     if device != "cuda":
         pytest.skip("needs CUDA")
     from deepinfer.model.device import prepare_for_device
@@ -122,7 +124,7 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(ckpt, device) -> None:
 
     model = prepare_for_device(load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False), triton_ops())
     cache = SequenceCache(build_layout(model.cfg, 128), 12, torch.bfloat16, "cuda")
-    graphs = DecodeGraphs(model, cache.storage, max_model_len=1024, sizes=[1, 2, 4])
+    graphs = DecodeGraphs(model, cache.storage, max_model_len=1024, sizes=[1, 2, 4], tokens_per_seq=q)
     graphs.capture()
     g = torch.Generator().manual_seed(5)
     sids = [cache.new_sequence() for _ in range(3)]
@@ -133,7 +135,7 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(ckpt, device) -> None:
         cache.commit({sid: toks})
     for step in range(12):
         live = sids[: 1 + step % 3]
-        new = {sid: [int(torch.randint(3, 512, (1,), generator=g))] for sid in live}
+        new = {sid: torch.randint(3, 512, (q,), generator=g).tolist() for sid in live}
         t, batch = cache.plan(new)
         eager = model.logits(model(t.cuda(), batch, cache.storage)).float()
         replay = graphs.run(t.tolist(), batch).float()  # rewrites the same cache rows with the same bits

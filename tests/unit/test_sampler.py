@@ -190,24 +190,6 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert toks <= {0, 1} and toks == {0, 1}
 
 
-def test_rows_built_from_spans_equal_rows_built_from_slices() -> None:
-    """The runner passes zero-copy spans of a sequence's token list; every field must come out the same."""
-    from deepinfer.runner.model_runner import _Span
-
-    ids = [5, 9, 9, 2, 7, 7, 7, 1, 9]
-    cases = [SamplingParams(), SamplingParams(temperature=0.7, min_tokens=6, stop_token_ids=[4]),
-             SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.5, frequency_penalty=0.2)]
-    for params in cases:
-        for n_prompt in (0, 1, 4, len(ids)):
-            slices = SamplingRow.build(params, seed=3, prompt_token_ids=ids[:n_prompt],
-                                       output_token_ids=ids[n_prompt:], eos_token_ids=(1,))
-            spans = SamplingRow.build(params, seed=3, prompt_token_ids=_Span(ids, 0, n_prompt),
-                                      output_token_ids=_Span(ids, n_prompt, len(ids)), eos_token_ids=(1,))
-            assert spans == slices
-    span = _Span(ids, 2, 6)
-    assert list(span) == ids[2:6] and len(span) == 4 and span[1] == ids[3] and span[-1] == ids[5]
-
-
 # --------------------------------------------------------------------------------- greedy / seeds
 def test_greedy_ignores_seed_and_breaks_ties_by_lowest_id() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])

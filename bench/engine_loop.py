@@ -1,0 +1,168 @@
+"""Engine loop benchmark on the bundled demo model: the synchronous loop against async scheduling.
+
+    python bench/engine_loop.py [--device cuda] [--batches 1 64 256] [--tokens 128] [--profile-batch 64]
+
+For each batch size B and each loop (sync, async) in one process: B greedy requests with short prompts,
+each generating --tokens tokens (ignore_eos), timed after the first (prefill) step. Per decode step:
+wall time; on the GPU also the time the host spent blocked waiting for a step's results (``wait``) and the
+rest (``host``: scheduling, inputs, launches, detokenization, stop checks, outputs); on the CPU the model
+forward and the rest. ``--profile-batch B`` adds a profiler trace of B-sequence async decode: the share of
+the steady-state span in which no kernel runs (GPU idle). Writes ``engine_loop_{device}.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer import LLMEngine, SamplingParams
+from deepinfer.runner.model_runner import StepHandle
+
+
+class Clock:
+    """Seconds spent inside wrapped callables, per bucket."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    def wrap(self, obj, name: str, bucket: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.spent[bucket] = self.spent.get(bucket, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+
+def _engine(device: str, batch: int, async_scheduling: bool) -> LLMEngine:
+    return LLMEngine.from_engine_args(device=device, load_progress=False, block_size=128, max_num_seqs=max(batch, 1),
+                                      max_num_batched_tokens=8192, max_model_len=4096,
+                                      async_scheduling=async_scheduling,
+                                      **({"cache_memory_gb": 4.0} if device == "cuda" else {}))
+
+
+def _submit(engine: LLMEngine, batch: int, tokens: int) -> None:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{i}", f"def function_{i}(x):", params)
+
+
+def run(engine: LLMEngine, batch: int, tokens: int) -> dict:
+    clock = Clock()
+    if engine.config.device == "cpu":
+        clock.wrap(engine.runner.model, "forward", "model")
+        clock.wrap(engine.runner.model, "logits", "model")
+    _submit(engine, batch, tokens)
+    engine.step()  # the prefill step (and, async, the first decode's submission), not counted
+    clock.spent.clear()
+    _Wait.spent = 0.0
+    steps, generated = 0, 0
+    if engine.config.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps += 1
+        generated += sum(len(d) for o in outs for d in o.delta_token_ids)
+    wall = time.perf_counter() - t0
+    waited = _Wait.spent + clock.spent.get("model", 0.0)
+    return {"batch": batch, "steps": steps, "tokens": generated, "tokens_per_s": generated / wall,
+            "step_ms": wall / steps * 1e3, "wait_ms": waited / steps * 1e3, "host_ms": (wall - waited) / steps * 1e3}
+
+
+class _Wait:
+    """Time the engine spends blocked on a step's results reaching the host."""
+
+    spent = 0.0
+    result = StepHandle.result
+
+    @staticmethod
+    def timed(handle: StepHandle):
+        t = time.perf_counter()
+        if handle._done is not None:
+            handle._done.synchronize()
+        _Wait.spent += time.perf_counter() - t
+        return _Wait.result(handle)
+
+
+def gpu_idle(engine: LLMEngine, batch: int, tokens: int) -> dict:
+    """Profile async decode of ``batch`` sequences; the idle share of the span from the 10th to the last step's
+    kernels (kernel intervals merged)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _submit(engine, batch, tokens)
+    for _ in range(10):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, cur_start, cur_end = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    busy += cur_end - cur_start
+    span = spans[-1][1] - spans[0][0]
+    return {"batch": batch, "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_share": 1 - busy / span}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--profile-batch", type=int, default=None)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    a = p.parse_args()
+    StepHandle.result = _Wait.timed
+    rows = []
+    for b in a.batches:
+        for mode in (False, True):
+            engine = _engine(a.device, b, mode)
+            run(engine, min(b, 4), 8)  # warm-up: Triton compiles, first allocations
+            rows.append({"loop": "async" if mode else "sync", **run(engine, b, a.tokens)})
+            print(rows[-1], flush=True)
+            del engine
+    idle = gpu_idle(_engine(a.device, a.profile_batch, True), a.profile_batch, a.tokens) if a.profile_batch else None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dev = torch.cuda.get_device_name() if a.device == "cuda" else (platform.processor() or platform.machine())
+    meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "device": dev, "torch": torch.__version__,
+            "tokens": a.tokens}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"engine_loop_{a.device}.json").write_text(json.dumps({"meta": meta, "rows": rows, "idle": idle}, indent=2))
+    wait = "wait" if a.device == "cuda" else "model"
+    lines = [f"# Engine loop, sync vs async scheduling (demo model, {a.device})\n", f"{meta}\n",
+             f"`python bench/engine_loop.py --device {a.device} --batches {' '.join(map(str, a.batches))} "
+             f"--tokens {a.tokens}" + (f" --profile-batch {a.profile_batch}`\n" if a.profile_batch else "`\n"),
+             f"| batch | loop | tok/s | async / sync | step ms | {wait} ms | host ms |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(x for x in rows if x["batch"] == r["batch"] and x["loop"] == "sync")
+        lines.append(f"| {r['batch']} | {r['loop']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
+                     f"{r['step_ms']:.3f} | {r['wait_ms']:.3f} | {r['host_ms']:.3f} |")
+    if idle:
+        lines.append(f"\nGPU idle in async decode at batch {idle['batch']}: {idle['idle_share']:.1%} of "
+                     f"{idle['span_ms']:.1f} ms (kernels busy {idle['busy_ms']:.1f} ms).")
+    text = "\n".join(lines) + "\n"
+    (out / f"engine_loop_{a.device}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

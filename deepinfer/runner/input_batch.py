@@ -1,0 +1,153 @@
+"""InputBatch: the runner's persistent per-slot state, edited by each plan instead of rebuilt each step.
+
+Every sequence in the batch owns a slot from joining until it leaves. Per slot the batch keeps:
+  * its block tables (``SlotTables``: host arrays edited by the plan's table edits; a step copies its
+    slots' rows into the step index);
+  * its sampling settings, on the host (to decide which sampler stages run, without a device read) and as
+    device rows gathered by slot each step;
+  * the last token it drew, on the device: a placeholder input (async scheduling) reads it from there;
+  * penalty state on the device, created the first time a sequence with a penalty joins: the output-token
+    counts (incremented on the device by every draw) and the prompt's token set.
+No step walks a sequence's token history: joining costs O(its tokens) once, a step O(its rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deepinfer.model.step_index import SlotTables
+from deepinfer.sampling.params import GREEDY_TEMPERATURE_EPS
+from deepinfer.sampling.rng import SALT_TARGET
+from deepinfer.sampling.tensors import Penalties, SamplingTensors
+from deepinfer.sched.plan import JoinedSeq, SeqSampling, StepPlan
+
+# Columns of the per-slot parameter tables.
+_F_COLS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_I_COLS = ("top_k", "seed")
+
+
+class InputBatch:
+    def __init__(self, num_slots: int, max_blocks: int, vocab_size: int, device: torch.device | str) -> None:
+        self.num_slots, self.vocab_size, self.device = num_slots, vocab_size, torch.device(device)
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # lowest slot first
+        self.tables = SlotTables(num_slots, max_blocks)
+        self.sampling: list[SeqSampling | None] = [None] * num_slots
+        self.prompt_len = np.zeros(num_slots, dtype=np.int64)
+        self._f = torch.zeros(num_slots, len(_F_COLS), dtype=torch.float64, device=self.device)
+        self._i = torch.zeros(num_slots, len(_I_COLS), dtype=torch.int64, device=self.device)
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self.counts: torch.Tensor | None = None  # [slots, V] float32 output-token counts
+        self.prompt_seen: torch.Tensor | None = None  # [slots, V] bool
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    # ---- plan edits -----------------------------------------------------------------------------------
+    def apply(self, plan: StepPlan) -> None:
+        for seq_id in plan.left:
+            slot = self.slot_of.pop(seq_id, None)
+            if slot is not None:  # sequences that never joined (aborted while waiting) have nothing here
+                self.sampling[slot] = None
+                self._free.append(slot)
+        for j in plan.joined:
+            self._join(j)
+        arrays = self.tables.arrays
+        for e in plan.table_edits:
+            slot = self.slot_of.get(e.seq_id)
+            if slot is None:
+                raise KeyError(f"table edit for {e.seq_id!r}, which is not in the batch")
+            row = arrays[e.pool][slot]
+            if e.length > len(row):
+                raise ValueError(f"table edit for {e.seq_id!r}: {e.length} blocks exceed the {len(row)} a slot holds")
+            row[e.start : e.start + len(e.block_ids)] = e.block_ids
+            row[e.length :] = -1
+
+    def _join(self, j: JoinedSeq) -> None:
+        if j.seq_id in self.slot_of:
+            raise ValueError(f"{j.seq_id!r} joined twice")
+        if not self._free:
+            raise RuntimeError(f"InputBatch: all {self.num_slots} slots are taken")
+        slot = self._free.pop()
+        self.slot_of[j.seq_id] = slot
+        for table in self.tables.arrays.values():
+            table[slot] = -1
+        s = j.sampling
+        self.sampling[slot] = s
+        self.prompt_len[slot] = j.prompt_len
+        self._f[slot] = torch.tensor([getattr(s, c) for c in _F_COLS], dtype=torch.float64)
+        self._i[slot] = torch.tensor([getattr(s, c) for c in _I_COLS], dtype=torch.int64)
+        if s.has_penalty and self.counts is None:
+            shape = (self.num_slots, self.vocab_size)
+            self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        if self.counts is not None:
+            self.counts[slot] = 0
+            self.prompt_seen[slot] = False
+            if j.output_ids:
+                ids = torch.tensor(j.output_ids, dtype=torch.int64, device=self.device)
+                self.counts[slot].index_add_(0, ids, torch.ones(len(ids), device=self.device))
+            if j.prompt_ids:
+                self.prompt_seen[slot, torch.tensor(j.prompt_ids, device=self.device)] = True
+
+    # ---- a step's sampler inputs ----------------------------------------------------------------------
+    def sampling_tensors(self, slots: list[int], positions: list[int]) -> SamplingTensors:
+        """Sampler inputs of rows drawing at ``positions`` for sequences in ``slots`` (one row each)."""
+        dev = self.device
+        rows = [self.sampling[s] for s in slots]
+        idx = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        f, i = self._f[idx], self._i[idx]
+        drawing = [b for b, r in enumerate(rows) if r.temperature >= GREEDY_TEMPERATURE_EPS]
+        draw_rows = [rows[b] for b in drawing]
+        return SamplingTensors(
+            temperature=f[:, 0].to(torch.float32), top_k=i[:, 0], top_p=f[:, 1], min_p=f[:, 2], seeds=i[:, 1],
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            salts=torch.full((len(slots),), SALT_TARGET, dtype=torch.int64, device=dev),
+            random_rows=tuple(drawing),
+            use_truncation=any(r.top_k > 0 or r.top_p < 1.0 for r in draw_rows),
+            use_top_p=any(r.top_p < 1.0 for r in draw_rows),
+            use_min_p=any(r.min_p > 0.0 for r in draw_rows),
+            penalties=self._penalties(rows, idx, f),
+            masked=self._min_tokens_masks(rows, slots, positions),
+            num_logprobs=tuple(r.num_logprobs for r in rows),
+        )
+
+    def _penalties(self, rows: list[SeqSampling], idx: torch.Tensor, f: torch.Tensor) -> Penalties:
+        rep = any(r.repetition_penalty != 1.0 for r in rows)
+        count = any(r.presence_penalty != 0.0 or r.frequency_penalty != 0.0 for r in rows)
+        if not (rep or count):
+            return Penalties()
+        counts = self.counts[idx]
+        return Penalties(
+            repetition=f[:, 3].to(torch.float32) if rep else None,
+            seen=(self.prompt_seen[idx] | (counts > 0)) if rep else None,
+            presence=f[:, 4].to(torch.float32) if count else None,
+            frequency=f[:, 5].to(torch.float32) if count else None,
+            counts=counts if count else None,
+        )
+
+    def _min_tokens_masks(self, rows, slots, positions) -> tuple[torch.Tensor, torch.Tensor] | None:
+        row_idx: list[int] = []
+        tok_idx: list[int] = []
+        for b, (r, slot, pos) in enumerate(zip(rows, slots, positions)):
+            # The token drawn at ``pos`` is output number pos - prompt_len (0-based).
+            if r.min_tokens_masked and pos - int(self.prompt_len[slot]) < r.min_tokens:
+                row_idx.extend([b] * len(r.min_tokens_masked))
+                tok_idx.extend(r.min_tokens_masked)
+        if not row_idx:
+            return None
+        return (torch.tensor(row_idx, device=self.device), torch.tensor(tok_idx, device=self.device))
+
+    def record(self, slots: list[int], tokens: torch.Tensor, last_rows: list[int]) -> None:
+        """After a draw: each slot's last drawn token (row ``last_rows[k]`` of ``tokens`` for ``slots[k]``)
+        and, with penalties on, every drawn token's count."""
+        if not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        if len(last_rows) != len(tokens):  # some sequence drew several tokens: keep its last
+            tokens = tokens[torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        self.last_tokens.index_copy_(0, idx, tokens)
+        if self.counts is not None:
+            # One draw per penalised sequence (the runner refuses several): its token joins the counts.
+            self.counts.index_put_((idx, tokens), torch.ones(len(slots), device=self.device), accumulate=True)
