@@ -32,6 +32,7 @@ from deepinfer.chat import encode_messages
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server.async_engine import AsyncEngine, EngineClosed, RequestStream
+from deepinfer.server.commands import EngineRequest
 from deepinfer.server.errors import (ApiError, api_error_handler, bad_request, error_body, http_error_handler,
                                      internal_error_handler, not_found_model, parse_body, read_body)
 from deepinfer.server.metrics import RequestCounterMiddleware, ServerMetrics
@@ -80,7 +81,7 @@ class ServerState:
         self.check_auth(request)  # before reading: an unauthenticated client does not get to upload
         return await read_body(request, self.max_request_bytes)
 
-    async def submit(self, requests: list[tuple[str, Any, Any]], renames: dict[str, str]) -> RequestStream:
+    async def submit(self, requests: list[EngineRequest], renames: dict[str, str]) -> RequestStream:
         try:
             return await self.bridge.submit(requests)
         except ValueError as e:
@@ -206,7 +207,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         state.check_model(req.model)
         prompts, params = req.prompts(), req.sampling_params()
         b = CompletionBuilder(f"cmpl-{uuid.uuid4().hex}", state.model_name, req.n, req.logprobs)
-        stream = await state.submit([(b.engine_id(i), p, params) for i, p in enumerate(prompts)],
+        stream = await state.submit([EngineRequest(b.engine_id(i), p, params) for i, p in enumerate(prompts)],
                                     {"prompt_token_ids": "prompt"})
         if req.stream:
             return EventStream(_events(stream, b.chunks, b.usage_chunk if req.include_usage else None), stream)
@@ -224,7 +225,8 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
             raise bad_request(e) from None
         top = (req.top_logprobs or 0) if req.logprobs else None
         b = ChatBuilder(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, req.n, thinking, top)
-        stream = await state.submit([(b.id, prompt, params)], {"prompt": "messages", "prompt_token_ids": "messages"})
+        stream = await state.submit([EngineRequest(b.id, prompt, params)],
+                                    {"prompt": "messages", "prompt_token_ids": "messages"})
         if req.stream:
             return EventStream(_events(stream, b.chunks, b.usage_chunk if req.include_usage else None), stream)
         finals = await _finals(request, stream)

@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 from deepinfer.chat import EOS, THINK_END  # noqa: E402
 from deepinfer.chat.encoding import render_tool_calls  # noqa: E402
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from deepinfer.server.commands import EngineRequest  # noqa: E402
 from deepinfer.server.protocol import ChatBuilder  # noqa: E402
 
 MODEL = "deepinfer-demo"
@@ -65,9 +66,9 @@ def test_bridge_streams_idles_without_spinning_and_reports_failures() -> None:
     from deepinfer.server.async_engine import AsyncEngine, EngineClosed
 
     async def run(bridge: AsyncEngine) -> list[list[RequestOutput]]:
-        streams = [await bridge.submit([(f"r{i}", "p", None)]) for i in range(4)]
+        streams = [await bridge.submit([EngineRequest(f"r{i}", "p")]) for i in range(4)]
         with pytest.raises(ValueError, match="prompt"):
-            await bridge.submit([("r9", "p", None), ("r10", "bad", None)])  # all or nothing
+            await bridge.submit([EngineRequest("r9", "p"), EngineRequest("r10", "bad")])  # all or nothing
         return [[o async for o in s] for s in streams]
 
     fake = _ScriptedEngine()
@@ -86,7 +87,7 @@ def test_bridge_streams_idles_without_spinning_and_reports_failures() -> None:
     broken.start()
 
     async def doomed() -> None:
-        stream = await broken.submit([("a", "p", None)])
+        stream = await broken.submit([EngineRequest("a", "p")])
         async for _ in stream:
             pass
 
@@ -145,3 +146,4 @@ def test_tool_calls_and_reasoning_parsed_by_the_builders(piece: int) -> None:
     assert plain["choices"][0]["finish_reason"] == "stop" and plain_streamed["content"] == "Just an answer."
     cut, cut_streamed = _run_builder("still thinking", thinking=True, piece=piece)  # no </think>: all reasoning
     assert cut["choices"][0]["message"]["reasoning_content"] == "still thinking" == cut_streamed["reasoning"]
+
