@@ -45,33 +45,39 @@ class ResolvedPrompt:
 
 def resolve_completion_prompts(prompts: Sequence[str | list[int]], tokenizer: Tokenizer, vocab_size: int, *,
                                echo: bool, token_strings: bool, skip_special_tokens: bool) -> list[ResolvedPrompt]:
-    """Token ids (and, with ``echo``, the echo text) of each completion prompt. CPU work: run it off the loop.
+    """Token ids (and, with ``echo``, what to echo) of each completion prompt. CPU work: run it off the loop.
 
-    ``token_strings``: also decode each token for the echoed logprobs."""
-    out = []
+    ``token_strings``: also decode each token, for echo with logprobs."""
     several = len(prompts) > 1
+    out = []
     for k, prompt in enumerate(prompts):
         field = f"prompt[{k}]" if several else "prompt"
         if isinstance(prompt, str):
             if prompt == "":
                 raise ApiError(400, f"{field}: must not be empty", param=field, code="invalid_value")
-            ids = tokenizer.encode(prompt, add_special_tokens=True)
-            added = _added_prefix(tokenizer, prompt, ids) if token_strings else 0
-            hidden = set(range(added))
-            text = prompt
+            ids = tokenizer.encode(prompt, add_special_tokens=True)  # as the engine encodes a text prompt
         else:
             _check_ids(prompt, vocab_size, field)
             ids = list(prompt)
-            hidden = {i for i, t in enumerate(ids) if tokenizer.is_special(t)} if skip_special_tokens else set()
-            text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if echo else ""
-        prompt_echo = None
-        if echo:
-            tokens = tuple(tokenizer.decode([t], skip_special_tokens=False) for t in ids) if token_strings else ()
-            widths = tuple(0 if i in hidden else len(s) for i, s in enumerate(tokens))
-            prompt_echo = PromptEcho(text, tokens, widths)
-        engine_text = prompt if isinstance(prompt, str) else None
-        out.append(ResolvedPrompt(field, {"prompt": engine_text, "prompt_token_ids": ids}, len(ids), prompt_echo))
+        engine_prompt = {"prompt": prompt if isinstance(prompt, str) else None, "prompt_token_ids": ids}
+        prompt_echo = _echo(prompt, ids, tokenizer, token_strings, skip_special_tokens) if echo else None
+        out.append(ResolvedPrompt(field, engine_prompt, len(ids), prompt_echo))
     return out
+
+
+def _echo(prompt: str | list[int], ids: list[int], tokenizer: Tokenizer, token_strings: bool,
+          skip_special_tokens: bool) -> PromptEcho:
+    is_text = isinstance(prompt, str)
+    text = prompt if is_text else tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if not token_strings:
+        return PromptEcho(text)
+    if isinstance(prompt, str):  # the client's text has everything but what the tokenizer added in front
+        hidden = set(range(_added_prefix(tokenizer, prompt, ids)))
+    else:
+        hidden = {i for i, t in enumerate(ids) if tokenizer.is_special(t)} if skip_special_tokens else set()
+    # Decoded one at a time, as the engine decodes the tokens of its logprobs (specials kept).
+    tokens = tuple(tokenizer.decode([t], skip_special_tokens=False) for t in ids)
+    return PromptEcho(text, tokens, tuple(0 if i in hidden else len(t) for i, t in enumerate(tokens)))
 
 
 def _added_prefix(tokenizer: Tokenizer, text: str, ids: list[int]) -> int:

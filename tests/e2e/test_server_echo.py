@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+# The module-scoped fixtures of test_server.py, imported so this module gets its own server and reference LLM.
 from tests.e2e.test_server import API_KEY, MODEL, PROMPTS, Server, client, offline, server  # noqa: F401
 
 httpx = pytest.importorskip("httpx")
