@@ -32,10 +32,13 @@ from deepinfer.chat import encode_messages
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server.async_engine import AsyncEngine, EngineClosed, RequestStream
+from deepinfer.server.commands import EngineRequest
+from deepinfer.server.completions import CompletionBuilder
 from deepinfer.server.errors import (ApiError, api_error_handler, bad_request, error_body, http_error_handler,
                                      internal_error_handler, not_found_model, parse_body, read_body)
 from deepinfer.server.metrics import RequestCounterMiddleware, ServerMetrics
-from deepinfer.server.protocol import ChatBuilder, ChatCompletionRequest, CompletionBuilder, CompletionRequest
+from deepinfer.server.prompts import check_context, resolve_completion_prompts
+from deepinfer.server.protocol import ChatBuilder, ChatCompletionRequest, CompletionRequest
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEMO_MODEL_NAME = "deepinfer-demo"
@@ -80,7 +83,11 @@ class ServerState:
         self.check_auth(request)  # before reading: an unauthenticated client does not get to upload
         return await read_body(request, self.max_request_bytes)
 
-    async def submit(self, requests: list[tuple[str, Any, Any]], renames: dict[str, str]) -> RequestStream:
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.scheduler.max_model_len
+
+    async def submit(self, requests: list[EngineRequest], renames: dict[str, str]) -> RequestStream:
         try:
             return await self.bridge.submit(requests)
         except ValueError as e:
@@ -204,10 +211,18 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
     async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, await state.body(request))
         state.check_model(req.model)
-        prompts, params = req.prompts(), req.sampling_params()
-        b = CompletionBuilder(f"cmpl-{uuid.uuid4().hex}", state.model_name, req.n, req.logprobs)
-        stream = await state.submit([(b.engine_id(i), p, params) for i, p in enumerate(prompts)],
-                                    {"prompt_token_ids": "prompt"})
+        raw, params = req.prompts(), req.sampling_params()
+        # Tokenizing (and, for echo, decoding) long prompts is CPU work: keep it off the event loop.
+        prompts = await asyncio.to_thread(
+            resolve_completion_prompts, raw, engine.tokenizer, engine.config.model.vocab_size, echo=req.echo,
+            token_strings=req.echo and req.logprobs is not None, skip_special_tokens=req.skip_special_tokens)
+        check_context([p.num_tokens for p in prompts], [p.field for p in prompts], req.max_tokens,
+                      state.max_model_len, max_tokens_param="max_tokens")
+        echoes = [p.echo for p in prompts] if req.echo else None
+        b = CompletionBuilder(f"cmpl-{uuid.uuid4().hex}", state.model_name, req.n, req.logprobs, echoes,
+                              req.prompt_only)
+        engine_requests = [EngineRequest(b.engine_id(k), p.engine_prompt, params) for k, p in enumerate(prompts)]
+        stream = await state.submit(engine_requests, {"prompt_token_ids": "prompt"})
         if req.stream:
             return EventStream(_events(stream, b.chunks, b.usage_chunk if req.include_usage else None), stream)
         finals = await _finals(request, stream)
@@ -222,9 +237,13 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
             prompt = await asyncio.to_thread(_render_chat, req, engine, thinking)
         except ValueError as e:
             raise bad_request(e) from None
+        limit, limit_name = req.completion_limit()
+        check_context([len(prompt["prompt_token_ids"])], ["messages"], limit, state.max_model_len,
+                      max_tokens_param=limit_name, what="the rendered conversation")
         top = (req.top_logprobs or 0) if req.logprobs else None
         b = ChatBuilder(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, req.n, thinking, top)
-        stream = await state.submit([(b.id, prompt, params)], {"prompt": "messages", "prompt_token_ids": "messages"})
+        stream = await state.submit([EngineRequest(b.id, prompt, params)],
+                                    {"prompt": "messages", "prompt_token_ids": "messages"})
         if req.stream:
             return EventStream(_events(stream, b.chunks, b.usage_chunk if req.include_usage else None), stream)
         finals = await _finals(request, stream)

@@ -2,7 +2,7 @@
 
 One engine thread owns the engine. Everything else talks to it through a command queue:
 
-    HTTP coroutine --submit/abort/call--> command deque (under a Condition) --> engine thread
+    HTTP coroutine --Submit/Abort/Call--> command deque (under a Condition) --> engine thread
     engine thread --RequestOutput--> loop.call_soon_threadsafe(queue.put_nowait) --> HTTP coroutine
 
 The engine thread drains commands, then runs ``step()`` while the engine has work, and otherwise waits on
@@ -24,6 +24,7 @@ from typing import Any
 
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
+from deepinfer.server.commands import Abort, Call, Command, EngineRequest, Reply, Submit
 from deepinfer.server.metrics import ServerMetrics
 
 log = logging.getLogger("deepinfer.server")
@@ -37,13 +38,6 @@ class EngineClosed(RuntimeError):
 class _Timing:
     arrival: float
     first_token: float | None = None
-
-
-@dataclass
-class _Command:
-    kind: str  # "submit" | "abort" | "call"
-    payload: Any
-    done: Callable[[Any, BaseException | None], None] | None = None
 
 
 class RequestStream:
@@ -96,7 +90,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self._cv = threading.Condition()
-        self._commands: deque[_Command] = deque()
+        self._commands: deque[Command] = deque()
         self._stop = False
         self._thread: threading.Thread | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -135,8 +129,8 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     # ---- the HTTP side -------------------------------------------------------------------------------
-    async def submit(self, requests: list[tuple[str, Any, Any]]) -> RequestStream:
-        """Add (request_id, prompt, SamplingParams) requests atomically: all are admitted or none.
+    async def submit(self, requests: list[EngineRequest]) -> RequestStream:
+        """Add requests atomically: all are admitted or none.
 
         Raises the engine's ValueError (naming the field) when one is invalid, EngineClosed when the engine
         thread is gone. Returns once the engine thread has accepted them.
@@ -144,27 +138,28 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, loop)
         fut: asyncio.Future[None] = loop.create_future()
-        self._send(_Command("submit", (stream, requests), self._resolver(loop, fut)))
+        ids = [r.request_id for r in requests]
+        self._send(Submit(stream, tuple(requests), self._resolver(loop, fut)))
         try:
             await fut
         except asyncio.CancelledError:
             # The client left while we waited: the requests may have been added meanwhile. Aborts run after
             # the submit in command order, so this cannot leak them.
-            self.abort([rid for rid, _, _ in requests])
+            self.abort(ids)
             raise
-        stream.request_ids = [rid for rid, _, _ in requests]
+        stream.request_ids = ids
         stream.unfinished = set(stream.request_ids)
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._send(_Command("abort", list(request_ids)), strict=False)
+            self._send(Abort(tuple(request_ids)), strict=False)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps (safe inspection, e.g. cache integrity)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._send(_Command("call", fn, self._resolver(loop, fut)))
+        self._send(Call(fn, self._resolver(loop, fut)))
         return await fut
 
     def call_sync(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
@@ -176,14 +171,14 @@ class AsyncEngine:
             box["value"], box["exc"] = value, exc
             ready.set()
 
-        self._send(_Command("call", fn, done))
+        self._send(Call(fn, done))
         if not ready.wait(timeout):
             raise TimeoutError("the engine thread did not answer in time")
         if box["exc"] is not None:
             raise box["exc"]
         return box["value"]
 
-    def _send(self, cmd: _Command, strict: bool = True) -> None:
+    def _send(self, cmd: Command, strict: bool = True) -> None:
         with self._cv:
             if self._stop or self.error is not None:
                 if strict:
@@ -193,7 +188,7 @@ class AsyncEngine:
             self._cv.notify()
 
     @staticmethod
-    def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[Any, BaseException | None], None]:
+    def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Reply:
         def settle(value: Any, exc: BaseException | None) -> None:
             if fut.done():  # cancelled by the HTTP side meanwhile
                 return
@@ -240,30 +235,29 @@ class AsyncEngine:
             self._streams.clear()
             self._refuse_commands(err)
 
-    def _apply(self, cmd: _Command) -> None:
-        if cmd.kind == "abort":
-            live = [rid for rid in cmd.payload if rid in self._streams]
+    def _apply(self, cmd: Command) -> None:
+        if isinstance(cmd, Abort):
+            live = [rid for rid in cmd.request_ids if rid in self._streams]
             if live:
                 self.engine.abort_request(live)
                 self._flush = True
             return
         value, exc = None, None
         try:
-            if cmd.kind == "submit":
-                self._add(*cmd.payload)
+            if isinstance(cmd, Submit):
+                self._add(cmd.stream, cmd.requests)
             else:
-                value = cmd.payload(self.engine)
+                value = cmd.fn(self.engine)
         except Exception as e:  # ValueError for bad input; anything from a call() goes back to its caller
             exc = e
-        if cmd.done is not None:
-            cmd.done(value, exc)
+        cmd.reply(value, exc)
 
-    def _add(self, stream: RequestStream, requests: list[tuple[str, Any, Any]]) -> None:
+    def _add(self, stream: RequestStream, requests: tuple[EngineRequest, ...]) -> None:
         added: list[str] = []
         try:
-            for rid, prompt, params in requests:
-                self.engine.add_request(rid, prompt, params)
-                added.append(rid)
+            for r in requests:
+                self.engine.add_request(r.request_id, r.prompt, r.params)
+                added.append(r.request_id)
         except ValueError:
             if added:  # all or nothing: a multi-prompt completion with one bad prompt is refused whole
                 self.engine.abort_request(added)
@@ -342,5 +336,5 @@ class AsyncEngine:
             left = list(self._commands)
             self._commands.clear()
         for cmd in left:
-            if cmd.done is not None:
-                cmd.done(None, exc)
+            if not isinstance(cmd, Abort):  # an abort has nobody waiting for its answer
+                cmd.reply(None, exc)

@@ -3,8 +3,8 @@
 Field names are OpenAI's. deepinfer extras (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, ...)
 are plain top-level fields, which is where the official client's ``extra_body`` puts them. Unknown fields
 are ignored, as OpenAI-compatible servers commonly do, so newer clients keep working; fields whose meaning
-we cannot honour (echo, suffix, logit_bias, best_of != n, tool_choice "required") are refused by name
-rather than silently ignored.
+we cannot honour (suffix, logit_bias, best_of != n, tool_choice "required") are refused by name rather
+than silently ignored.
 
 Types are checked strictly (``"5"`` is not an int, ``true`` is not a number); ranges are checked by
 ``SamplingParams`` and the chat encoder, whose ValueErrors name the field (see ``errors.bad_request``).
@@ -100,21 +100,38 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     skip_special_tokens: bool = True
 
-    def prompts(self) -> list[Any]:
-        """Engine prompts: strings stay text (the engine adds BOS), id lists go in as given."""
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix is not None),
-                          ("best_of", self.best_of not in (None, self.n))):
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per engine request: text, or token ids as given."""
+        for name, bad in (("suffix", self.suffix is not None), ("best_of", self.best_of not in (None, self.n))):
             if bad:
                 raise ApiError(400, f"{name}: not supported by this server", param=name, code="unsupported_parameter")
         return _prompt_count(self.prompt)
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: score the prompt and generate nothing. The engine always generates at
+        least one token, so it runs with one and the response leaves that token out."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        kw = self._sampling_kwargs(16 if self.max_tokens is None else self.max_tokens)  # OpenAI's default
-        kw.update(logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens)
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise ApiError(400, "max_tokens: must be >= 1, got 0 (0 is allowed only with echo: true, which "
+                                    "returns the prompt and generates nothing)", param="max_tokens",
+                               code="invalid_value")
+            if self.min_tokens > 0:
+                raise ApiError(400, f"min_tokens must be <= max_tokens (0), got {self.min_tokens}",
+                               param="min_tokens", code="invalid_value")
+            max_tokens = 1
+        kw = self._sampling_kwargs(max_tokens)
+        # echo with logprobs reports the prompt's tokens too: the engine scores them with the same top-N.
+        prompt_logprobs = self.logprobs if self.echo else None
+        kw.update(logprobs=self.logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
         try:
             return SamplingParams(**kw)
         except ValueError as e:
-            raise bad_request(e, {"seq_seed": "seed"}) from None
+            raise bad_request(e, {"seq_seed": "seed", "prompt_logprobs": "logprobs"}) from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -182,11 +199,18 @@ class ChatCompletionRequest(_SamplingRequest):
         raise ApiError(400, "response_format: expected type text, json_object or json_schema with a schema",
                        param="response_format", code="invalid_value")
 
+    def completion_limit(self) -> tuple[int | None, str]:
+        """The token limit asked for and the field it came in: max_completion_tokens (OpenAI's current name)
+        wins over the older max_tokens. None: the rest of the context."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs",
                            code="invalid_value")
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        limit, _ = self.completion_limit()
         kw = self._sampling_kwargs(limit)  # None: up to the model length, as OpenAI's chat default
         # The parser needs </think>, EOS and the DSML markers in the text, so specials are kept.
         kw.update(logprobs=(self.top_logprobs or 0) if self.logprobs else None, skip_special_tokens=False)
@@ -203,35 +227,21 @@ class ChatCompletionRequest(_SamplingRequest):
 # Responses are plain dicts in OpenAI's shapes. The builders are pure functions of RequestOutputs, so tests
 # drive them with hand-made outputs (a tool call or a </think> that the random demo weights never produce).
 
-def usage(finals: list[RequestOutput]) -> dict[str, int]:
+def usage(finals: list[RequestOutput], count_generated: bool = True) -> dict[str, int]:
+    """``count_generated=False``: the generated tokens were dropped (echo with max_tokens 0)."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs) if count_generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _finite(x: float) -> float:
+def finite_logprob(x: float) -> float:
     # JSON has no -Infinity; a token the sampler masked out gets a very negative number instead.
     return x if math.isfinite(x) else -9999.0
 
 
-def _sampled(token_id: int, pos: PositionLogprobs) -> tuple[str, float]:
+def sampled_entry(token_id: int, pos: PositionLogprobs) -> tuple[str, float]:
     lp = pos.get(token_id)
-    return (lp.decoded_token or "", _finite(lp.logprob)) if lp else ("", -9999.0)
-
-
-def completion_logprobs(token_ids: tuple[int, ...], positions: tuple[PositionLogprobs, ...],
-                        offset: int) -> dict[str, Any]:
-    """Legacy completions logprobs. top_logprobs holds the top N plus the sampled token (OpenAI documents
-    "up to logprobs + 1" entries); ``offset`` is the text offset of the first token."""
-    tokens, values, tops, offsets = [], [], [], []
-    for tid, pos in zip(token_ids, positions):
-        tok, value = _sampled(tid, pos)
-        tokens.append(tok)
-        values.append(value)
-        tops.append({(v.decoded_token or ""): _finite(v.logprob) for v in pos.values()})
-        offsets.append(offset)
-        offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return (lp.decoded_token or "", finite_logprob(lp.logprob)) if lp else ("", -9999.0)
 
 
 def chat_logprobs(token_ids: tuple[int, ...], positions: tuple[PositionLogprobs, ...], top_n: int) -> dict:
@@ -241,67 +251,15 @@ def chat_logprobs(token_ids: tuple[int, ...], positions: tuple[PositionLogprobs,
     content = []
     for tid, pos in zip(token_ids, positions):
         top = sorted((v for v in pos.values() if v.rank is not None and v.rank <= top_n), key=lambda v: v.rank)
-        item = entry(*_sampled(tid, pos))
-        item["top_logprobs"] = [entry(v.decoded_token or "", _finite(v.logprob)) for v in top]
+        item = entry(*sampled_entry(tid, pos))
+        item["top_logprobs"] = [entry(v.decoded_token or "", finite_logprob(v.logprob)) for v in top]
         content.append(item)
     return {"content": content}
 
 
-def _delta_positions(c: CompletionOutput, delta_ids: tuple[int, ...]) -> tuple[tuple, tuple]:
+def delta_positions(c: CompletionOutput, delta_ids: tuple[int, ...]) -> tuple[tuple, tuple]:
     start = len(c.token_ids) - len(delta_ids)
     return c.token_ids[start:], (c.logprobs or ())[start:]
-
-
-class CompletionBuilder:
-    """/v1/completions responses. Engine request ``f"{id}-{p}"`` serves prompt p; its sample s is choice
-    ``p * n + s`` (OpenAI's numbering for several prompts with n > 1)."""
-
-    def __init__(self, request_id: str, model: str, n: int, logprobs: int | None) -> None:
-        self.id, self.model, self.n, self.logprobs = request_id, model, n, logprobs
-        self.created = int(time.time())
-        self._offsets: dict[int, int] = {}
-        self._done: set[int] = set()
-
-    def engine_id(self, prompt_index: int) -> str:
-        return f"{self.id}-{prompt_index}"
-
-    def _index(self, out: RequestOutput, c: CompletionOutput) -> int:
-        return int(out.request_id.rsplit("-", 1)[1]) * self.n + c.index
-
-    def _wrap(self, choices: list[dict], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "system_fingerprint": SYSTEM_FINGERPRINT, **extra}
-
-    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
-        chunks = []
-        for c, text, ids in zip(out.outputs, out.delta_text, out.delta_token_ids):
-            i = self._index(out, c)
-            if i in self._done or not (text or ids or c.finished):
-                continue  # a sibling sample moved; this one has nothing new
-            lp = None
-            if self.logprobs is not None and c.logprobs is not None:
-                lp = completion_logprobs(*_delta_positions(c, ids), self._offsets.get(i, 0))
-                self._offsets[i] = self._offsets.get(i, 0) + sum(len(t) for t in lp["tokens"])
-            if c.finished:
-                self._done.add(i)
-            chunks.append(self._wrap([{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                                       "stop_reason": c.stop_reason}]))
-        return chunks
-
-    def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        return self._wrap([], usage=usage(finals))
-
-    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        choices = []
-        for out in finals:
-            for c in out.outputs:
-                lp = None
-                if self.logprobs is not None and c.logprobs is not None:
-                    lp = completion_logprobs(c.token_ids, c.logprobs, 0)
-                choices.append({"index": self._index(out, c), "text": c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        choices.sort(key=lambda ch: ch["index"])
-        return self._wrap(choices, usage=usage(finals))
 
 
 class ChatBuilder:
@@ -351,7 +309,7 @@ class ChatBuilder:
                     step.append({"reasoning_content": d.reasoning})
                 elif d.content:
                     step.append({"content": d.content})
-            lp = chat_logprobs(*_delta_positions(c, ids), self.top_logprobs) \
+            lp = chat_logprobs(*delta_positions(c, ids), self.top_logprobs) \
                 if self.top_logprobs is not None and c.logprobs is not None and ids else None
             if lp is not None and not step:
                 step.append({})  # the text is held back by the parser, the logprobs are not

@@ -362,7 +362,8 @@ def test_serve_cli_sigterm_exits_cleanly() -> None:
     exits 0."""
     cmd = [sys.executable, "-m", "deepinfer.server", "--device", "cpu", "--block-size", "128", "--port", "0",
            "--served-model-name", "tiny", "--graceful-shutdown-timeout", "1", "--log-level", "info",
-           "--num-cache-blocks", "64"]  # a small cache: allocating the default one is seconds of CPU
+           "--num-cache-blocks", "64",  # a small cache: allocating the default one is seconds of CPU
+           "--max-model-len", "8192"]  # room for the 4000-token request below (more is refused with a 400)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         port, deadline = None, time.monotonic() + 90

@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 from deepinfer.chat import EOS, THINK_END  # noqa: E402
 from deepinfer.chat.encoding import render_tool_calls  # noqa: E402
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from deepinfer.server.commands import EngineRequest  # noqa: E402
 from deepinfer.server.protocol import ChatBuilder  # noqa: E402
 
 MODEL = "deepinfer-demo"
@@ -65,9 +66,9 @@ def test_bridge_streams_idles_without_spinning_and_reports_failures() -> None:
     from deepinfer.server.async_engine import AsyncEngine, EngineClosed
 
     async def run(bridge: AsyncEngine) -> list[list[RequestOutput]]:
-        streams = [await bridge.submit([(f"r{i}", "p", None)]) for i in range(4)]
+        streams = [await bridge.submit([EngineRequest(f"r{i}", "p")]) for i in range(4)]
         with pytest.raises(ValueError, match="prompt"):
-            await bridge.submit([("r9", "p", None), ("r10", "bad", None)])  # all or nothing
+            await bridge.submit([EngineRequest("r9", "p"), EngineRequest("r10", "bad")])  # all or nothing
         return [[o async for o in s] for s in streams]
 
     fake = _ScriptedEngine()
@@ -86,7 +87,7 @@ def test_bridge_streams_idles_without_spinning_and_reports_failures() -> None:
     broken.start()
 
     async def doomed() -> None:
-        stream = await broken.submit([("a", "p", None)])
+        stream = await broken.submit([EngineRequest("a", "p")])
         async for _ in stream:
             pass
 
@@ -145,3 +146,61 @@ def test_tool_calls_and_reasoning_parsed_by_the_builders(piece: int) -> None:
     assert plain["choices"][0]["finish_reason"] == "stop" and plain_streamed["content"] == "Just an answer."
     cut, cut_streamed = _run_builder("still thinking", thinking=True, piece=piece)  # no </think>: all reasoning
     assert cut["choices"][0]["message"]["reasoning_content"] == "still thinking" == cut_streamed["reasoning"]
+
+
+# ---- /v1/completions echo: the builder with hand-made outputs ------------------------------------------------
+def _lp(token_id: int, value: float, text: str) -> dict:
+    from deepinfer.engine.outputs import Logprob
+
+    return {token_id: Logprob(value, 1, text)}
+
+
+def test_echo_waits_for_the_prompt_scores_when_a_sibling_sample_gets_ahead() -> None:
+    """With n=2 the engine scores the prompt on sample 0; if sample 1 produces a token first (sample 0 was
+    preempted), sample 1's first chunk is held until the prompt's logprobs are complete, then sent whole."""
+    from deepinfer.server.completions import CompletionBuilder
+    from deepinfer.server.prompts import PromptEcho
+
+    echo = PromptEcho("ab", ("<s>", "a", "b"), (0, 1, 1))
+    prompt_ids = (0, 10, 11)
+
+    def out(s0: tuple, s1: tuple, scored: int, done: bool) -> RequestOutput:
+        outs = tuple(CompletionOutput(k, "".join(chr(120 + t) for t in ids), ids, "length" if done else None,
+                                      logprobs=tuple(_lp(t, -1.0, chr(120 + t)) for t in ids))
+                     for k, ids in enumerate((s0, s1)))
+        positions = (None, _lp(10, -2.5, "a"), _lp(11, -0.5, "b"))[:scored]
+        return RequestOutput("cmpl-x-0", "ab", prompt_ids, outs, done, positions)
+
+    b = CompletionBuilder("cmpl-x", MODEL, 2, 0, [echo])
+    assert b.chunks(out((), (1,), scored=2, done=False)) == []  # sample 1 ran ahead: held back
+    first = b.chunks(out((2,), (1, 3), scored=3, done=False))
+    assert [c["choices"][0]["index"] for c in first] == [0, 1]
+    for chunk, gen in zip(first, ("z", "y{")):
+        choice = chunk["choices"][0]
+        assert choice["text"] == "ab" + gen
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][:3] == [None, -2.5, -0.5] and lp["top_logprobs"][0] is None
+        assert lp["text_offset"] == [0, 0, 1, 2, 3][:len(lp["tokens"])]
+    (last,) = b.chunks(out((2,), (1, 3), scored=3, done=True))[:1]
+    assert last["choices"][0] == {"index": 0, "text": "", "logprobs": {"tokens": [], "token_logprobs": [],
+                                  "top_logprobs": [], "text_offset": []}, "finish_reason": "length",
+                                  "stop_reason": None}
+
+
+def test_check_context_limits() -> None:
+    from deepinfer.server.errors import ApiError
+    from deepinfer.server.prompts import check_context
+
+    check_context([10], ["prompt"], 90, 100, max_tokens_param="max_tokens")  # exactly the context: fine
+    check_context([99], ["prompt"], None, 100, max_tokens_param="max_tokens")  # default: the rest of it
+    check_context([99], ["prompt"], 0, 100, max_tokens_param="max_tokens")  # echo, nothing generated
+    with pytest.raises(ApiError) as e:
+        check_context([10], ["prompt"], 91, 100, max_tokens_param="max_tokens")
+    assert e.value.param == "max_tokens" and "at most 90 can be generated" in e.value.message
+    with pytest.raises(ApiError) as e:
+        check_context([5, 100], ["prompt[0]", "prompt[1]"], None, 100, max_tokens_param="max_tokens")
+    assert e.value.param == "prompt[1]" and "at most 99" in e.value.message
+    with pytest.raises(ApiError) as e:
+        check_context([20], ["messages"], 81, 100, max_tokens_param="max_completion_tokens",
+                      what="the rendered conversation")
+    assert e.value.param == "max_completion_tokens" and "the rendered conversation has 20 tokens" in e.value.message
