@@ -68,7 +68,7 @@ class Intake:
             )
         if len(ids) + 1 > self.max_cached_tokens:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache ({self.max_cached_tokens} tokens)")
-        req = RequestState(request_id, text, ids, params)
+        req = RequestState(request_id, text, tuple(ids), params)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         seed = resolve_seed(params, request_id)
@@ -77,5 +77,5 @@ class Intake:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                            params.include_stop_str_in_output, min_tokens=params.min_tokens)
             req.seqs.append(Sequence(f"{request_id}#{i}", i, req, list(ids), len(ids), s, next(self._arrivals),
-                                     detok))
+                                     detok, params.max_new_tokens(len(ids), self.max_model_len)))
         return req

@@ -122,7 +122,7 @@ class LLMEngine:
         """Fold a finished step's results into its sequences (waits for them to reach the host)."""
         result = handle.result()
         touched: set[str] = set()
-        limit = self.config.scheduler.max_model_len
+        eos = self.config.model.eos_token_id
         by_id = {seq.seq_id: seq for seq in schedule.seqs}
         for chunk in result.prompt_logprobs:
             req = by_id[chunk.seq_id].request
@@ -134,7 +134,7 @@ class LLMEngine:
             for token, lp in zip(s.token_ids, s.logprobs):
                 if seq.finished:  # a stop found after later draws were planned: those are dropped
                     break
-                append_token(seq, token, lp, self.config.model.eos_token_id, limit, self._decode_one)
+                append_token(seq, token, lp, eos, self._decode_one)
                 touched.add(seq.request.request_id)
         return touched
 

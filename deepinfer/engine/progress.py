@@ -17,8 +17,7 @@ def to_position_logprobs(lp: TokenLogprobs, decode) -> PositionLogprobs:
     return out
 
 
-def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, eos_id: int, max_model_len: int,
-                 decode) -> None:
+def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, eos_id: int, decode) -> None:
     """Add one sampled token and settle whether the sequence is finished (and why)."""
     p = seq.params
     seq.token_ids.append(token)
@@ -38,7 +37,7 @@ def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, eos_id: in
     seq.text += update.text_delta
     if update.stopped:
         finish(seq, "stop", update.stop_reason)
-    elif seq.num_output >= p.max_new_tokens(seq.num_prompt, max_model_len):
+    elif seq.num_output >= seq.max_output:
         finish(seq, "length", None)
 
 

@@ -30,6 +30,7 @@ class Sequence:
     seed: int
     arrival: int
     detok: object  # IncrementalDetokenizer
+    max_output: int  # tokens it may generate: max_tokens capped by the model length
     num_computed: int = 0
     # Tokens drawn on the device whose ids have not reached the host yet (async scheduling: at most 1).
     num_pending: int = 0
@@ -68,7 +69,7 @@ class Sequence:
 class RequestState:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
@@ -76,4 +77,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(genexpr): read for every request at every step
+            if s.status is not Status.FINISHED:
+                return False
+        return True

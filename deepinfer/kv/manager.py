@@ -131,6 +131,9 @@ class CacheManager:
         return {p: need for p in POOLS}
 
     def can_allocate(self, req_id: Hashable, num_new_tokens: int) -> bool:
+        r = self._reqs.get(req_id)
+        if r is not None and 0 <= num_new_tokens and r.length + num_new_tokens <= len(r.tables[HISTORY]) * self.block_size:
+            return True  # the common decode step: its blocks are already there
         need = self.blocks_needed(req_id, num_new_tokens)
         return all(need[p] <= self.pools[p].num_free for p in POOLS)
 
@@ -142,11 +145,13 @@ class CacheManager:
         changed (and an unknown request is not registered). Idempotent for the same range: blocks
         allocated earlier but not yet committed are reused.
         """
+        r = self._reqs.get(req_id)
+        if r is not None and 0 <= num_new_tokens and r.length + num_new_tokens <= len(r.tables[HISTORY]) * self.block_size:
+            return  # the common decode step: its blocks are already there
         need = self.blocks_needed(req_id, num_new_tokens)
         for p in POOLS:
             if need[p] > self.pools[p].num_free:
                 raise OutOfBlocks(p, need[p], self.pools[p].num_free)
-        r = self._reqs.get(req_id)
         if r is None:
             r = self._reqs[req_id] = _Request()
         for p in POOLS:

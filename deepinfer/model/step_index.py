@@ -344,7 +344,7 @@ def _check_resident(first: np.ndarray, end: np.ndarray, table_of: Callable[[int,
 
 def _write(first: np.ndarray, lens: np.ndarray, layout, window: int, num_tokens: int | None,
            num_seqs: int | None, max_len: int | None, fill: Callable, table_of: Callable,
-           buffer: StepBuffer | None = None) -> tuple[torch.Tensor, FlatLayout, int]:
+           buffer: StepBuffer | None = None, pin_memory: bool = False) -> tuple[torch.Tensor, FlatLayout, int]:
     """Build a step's index into ``buffer.tensor`` (or a new tensor); returns it, its layout and the span.
 
     ``first``/``lens``: each run's first position and token count; ``fill(block, tables, stride, fresh)``
@@ -363,7 +363,7 @@ def _write(first: np.ndarray, lens: np.ndarray, layout, window: int, num_tokens:
     span = max_len or max(longest, 1)
     flat_layout = FlatLayout.for_span(t_all, b_all, span, bs)
     if buffer is None:
-        out = torch.empty(flat_layout.size, dtype=torch.int64)
+        out = torch.empty(flat_layout.size, dtype=torch.int64, pin_memory=pin_memory)
     elif flat_layout != buffer.layout:
         raise ValueError(f"storage: block size {bs} does not match the buffer's layout {buffer.layout}")
     else:
@@ -438,14 +438,14 @@ class SlotTables:
 
 def _write_slots(slots: np.ndarray, first: np.ndarray, lens: np.ndarray, tables: SlotTables, layout,
                  window: int, num_tokens: int | None, num_seqs: int | None, max_len: int | None,
-                 buffer: StepBuffer | None = None) -> tuple[torch.Tensor, FlatLayout, int]:
+                 buffer: StepBuffer | None = None, pin_memory: bool = False) -> tuple[torch.Tensor, FlatLayout, int]:
     """``_write`` for runs that live in batch slots (tables from ``SlotTables``)."""
 
     def fill(block, step_tables, stride, fresh):
         tables.write(block, step_tables, stride, slots, fresh, None if buffer is None else buffer._used)
 
     return _write(first, lens, layout, window, num_tokens, num_seqs, max_len, fill,
-                  lambda i, pool: tables.arrays[pool][slots[i]], buffer)
+                  lambda i, pool: tables.arrays[pool][slots[i]], buffer, pin_memory)
 
 
 def _index(out: torch.Tensor, flat_layout: FlatLayout, span: int, storage, window: int) -> StepIndex:
@@ -470,8 +470,10 @@ def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: i
 
 
 def build_slot_index(slots: np.ndarray, first: np.ndarray, lens: np.ndarray, tables: SlotTables, storage,
-                     window: int) -> StepIndex:
+                     window: int, pin_memory: bool = False) -> StepIndex:
     """``build_step_index`` for runs kept in batch slots: run i is slot ``slots[i]``, its new tokens at
-    positions ``first[i]`` .. ``first[i] + lens[i] - 1``."""
-    out, flat_layout, span = _write_slots(slots, first, lens, tables, storage.layout, window, None, None, None)
+    positions ``first[i]`` .. ``first[i] + lens[i] - 1``. ``pin_memory``: build it in pinned memory, so that
+    its copy to the GPU does not wait for the queued steps."""
+    out, flat_layout, span = _write_slots(slots, first, lens, tables, storage.layout, window, None, None, None,
+                                          pin_memory=pin_memory)
     return _index(out, flat_layout, span, storage, window)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from deepinfer.model.step_index import SlotTables
+from deepinfer.runner.transfer import to_device
 from deepinfer.sampling.params import GREEDY_TEMPERATURE_EPS
 from deepinfer.sampling.rng import SALT_TARGET
 from deepinfer.sampling.tensors import Penalties, SamplingTensors
@@ -76,8 +77,8 @@ class InputBatch:
         s = j.sampling
         self.sampling[slot] = s
         self.prompt_len[slot] = j.prompt_len
-        self._f[slot] = torch.tensor([getattr(s, c) for c in _F_COLS], dtype=torch.float64)
-        self._i[slot] = torch.tensor([getattr(s, c) for c in _I_COLS], dtype=torch.int64)
+        self._f[slot] = to_device([getattr(s, c) for c in _F_COLS], torch.float64, self.device)
+        self._i[slot] = to_device([getattr(s, c) for c in _I_COLS], torch.int64, self.device)
         if s.has_penalty and self.counts is None:
             shape = (self.num_slots, self.vocab_size)
             self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
@@ -86,25 +87,28 @@ class InputBatch:
             self.counts[slot] = 0
             self.prompt_seen[slot] = False
             if j.output_ids:
-                ids = torch.tensor(j.output_ids, dtype=torch.int64, device=self.device)
+                ids = to_device(j.output_ids, torch.int64, self.device)
                 self.counts[slot].index_add_(0, ids, torch.ones(len(ids), device=self.device))
             if j.prompt_ids:
-                self.prompt_seen[slot, torch.tensor(j.prompt_ids, device=self.device)] = True
+                self.prompt_seen[slot, to_device(j.prompt_ids, torch.int64, self.device)] = True
 
     # ---- a step's sampler inputs ----------------------------------------------------------------------
     def sampling_tensors(self, slots: list[int], positions: list[int]) -> SamplingTensors:
         """Sampler inputs of rows drawing at ``positions`` for sequences in ``slots`` (one row each)."""
         dev = self.device
         rows = [self.sampling[s] for s in slots]
-        idx = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        # Slots and positions travel in one copy: [slots | positions].
+        both = to_device([*slots, *positions], torch.int64, dev)
+        idx, pos = both[: len(slots)], both[len(slots) :]
         f, i = self._f[idx], self._i[idx]
         drawing = [b for b, r in enumerate(rows) if r.temperature >= GREEDY_TEMPERATURE_EPS]
         draw_rows = [rows[b] for b in drawing]
         return SamplingTensors(
             temperature=f[:, 0].to(torch.float32), top_k=i[:, 0], top_p=f[:, 1], min_p=f[:, 2], seeds=i[:, 1],
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            salts=torch.full((len(slots),), SALT_TARGET, dtype=torch.int64, device=dev),
+            positions=pos, salts=torch.full((len(slots),), SALT_TARGET, dtype=torch.int64, device=dev),
             random_rows=tuple(drawing),
+            random_idx=to_device(drawing, torch.int64, dev) if len(drawing) < len(rows) else torch.arange(
+                len(rows), device=dev),
             use_truncation=any(r.top_k > 0 or r.top_p < 1.0 for r in draw_rows),
             use_top_p=any(r.top_p < 1.0 for r in draw_rows),
             use_min_p=any(r.min_p > 0.0 for r in draw_rows),
@@ -137,16 +141,17 @@ class InputBatch:
                 tok_idx.extend(r.min_tokens_masked)
         if not row_idx:
             return None
-        return (torch.tensor(row_idx, device=self.device), torch.tensor(tok_idx, device=self.device))
+        pairs = to_device(row_idx + tok_idx, torch.int64, self.device)
+        return pairs[: len(row_idx)], pairs[len(row_idx) :]
 
     def record(self, slots: list[int], tokens: torch.Tensor, last_rows: list[int]) -> None:
         """After a draw: each slot's last drawn token (row ``last_rows[k]`` of ``tokens`` for ``slots[k]``)
         and, with penalties on, every drawn token's count."""
         if not slots:
             return
-        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        idx = to_device(slots, torch.int64, self.device)
         if len(last_rows) != len(tokens):  # some sequence drew several tokens: keep its last
-            tokens = tokens[torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)]
+            tokens = tokens[to_device(last_rows, torch.int64, self.device)]
         self.last_tokens.index_copy_(0, idx, tokens)
         if self.counts is not None:
             # One draw per penalised sequence (the runner refuses several): its token joins the counts.

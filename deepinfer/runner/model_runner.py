@@ -23,6 +23,7 @@ from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.step_index import build_slot_index
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
+from deepinfer.runner.transfer import to_device
 from deepinfer.sampling import TokenLogprobs
 from deepinfer.sampling.logprobs import LogprobTensors
 from deepinfer.sampling.sampler import draw
@@ -163,7 +164,7 @@ class ModelRunner:
             draws = _Draws(tuple(w.seq_id for w in work if w.num_samples), tuple(counts), t.num_logprobs)
             handle_args.update(draws=draws, tokens=_to_host(tokens))
             if lp_rows:
-                idx = torch.tensor(lp_rows, device=logits.device)
+                idx = to_device(lp_rows, torch.int64, self.device)
                 max_n = max(t.num_logprobs[b] for b in lp_rows)
                 lp = LogprobTensors.compute(logits[:nd][idx], tokens[idx], max_n)
                 handle_args["logprobs"] = LogprobTensors(*(_to_host(x) for x in (lp.token_ids, lp.chosen, lp.ranks,
@@ -187,23 +188,23 @@ class ModelRunner:
                 owners.append(slot)
         if not rows:
             return None
-        dev = self.device
-        values = self.batch.last_tokens[torch.tensor(owners, dtype=torch.long).to(dev, non_blocking=True)]
-        return torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True), values
+        both = to_device(rows + owners, torch.int64, self.device)
+        return both[: len(rows)], self.batch.last_tokens[both[len(rows) :]]
 
     def _forward(self, ids: np.ndarray, slots, first, lens, placeholders, rows: list[int]) -> torch.Tensor:
-        index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window).to(self.device)
-        input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
+                                 pin_memory=self.device.type == "cuda").to(self.device)
+        input_ids = to_device(ids, torch.int64, self.device)
         if placeholders is not None:
             input_ids[placeholders[0]] = placeholders[1]
         streams = self.model(input_ids, None, self.storage, index)
         if not rows:
             return streams.new_zeros(0, self.model.cfg.vocab_size)
-        return self.model.logits(streams[torch.tensor(rows).to(self.device, non_blocking=True)])
+        return self.model.logits(streams[to_device(rows, torch.int64, self.device)])
 
     def _prompt_logprobs(self, logits: torch.Tensor, work) -> tuple[LogprobTensors, list]:
         jobs = [w.prompt_logprobs for w in work]
-        targets = torch.tensor([t for j in jobs for t in j.targets], dtype=torch.int64).to(logits.device)
+        targets = to_device([t for j in jobs for t in j.targets], torch.int64, self.device)
         lp = LogprobTensors.compute(logits, targets, max(j.num_logprobs for j in jobs))
         host = LogprobTensors(*(_to_host(x) for x in (lp.token_ids, lp.chosen, lp.ranks, lp.top_vals, lp.top_ids)))
         return host, [(w.seq_id, j.first_target, len(j.targets), j.num_logprobs) for w, j in zip(work, jobs)]

@@ -100,8 +100,7 @@ def draw(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.random_rows:
         # Only the drawing rows are processed (index_select, not masking): a row's numbers never depend on
         # how many greedy rows share the step.
-        sub = t.select(t.random_rows)
-        idx = torch.tensor(t.random_rows, device=logits.device)
+        sub, idx = t.drawing(), t.random_idx
         scores = process_random(penalized[idx], sub)
         tokens = tokens.index_copy(0, idx, gumbel_argmax(scores, sub.seeds, sub.positions, sub.salts))
     return tokens
@@ -121,8 +120,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if not t.random_rows:
         return penalized
     out = penalized.clone()
-    idx = torch.tensor(t.random_rows, device=logits.device)
-    out[idx] = process_random(penalized[idx], t.select(t.random_rows))
+    out[t.random_idx] = process_random(penalized[t.random_idx], t.drawing())
     return out
 
 

@@ -41,6 +41,7 @@ class SamplingTensors:
     positions: torch.Tensor  # [b] int64: absolute position of the token being drawn
     salts: torch.Tensor  # [b] int64
     random_rows: tuple[int, ...]  # rows that draw (the others are greedy: argmax)
+    random_idx: torch.Tensor  # [len(random_rows)] int64 on the device: the same rows
     use_truncation: bool  # some drawing row has top_k > 0 or top_p < 1
     use_top_p: bool  # some drawing row has top_p < 1
     use_min_p: bool  # some drawing row has min_p > 0
@@ -52,13 +53,14 @@ class SamplingTensors:
     def num_rows(self) -> int:
         return len(self.num_logprobs)
 
-    def select(self, rows: Sequence[int]) -> "SamplingTensors":
-        """The drawing-stage inputs of ``rows`` (a subset, in order); penalties and masks are not carried."""
-        idx = torch.tensor(list(rows), dtype=torch.long, device=self.seeds.device)
+    def drawing(self) -> "SamplingTensors":
+        """The drawing-stage inputs of the drawing rows, in order; penalties and masks are not carried."""
+        idx, rows = self.random_idx, self.random_rows
         return SamplingTensors(
             temperature=self.temperature[idx], top_k=self.top_k[idx], top_p=self.top_p[idx], min_p=self.min_p[idx],
             seeds=self.seeds[idx], positions=self.positions[idx], salts=self.salts[idx],
-            random_rows=tuple(range(len(rows))), use_truncation=self.use_truncation, use_top_p=self.use_top_p,
+            random_rows=tuple(range(len(rows))), random_idx=torch.arange(len(rows), device=idx.device),
+            use_truncation=self.use_truncation, use_top_p=self.use_top_p,
             use_min_p=self.use_min_p, penalties=Penalties(), masked=None,
             num_logprobs=tuple(self.num_logprobs[r] for r in rows))
 
@@ -70,11 +72,12 @@ def from_rows(rows: Sequence[SamplingRow], vocab_size: int, dtype: torch.dtype, 
         return torch.tensor([getattr(r, attr) for r in rows], dtype=dt, device=device)
 
     drawing = [r for r in rows if not r.is_greedy]
+    random_rows = tuple(b for b, r in enumerate(rows) if not r.is_greedy)
     return SamplingTensors(
         temperature=col("temperature", dtype), top_k=col("top_k", torch.int64), top_p=col("top_p", torch.float64),
         min_p=col("min_p", torch.float64), seeds=col("seed", torch.int64), positions=col("position", torch.int64),
         salts=col("salt", torch.int64),
-        random_rows=tuple(b for b, r in enumerate(rows) if not r.is_greedy),
+        random_rows=random_rows, random_idx=torch.tensor(random_rows, dtype=torch.long, device=device),
         use_truncation=any(r.top_k > 0 or r.top_p < 1.0 for r in drawing),
         use_top_p=any(r.top_p < 1.0 for r in drawing),
         use_min_p=any(r.min_p > 0.0 for r in drawing),

@@ -77,12 +77,12 @@ class Scheduler:
         work: list[SeqWork] = []
         joined: list[JoinedSeq] = []
         preempted: list[Sequence] = []
-        for seq in self._running_order():
+        for seq, wanted in self._running_order():
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(self._wanted(seq), budget)
+            n = min(wanted, budget)
             if self._make_room(seq, n, planned, preempted):
                 work.append(self._take(seq, n))
                 planned.append(seq)
@@ -109,16 +109,18 @@ class Scheduler:
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
         return Schedule(plan, tuple(planned), tuple(preempted), stuck)
 
-    def _wanted(self, seq: Sequence) -> int:
+    @staticmethod
+    def _wanted(seq: Sequence) -> int:
         """New tokens the sequence could compute now: 0 when its in-flight tokens already reach its limit."""
-        if seq.num_pending and seq.num_output + seq.num_pending >= seq.params.max_new_tokens(
-                seq.num_prompt, self.config.max_model_len):
+        known = len(seq.token_ids)
+        if seq.num_pending and known - seq.num_prompt + seq.num_pending >= seq.max_output:
             return 0
-        return seq.num_tokens + seq.num_pending - seq.num_computed
+        return known + seq.num_pending - seq.num_computed
 
-    def _running_order(self) -> list[Sequence]:
+    def _running_order(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens it wants): decodes first, then unfinished prefills."""
         wanted = [(s, self._wanted(s)) for s in self.running]
-        return [s for s, n in wanted if n == 1] + [s for s, n in wanted if n > 1]
+        return [x for x in wanted if x[1] == 1] + [x for x in wanted if x[1] > 1]
 
     def _joined(self, seq: Sequence) -> JoinedSeq:
         sampling = SeqSampling.of(seq.params, seq.seed, self.eos_token_ids)
@@ -145,8 +147,8 @@ class Scheduler:
         return PromptLogprobJob(lo - first, lo + 1, tuple(seq.token_ids[lo + 1 : hi + 1]), req.params.prompt_logprobs)
 
     def _make_room(self, seq: Sequence, n: int, planned: list[Sequence], preempted: list[Sequence]) -> bool:
-        planned_seqs = set(planned)
         while not self.cache.can_allocate(seq.seq_id, n):
+            planned_seqs = set(planned)
             victims = [s for s in self.running if s not in planned_seqs]
             victim = max(victims, key=lambda s: s.arrival)
             self._preempt(victim)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# `deepinfer serve` on the bundled demo model under `deepinfer bench serve`: random prompts of INPUTS tokens,
+# 128 output tokens, at each CONCURRENCY, once per scheduling loop (async, then sync). One JSON per run under
+# $OUT/serve; `python bench/serve_report.py $OUT/serve` writes bench/results/serve_demo.md from them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/serve"
+CONCURRENCY=${CONCURRENCY:-"1 16 64 256"}
+INPUTS=${INPUTS:-"512 1024"}
+PORT=${PORT:-8123}
+for loop in async sync; do
+  flag=--async-scheduling; [ "$loop" = sync ] && flag=--no-async-scheduling
+  python3 -m deepinfer.server --port "$PORT" --max-num-seqs 256 --max-model-len 2048 --max-num-batched-tokens 8192 \
+    --block-size 256 --cache-memory-gb 8 "$flag" > "$OUT/serve/server_$loop.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 300); do
+    python3 -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
+    sleep 1
+  done
+  for in_len in $INPUTS; do
+    for c in $CONCURRENCY; do
+      n=$(( 2 * c > 32 ? 2 * c : 32 ))
+      python3 -m deepinfer.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --dataset-name random \
+        --random-input-len "$in_len" --random-output-len 128 --random-range-ratio 0 --num-prompts "$n" \
+        --max-concurrency "$c" --ignore-eos --seed 0 --disable-tqdm --save-result --result-dir "$OUT/serve" \
+        --result-filename "${loop}_${in_len}_${c}.json" --metadata "loop=$loop" 2>&1 | tail -n 4
+    done
+  done
+  kill "$pid"; wait "$pid"
+done
