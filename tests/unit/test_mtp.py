@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.config import ModelConfig
+from deepinfer.hf_bridge import hf_state_to_native
 from deepinfer.kv.spec import build_layout
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.runner.sequences import SequenceCache
-from tests.oracle.hf import build_hf, hf_native_state, tiny_native_config
+from tests.oracle.hf import build_hf, tiny_native_config
 
 pytest.importorskip("transformers")
 
@@ -33,7 +34,7 @@ def setup():
     hf = build_hf(native, seed=5)
     ours = DeepseekV4(ModelConfig.from_dict(native), dtype=torch.float32)
     state = {}
-    for name, t in hf_native_state(hf).items():
+    for name, t in hf_state_to_native(hf.state_dict()).items():
         if name.startswith("layers.0."):
             state["mtp.0." + name[len("layers.0."):]] = t
         elif name.startswith("hc_head_"):

@@ -1,4 +1,7 @@
-"""The local text corpus used for the demo tokenizer (and anything else that needs real text).
+"""The local text corpus, the Python standard library, and its train / held-out split.
+
+One rule for everything that reads it: the demo tokenizer and model trainers (``tools/``) train on
+``train_files()`` only, and ``deepinfer eval`` scores ``heldout_files()``.
 
 The corpus is the running Python's own standard library source: every ``*.py`` file under
 ``sysconfig.get_paths()["stdlib"]``, addressed by its POSIX path relative to that directory and
@@ -22,12 +25,13 @@ out of (or joins) its bucket; it never moves between the buckets. The listing fu
 files that exist in the given root; ``read_text`` raises ``FileNotFoundError`` for a missing file
 unless ``missing_ok=True``, in which case it returns ``None``.
 
-Usage from another tool::
+Usage::
 
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
-    import stdlib_corpus
-    for rel in stdlib_corpus.heldout_files():
-        text = stdlib_corpus.read_text(rel)
+    from deepinfer import corpus
+    for rel in corpus.heldout_files():
+        text = corpus.read_text(rel)
+
+``python -m deepinfer.corpus`` prints the split's sizes for the running Python.
 """
 
 from __future__ import annotations
