@@ -17,7 +17,7 @@ from deepinfer.kv.spec import build_layout
 from deepinfer.model.loader import CheckpointError, load_model, read_checkpoint
 from deepinfer.model.quant import storage_format
 from deepinfer.runner.sequences import SequenceCache
-from deepinfer.tools.make_checkpoint import write_random_checkpoint
+from deepinfer.testing.make_checkpoint import write_random_checkpoint
 from tests.oracle.hf import build_hf, tiny_native_config
 
 # Non-square 16x24 blocks: most weights get several blocks and partial edge blocks (hidden 32 = 24 + 8).

@@ -2,7 +2,7 @@
 
 Used by tests and for trying the engine without real weights:
 
-    python -m deepinfer.tools.make_checkpoint --out /tmp/tiny --preset tiny --seed 0
+    python -m deepinfer.testing.make_checkpoint --out /tmp/tiny --preset tiny --seed 0
 
 Every parameter is randomized, including those Hugging Face initializes to constants (tid2eid, attn_sink,
 ape, router bias, mHC bases), so a loader that silently skipped one would be caught by a comparison.
@@ -168,7 +168,7 @@ def write_random_checkpoint(out_dir: str | Path, native_config: dict[str, Any], 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m deepinfer.tools.make_checkpoint",
+        prog="python -m deepinfer.testing.make_checkpoint",
         description="Write a random DeepSeek-V4 checkpoint (config.json + safetensors) in the released "
                     "native format: FP8 e4m3 dense weights with UE8M0 128x128 block scales, FP4 e2m1 routed "
                     "experts with per-32 UE8M0 scales, BF16/F32/I64 for the rest.",
