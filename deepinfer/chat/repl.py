@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from deepinfer.chat import StreamingChatParser, encode_messages
+from deepinfer.chat.parsing import StreamingChatParser
+from deepinfer.chat.prompt import chat_prompt
 from deepinfer.config.engine import EngineArgs
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.sampling import SamplingParams
@@ -16,9 +17,7 @@ DIM, RESET = "\033[2m", "\033[0m"
 def stream_turn(engine: LLMEngine, request_id: str, messages: list[dict], params: SamplingParams, thinking: bool,
                 out=sys.stdout) -> str:
     """Generate one assistant turn, printing deltas as they arrive; returns the answer text."""
-    text = encode_messages(messages, thinking=thinking)
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    engine.add_request(request_id, {"prompt": text, "prompt_token_ids": ids},
+    engine.add_request(request_id, chat_prompt(engine.tokenizer, messages, thinking=thinking),
                        replace(params, skip_special_tokens=False))
     parser, answer = StreamingChatParser(thinking=thinking), []
     done = False
