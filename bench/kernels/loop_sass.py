@@ -9,7 +9,7 @@ finds the main loop (the longest backward branch in the SASS) and prints: instru
 and per streamed weight byte, the instruction classes that matter for these kernels (byte-wide shared
 loads, 4-byte vs 16-byte async copies, barriers, MMAs), registers and shared memory per program.
 Instructions per byte against 4 issue slots per SM per cycle bound the bandwidth a kernel can reach
-(bench/results/NOTES.md, runs 20-26: the FP4 expert loops run 0.22-0.26 instructions per byte, which at
+(bench/results/README.md, runs 20-26: the FP4 expert loops run 0.22-0.26 instructions per byte, which at
 full issue would allow ~4 TB/s; they reach ~2.4, stalled on scale loads and per-step barriers).
 The ALU and IMAD columns count per-thread integer instructions by the pipe they go to (both half rate on
 sm_90: a warp's instruction holds its pipe two cycles), so that an issue-count gain that only moves work
