@@ -112,7 +112,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    from deepinfer.chat_repl import run_chat
+    from deepinfer.chat.repl import run_chat
 
     return run_chat(_engine_args(a), _sampling_params(a), thinking=a.thinking, system=a.system)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from deepinfer.chat import encode_messages, parse_assistant_output
+from deepinfer.chat import chat_prompt, parse_assistant_output
 from deepinfer.chat.parsing import ToolCall
 from deepinfer.config.engine import EngineArgs
 from deepinfer.engine.llm_engine import LLMEngine
@@ -97,11 +97,8 @@ class LLM:
     ) -> list[ChatOutput]:
         """Render DeepSeek-V4 chat prompts, generate, and split each answer into reasoning / content / tools."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.engine.tokenizer
-        prompts = []
-        for conv in conversations:
-            text = encode_messages(conv, thinking=thinking, tools=tools, reasoning_effort=reasoning_effort)
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [chat_prompt(self.engine.tokenizer, conv, thinking=thinking, tools=tools,
+                               reasoning_effort=reasoning_effort) for conv in conversations]
         params = sampling_params or SamplingParams()
         if params.skip_special_tokens:  # the parser needs </think> and DSML markers in the text
             params = replace(params, skip_special_tokens=False)

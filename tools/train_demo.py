@@ -18,7 +18,7 @@ layer 0 hash-MoE, the others routed (sqrtsoftplus, noaux_tc, scaling 1.5), mHC (
 iterations), index heads 8 x 32 (4 heads gave exact-zero indexer scores, i.e. top-k ties), index_topk 16, one
 MTP layer (sliding window, routed MoE). RoPE as V4: theta 1e4 on SWA layers, 1.6e5 + YaRN (factor 16) on CSA/HCA.
 
-Data (``prepare``): the CPython 3.11.7 standard library as split by ``tools/stdlib_corpus.py``. The 67 held-out
+Data (``prepare``): the CPython 3.11.7 standard library as split by ``deepinfer/corpus.py``. The 67 held-out
 files (``sha1(path)[0] % 10 == 0``) are never read here. Of the 667 training files, the 33 with
 ``sha1(path)[0] % 20 == 1`` are a validation split (175,394 tokens) used to monitor training and to pick the
 kept checkpoint; the other 634 files (2,802,456 tokens) are the training stream. Each file is
@@ -45,7 +45,7 @@ batches of 64 random 512-token windows of the training stream (seeded). Departur
   the indexer's inputs are detached, so this loss trains only the indexer.
 
 The MTP layer is then trained on the frozen main model (embedding and LM head shared and frozen), built from HF
-modules (:class:`deepinfer.eval.perplexity.HFMTP`): a sliding-window ``DeepseekV4DecoderLayer`` + its own
+modules (:class:`deepinfer.hf_bridge.HFMTP`): a sliding-window ``DeepseekV4DecoderLayer`` + its own
 ``DeepseekV4HyperHead`` + ``DeepseekV4RMSNorm``, with ``e_proj``/``h_proj``/``enorm``/``hnorm``. At target
 position p it takes the main model's final pre-``hc_head`` streams X_p and the embedding of token p+1 (zeroed at
 p == 0) and is trained with cross entropy on token p+2 (peak lr 1e-3, 30 warmup steps, same batches shape). It
@@ -101,8 +101,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))  # run from the repository root without installing the package
 
 from deepinfer.config.model import ModelConfig  # noqa: E402
 
@@ -167,17 +166,16 @@ def _is_val(rel: str) -> bool:
 def cmd_prepare(a: argparse.Namespace) -> None:
     import platform
 
-    import stdlib_corpus
-
+    from deepinfer import corpus
     from deepinfer.tokenizer import Tokenizer
 
     tok = Tokenizer()
-    files = stdlib_corpus.train_files()
-    assert not any(stdlib_corpus.is_heldout(f) for f in files)
+    files = corpus.train_files()
+    assert not any(corpus.is_heldout(f) for f in files)
     split = {"train": [f for f in files if not _is_val(f)], "val": [f for f in files if _is_val(f)]}
     out, meta = {}, {"python": platform.python_version(), "files": {}}
     for name, rels in split.items():
-        texts = list(stdlib_corpus.iter_texts(rels))
+        texts = list(corpus.iter_texts(rels))
         ids = []
         for enc in tok.encode_batch(texts):
             ids += [tok.bos_id] + enc + [tok.eos_id]
@@ -228,7 +226,7 @@ def build_main(cfg: ModelConfig, device: torch.device):
     from transformers import DeepseekV4ForCausalLM
     from transformers.integrations.moe import ExpertsInterface
 
-    from deepinfer.eval.perplexity import hf_config
+    from deepinfer.hf_bridge import hf_config
 
     ExpertsInterface.register("dense", dense_experts_forward)
     torch.manual_seed(SEEDS["init"])
@@ -424,7 +422,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     from safetensors.torch import save_file
     from transformers import __version__ as tf_version
 
-    from deepinfer.eval.perplexity import HFMTP, hf_state_to_native, mtp_rename
+    from deepinfer.hf_bridge import HFMTP, hf_state_to_native, mtp_rename
 
     t_start = time.perf_counter()
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -660,7 +658,7 @@ def cmd_heal(a: argparse.Namespace) -> None:
     """Fine-tune the trained main model on CPU with boundary tokens split at random (MTP layer unchanged)."""
     from safetensors.torch import save_file
 
-    from deepinfer.eval.perplexity import hf_state_to_native, native_to_hf_state
+    from deepinfer.hf_bridge import hf_state_to_native, native_to_hf_state
     from deepinfer.tokenizer import Tokenizer
 
     torch.manual_seed(SEEDS["heal_data"])

@@ -6,7 +6,7 @@ Reproduce from the repository root::
     python tools/train_tokenizer.py            # writes deepinfer/assets/demo/tokenizer{,_config}.json
     python tools/train_tokenizer.py --check    # trains twice in fresh processes, asserts byte-identical output
 
-Data selection (``tools/stdlib_corpus.py``): the running Python's standard library sources, i.e. every
+Data selection (``deepinfer/corpus.py``): the running Python's standard library sources, i.e. every
 ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` sorted by relative POSIX path, without test suites
 (any ``test/``, ``tests/``, ``idle_test/`` directory, which covers ``test/``, ``idlelib/idle_test``,
 ``lib2to3/tests``) and without ``site-packages``. Files with
@@ -50,13 +50,12 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # run from the repository root without installing the package
 
-import stdlib_corpus  # noqa: E402
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
+from deepinfer import corpus  # noqa: E402
 from deepinfer.tokenizer import (  # noqa: E402
     BOS_TOKEN,
     EOS_TOKEN,
@@ -87,7 +86,7 @@ COMMITTED_CORPUS_SHA256 = "735e599c7419b0daf67f38a1c4eda4d6c768035f85a90a85f8d87
 def corpus_fingerprint(files: list[str]) -> str:
     h = hashlib.sha256()
     for rel in files:
-        text = stdlib_corpus.read_text(rel, missing_ok=True)
+        text = corpus.read_text(rel, missing_ok=True)
         if text is None:
             continue
         h.update(rel.encode("utf-8") + b"\0" + hashlib.sha256(text.encode("utf-8")).digest())
@@ -116,7 +115,7 @@ def train(files: list[str]) -> HFTokenizer:
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(stdlib_corpus.iter_texts(files), trainer=trainer, length=len(files))
+    tok.train_from_iterator(corpus.iter_texts(files), trainer=trainer, length=len(files))
     # Make sure the special tokens are registered as special added tokens with their trained ids.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     bos = tok.token_to_id(BOS_TOKEN)
@@ -185,7 +184,7 @@ def evaluate(tok: HFTokenizer, files: list[str]) -> tuple[int, int, int]:
     """(files, bytes, tokens) over ``files``; asserts the decode(encode(x)) == x round trip."""
     n_files = n_bytes = n_tokens = 0
     for rel in files:
-        text = stdlib_corpus.read_text(rel, missing_ok=True)
+        text = corpus.read_text(rel, missing_ok=True)
         if text is None:
             continue
         ids = tok.encode(text, add_special_tokens=False).ids
@@ -202,7 +201,7 @@ def sha256_file(path: Path) -> str:
 
 
 def run_check(out_dir: Path) -> int:
-    fingerprint = corpus_fingerprint(stdlib_corpus.train_files())
+    fingerprint = corpus_fingerprint(corpus.train_files())
     digests = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(2):
@@ -242,14 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return run_check(args.out)
 
-    heldout = stdlib_corpus.heldout_files()
+    heldout = corpus.heldout_files()
     if args.eval:
         tok = HFTokenizer.from_file(str(args.out / TOKENIZER_FILE))
     else:
-        files = stdlib_corpus.train_files()
+        files = corpus.train_files()
         overlap = set(files) & set(heldout)
         assert not overlap, overlap
-        print(f"python {sys.version.split()[0]}, stdlib {stdlib_corpus.stdlib_root()}")
+        print(f"python {sys.version.split()[0]}, stdlib {corpus.stdlib_root()}")
         print(f"training on {len(files)} files, corpus fingerprint {corpus_fingerprint(files)}")
         t0 = time.perf_counter()
         tok = train(files)

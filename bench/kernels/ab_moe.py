@@ -17,12 +17,11 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 
 import torch  # noqa: E402
 
-import bench_moe as bm  # noqa: E402
+from bench.kernels import bench_moe as bm  # noqa: E402
 from deepinfer.ops.triton import moe_experts as new  # noqa: E402
 
 

@@ -137,7 +137,7 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
 # "tiled" (tile-major, unplaced codes) or "checkpoint". Configs without K splits must give the pick's bits;
 # K-split ones (not batch invariant) report their relative difference instead.
 # Earlier decode rows (layouts, stages 3 / 5, 8-warp 128-row gate/up tiles, 64-row down tiles, register caps)
-# are measured in bench/results/NOTES.md runs 25, 36, 41 and 46; 128-row gate/up tiles on one warpgroup in
+# are measured in bench/results/README.md runs 25, 36, 41 and 46; 128-row gate/up tiles on one warpgroup in
 # run 56 (now the table's pick from 0.125 pairs per expert on).
 # 256-row down tiles on one warpgroup: 0.144 vs 0.161 instructions per weight byte for 244 registers (2
 # programs per SM instead of 3).
@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--profile-run", action="store_true",
                     help="only call the op 3 times eagerly per T, UE8M0 scales, tile-major weights as the model stores them "
-                         "(a target for ncu; see NOTES run 26)")
+                         "(a target for ncu; see bench/results/README.md run 26)")
     args = ap.parse_args()
     t0 = time.time()
     wts = make_weights(0)

@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ceilings import copy_bandwidth  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+
+from bench.kernels.ceilings import copy_bandwidth  # noqa: E402
 
 ROWS_PER_EXPERT = 2 * 2048  # gate|up rows of one V4-Flash expert
 ROW_BYTES = 4096 // 2  # H / 2 packed bytes per row

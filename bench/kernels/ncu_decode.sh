@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Nsight Compute on the decode kernels that bound a decode step (run on the GPU; NOTES run 41 read these):
-# the routed experts' gate/up and down kernels at T tokens, and each FP8 GEMM of a decode layer at M tokens.
+# Nsight Compute on the decode kernels that bound a decode step (run on the GPU; runs 41 and 50 in
+# bench/results/README.md read these): the routed experts' gate/up and down kernels at T tokens, and each FP8
+# GEMM of a decode layer at M tokens.
 #   T=32 M=1 bash bench/kernels/ncu_decode.sh        # reports -> $OUT (or /tmp/ncu)
 # Throughput, occupancy (and what limits it) and warp stall reasons per kernel; --clock-control none keeps
-# the clocks the benchmarks run at. The grep at the end prints the lines the notes quote.
+# the clocks the benchmarks run at. The grep at the end prints the lines the results quote.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ncu}; mkdir -p "$OUT"

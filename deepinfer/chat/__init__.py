@@ -1,4 +1,4 @@
-"""DeepSeek-V4 chat format: prompt rendering and output parsing (no torch)."""
+"""DeepSeek-V4 chat: prompts (text and token ids) and output parsing, no torch; ``repl.py`` is ``deepinfer chat``."""
 
 from deepinfer.chat.encoding import (
     ASSISTANT,
@@ -22,6 +22,7 @@ from deepinfer.chat.parsing import (
     ToolCall,
     parse_assistant_output,
 )
+from deepinfer.chat.prompt import chat_prompt
 
 __all__ = [
     "ASSISTANT",
@@ -40,6 +41,7 @@ __all__ = [
     "ParsedOutput",
     "StreamingChatParser",
     "ToolCall",
+    "chat_prompt",
     "encode_messages",
     "parse_assistant_output",
 ]

@@ -1,1 +1,1 @@
-"""The DeepSeek-V4 model as plain-PyTorch math, its checkpoint loader and its chat format."""
+"""The DeepSeek-V4 model: plain-PyTorch math, the checkpoint loader and formats, and the batched GPU step path."""

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from deepinfer.assets import demo_model_dir
-from deepinfer.chat import encode_messages
+from deepinfer.chat import chat_prompt
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server.async_engine import AsyncEngine, EngineClosed, RequestStream
@@ -180,9 +180,8 @@ async def _finals(request: Request, stream: RequestStream) -> list[RequestOutput
 
 def _render_chat(req: ChatCompletionRequest, engine: LLMEngine, thinking: bool) -> dict[str, Any]:
     """DeepSeek-V4 prompt text and ids (as llm.py: the text carries BOS, so no special tokens are added)."""
-    text = encode_messages(req.messages, thinking=thinking, tools=req.active_tools(),
-                           reasoning_effort=req.effort(), response_format=req.schema())
-    return {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+    return chat_prompt(engine.tokenizer, req.messages, thinking=thinking, tools=req.active_tools(),
+                       reasoning_effort=req.effort(), response_format=req.schema())
 
 
 def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,

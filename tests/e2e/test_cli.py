@@ -6,7 +6,7 @@ import io
 import json
 
 from deepinfer.cli import main
-from deepinfer.chat_repl import stream_turn
+from deepinfer.chat.repl import stream_turn
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.sampling import SamplingParams
 

@@ -36,7 +36,7 @@ NATIVE = {
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from deepinfer.tools.make_checkpoint import write_random_checkpoint
+    from deepinfer.testing.make_checkpoint import write_random_checkpoint
 
     path = tmp_path_factory.mktemp("dev")
     write_random_checkpoint(path, NATIVE, seed=3)

@@ -1,0 +1,1 @@
+"""Hugging Face reference models for the tests: random tiny DeepseekV4ForCausalLM oracles."""

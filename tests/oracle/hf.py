@@ -1,12 +1,15 @@
-"""Helpers that build a Hugging Face DeepseekV4ForCausalLM oracle and copy its weights into deepinfer."""
+"""Random Hugging Face DeepseekV4ForCausalLM oracles on tiny configs, and deepinfer models holding their weights.
+
+The weight-name mapping itself is the package's (:mod:`deepinfer.hf_bridge`).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from deepinfer.config import ModelConfig
+from deepinfer.hf_bridge import hf_state_to_native
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.names import MERGED_EXPERTS, split_merged_experts, to_native
 
 
 def tiny_native_config(**overrides) -> dict:
@@ -55,21 +58,10 @@ def randomize_zero_inits(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
-def hf_native_state(model) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        native = to_native(name)
-        if MERGED_EXPERTS.match(native):
-            out.update(split_merged_experts(native, t))
-        else:
-            out[native] = t
-    return out
-
-
 def ours_from_hf(hf_model, native: dict, dtype=torch.float32) -> DeepseekV4:
     cfg = ModelConfig.from_dict(native)
     ours = DeepseekV4(cfg, dtype=dtype)
-    state = hf_native_state(hf_model)
+    state = hf_state_to_native(hf_model.state_dict())
     own = ours.state_dict()
     missing = [k for k in own if k not in state and not k.startswith("mtp.")]
     extra = [k for k in state if k not in own]

@@ -12,6 +12,7 @@ from deepinfer.chat import (
     SPECIAL_TOKENS,
     ChatDelta,
     StreamingChatParser,
+    chat_prompt,
     encode_messages,
     parse_assistant_output,
 )
@@ -335,3 +336,17 @@ def test_invalid_input_names_field(kwargs, field):
     with pytest.raises(ValueError) as exc:
         encode_messages(**kwargs)
     assert field in str(exc.value)
+
+
+def test_chat_prompt_is_the_rendered_text_and_its_ids():
+    """The one prompt builder of LLM.chat, the server and the REPL: the text carries BOS, so the ids get none added."""
+    from deepinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer()
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    got = chat_prompt(tok, msgs, thinking=True, reasoning_effort="max")
+    assert got["prompt"] == f"{B}{MAX_EFFORT}S{U}hi{A}<think>"
+    assert got["prompt_token_ids"] == tok.encode(got["prompt"], add_special_tokens=False)
+    assert got["prompt_token_ids"][0] == tok.bos_id and got["prompt_token_ids"].count(tok.bos_id) == 1
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        chat_prompt(tok, msgs, reasoning_effort="low")

@@ -7,19 +7,16 @@ exactly, deepinfer's held-out perplexity equals Hugging Face's on the same dequa
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from deepinfer import corpus
 from deepinfer.assets import demo_model_dir
 from deepinfer.config.model import CSA, HASH_MOE, HCA, ROUTED_MOE, SWA
-from deepinfer.eval import perplexity as P
+from deepinfer.eval.scoring import run_deepinfer, run_hf
+from deepinfer.hf_bridge import load_hf
 from deepinfer.model.loader import load_model
 from deepinfer.tokenizer import Tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +27,9 @@ def model():
 @pytest.fixture(scope="module")
 def sample() -> list[list[int]]:
     """The first 256 tokens ([BOS] + text) of each of the first two held-out files."""
-    import sysconfig
-
     tok = Tokenizer(demo_model_dir())
-    base = Path(sysconfig.get_paths()["stdlib"])
-    files = P.heldout_files(base)[:2]
+    base = corpus.stdlib_root()
+    files = corpus.heldout_files(base)[:2]
     return [([tok.bos_id] + tok.encode((base / f).read_text(encoding="utf-8", errors="replace")))[:256]
             for f in files]
 
@@ -65,19 +60,12 @@ def test_greedy_generation_is_deterministic() -> None:
     assert list(first.token_ids) == list(second.token_ids) and len(first.token_ids) == 24
 
 
-def test_heldout_files_follow_the_corpus_split() -> None:
-    sys.path.insert(0, str(ROOT / "tools"))
-    import stdlib_corpus
-
-    assert P.heldout_files() == stdlib_corpus.heldout_files()
-
-
 def test_heldout_perplexity_matches_hf(model, sample) -> None:
     pytest.importorskip("transformers")
-    ours = P.run_deepinfer(model, sample, chunk=100, batch=2)  # chunks not aligned to windows or blocks
+    ours = run_deepinfer(model, sample, chunk=100, batch=2)  # chunks not aligned to windows or blocks
     native = {k: v.detach() for k, v in model.state_dict().items()}
-    hf, mtp = P.load_hf(model.cfg, native)
-    theirs = P.run_hf(hf, mtp, sample)
+    hf, mtp = load_hf(model.cfg, native)
+    theirs = run_hf(hf, mtp, sample)
     assert ours.tokens == theirs.tokens == 2 * 255
     assert abs(ours.ppl - theirs.ppl) <= 1e-3 * theirs.ppl
     assert ours.ppl < 60  # trained (38 on this sample); a random model scores ~4096

@@ -1,6 +1,6 @@
 """The FP4 expert kernels' compiled main loop streams weights the way their design says (no GPU needed).
 
-Compiles the decode tile config for sm_90 with Triton's bundled ptxas (``bench/kernels/loop_sass.py``) and
+Compiles the decode tile config for sm_90 with Triton's bundled ptxas (``deepinfer/testing/sass.py``) and
 checks the SASS: each thread's packed weights arrive as 16-byte async copies and 16-byte shared loads
 (the K order of ``ops/triton/moe_experts.py``), never as byte-wide shared loads or 4-byte copies, the
 loop spills nothing; in the checkpoint and the tile-major weight layouts (codes as bytes or placed words),
@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles real kernels (the interpreter replaces triton.jit)", allow_module_level=True)
 
-from bench.kernels.loop_sass import compile_sm90, expert_kernels, loop_mix  # noqa: E402
+from deepinfer.testing.sass import compile_sm90, expert_kernels, loop_mix  # noqa: E402
 
 
 def test_expert_decode_loops_use_wide_copies(tmp_path) -> None:

@@ -12,12 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer.config import ModelConfig
+from deepinfer.hf_bridge import hf_state_to_native
 from deepinfer.kv.spec import build_layout
 from deepinfer.model.loader import CheckpointError, load_model, read_checkpoint
 from deepinfer.model.quant import storage_format
 from deepinfer.runner.sequences import SequenceCache
-from deepinfer.tools.make_checkpoint import write_random_checkpoint
-from tests.oracle.hf import build_hf, hf_native_state, tiny_native_config
+from deepinfer.testing.make_checkpoint import write_random_checkpoint
+from tests.oracle.hf import build_hf, tiny_native_config
 
 # Non-square 16x24 blocks: most weights get several blocks and partial edge blocks (hidden 32 = 24 + 8).
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 24],
@@ -146,7 +147,7 @@ def test_hf_save_pretrained_loads_hf_weights(tmp_path):
         load_model(tmp_path, dtype=torch.float32, progress=False)
     model = load_model(tmp_path, dtype=torch.float32, strict_mtp=False, progress=False)
     assert model.cfg.num_nextn_predict_layers == 0 and len(model.mtp) == 0 and model.quantized == {}
-    want = hf_native_state(hf)
+    want = hf_state_to_native(hf.state_dict())
     state = model.state_dict()
     assert state.keys() == want.keys()
     for name, t in want.items():
@@ -163,7 +164,7 @@ def test_hf_module_names_with_merged_experts(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(native))
     model = load_model(tmp_path, dtype=torch.float32, progress=False)
     ours = model.state_dict()
-    for name, t in hf_native_state(hf).items():
+    for name, t in hf_state_to_native(hf.state_dict()).items():
         assert torch.equal(ours[name], t), name
 
 

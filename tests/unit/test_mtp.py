@@ -3,6 +3,8 @@
 HF does not implement MTP, but an MTP block is an ordinary sliding-window decoder layer: the oracle runs
 HF's DeepseekV4DecoderLayer on z = h_proj(hnorm(X)) + e_proj(enorm(embed(next))) (embedding zeroed at
 position 0), then HF's hc_head, final norm and the shared LM head (architecture note §2.7).
+The package's own composition (deepinfer.hf_bridge.HFMTP, used by deepinfer eval and the demo trainer) is
+checked against the same oracle.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.config import ModelConfig
+from deepinfer.hf_bridge import hf_state_to_native
 from deepinfer.kv.spec import build_layout
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.runner.sequences import SequenceCache
-from tests.oracle.hf import build_hf, hf_native_state, tiny_native_config
+from tests.oracle.hf import build_hf, tiny_native_config
 
 pytest.importorskip("transformers")
 
@@ -33,7 +36,7 @@ def setup():
     hf = build_hf(native, seed=5)
     ours = DeepseekV4(ModelConfig.from_dict(native), dtype=torch.float32)
     state = {}
-    for name, t in hf_native_state(hf).items():
+    for name, t in hf_state_to_native(hf.state_dict()).items():
         if name.startswith("layers.0."):
             state["mtp.0." + name[len("layers.0."):]] = t
         elif name.startswith("hc_head_"):
@@ -91,3 +94,22 @@ def test_mtp_logits_match_hf_composed_oracle_prefill_and_decode(setup) -> None:
         got = run(chunks)
         assert (got - ref).abs().max().item() <= 1e-4
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_hf_bridge_mtp_block_matches_the_composed_oracle(setup) -> None:
+    """deepinfer.hf_bridge.HFMTP (what deepinfer eval and the demo trainer use) is the same MTP block."""
+    from deepinfer.hf_bridge import HFMTP, mtp_rename, native_to_hf_state
+
+    native, hf, ours, state = setup
+    g = torch.Generator().manual_seed(2)
+    streams = torch.randn(T, ours.cfg.hc_mult, native["hidden_size"], generator=g)
+    next_ids = torch.randint(3, native["vocab_size"], (T,), generator=g)
+    block = HFMTP(ours.cfg)
+    block.load_state_dict(native_to_hf_state(block, state, mtp_rename), strict=True)
+    block = block.float().eval()
+    with torch.no_grad():
+        ref = _oracle(hf, state, streams, next_ids)
+        got = block.logits(block(streams[None], next_ids[None], hf.model.embed_tokens, hf.model.rotary_emb),
+                           hf.lm_head)[0]
+    assert (got - ref).abs().max().item() <= 1e-5
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))

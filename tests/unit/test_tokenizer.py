@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 import tokenizers
 
+from deepinfer import corpus
 from deepinfer.tokenizer import (
     BOS_TOKEN,
     DEMO_TOKENIZER_DIR,
@@ -20,8 +19,6 @@ from deepinfer.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED_SPECIALS = [
     "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
@@ -63,23 +60,9 @@ MIXED_TEXTS = [
 ]
 
 
-def _load_corpus_module():
-    path = REPO_ROOT / "tools" / "stdlib_corpus.py"
-    spec = importlib.util.spec_from_file_location("stdlib_corpus", path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer(DEMO_TOKENIZER_DIR)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return _load_corpus_module()
 
 
 # --- the committed artifacts ----------------------------------------------------------------------
@@ -257,7 +240,7 @@ def _rule(rel: str) -> bool:
     return hashlib.sha1(rel.encode("utf-8")).digest()[0] % 10 == 0
 
 
-def test_split_disjoint_and_matches_hash_rule(corpus):
+def test_split_disjoint_and_matches_hash_rule():
     train, heldout = corpus.train_files(), corpus.heldout_files()
     assert train and heldout
     assert not set(train) & set(heldout)
@@ -271,14 +254,14 @@ def test_split_disjoint_and_matches_hash_rule(corpus):
     assert corpus.train_files() == train and corpus.heldout_files() == heldout
 
 
-def test_split_excludes_tests_and_site_packages(corpus):
+def test_split_excludes_tests_and_site_packages():
     for p in corpus.all_files():
         parts = p.split("/")
         assert p.endswith(".py")
         assert not {"test", "tests", "idle_test", "site-packages", "dist-packages"} & set(parts[:-1]), p
 
 
-def test_split_pinned_examples(corpus):
+def test_split_pinned_examples():
     # The rule depends only on the relative path; these are fixed forever.
     for p in ("_markupbase.py", "asyncio/taskgroups.py", "email/_header_value_parser.py"):
         assert corpus.is_heldout(p) and _rule(p)
@@ -286,7 +269,7 @@ def test_split_pinned_examples(corpus):
         assert not corpus.is_heldout(p) and not _rule(p)
 
 
-def test_corpus_on_fake_root_is_robust_to_missing_files(corpus, tmp_path):
+def test_corpus_on_fake_root_is_robust_to_missing_files(tmp_path):
     files = ["a.py", "pkg/b.py", "pkg/test/t.py", "tests/x.py", "idlelib/idle_test/y.py",
              "site-packages/z.py", "notes.txt", "_markupbase.py"]
     for rel in files:

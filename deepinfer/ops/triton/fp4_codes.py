@@ -35,7 +35,7 @@ def tile_weights(w: torch.Tensor, per_element: int = 2) -> torch.Tensor:
 
     Why: in the checkpoint layout a K step reads 64 bytes from each of 64 rows 2 KB apart; a streaming read
     in that pattern reached ~3.1 TB/s on the H200, the same bytes in contiguous 4 KB blocks ~4.4 TB/s
-    (bench/kernels/bench_stream.py, bench/results/NOTES.md run 29). A step's scales likewise become one
+    (bench/kernels/bench_stream.py, bench/results/README.md run 29). A step's scales likewise become one
     256-byte block instead of 64 pieces of 4 bytes. Same values, same sums: results are bit-identical to the
     checkpoint layout. Needs N % 64 == 0.
     """

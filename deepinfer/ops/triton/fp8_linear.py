@@ -6,15 +6,15 @@ Why this shape: activations are not quantized (the reference path does not quant
 each K-block of 128 is one MMA over bf16 operands (e4m3 -> bf16 is exact) followed by one multiply of the
 fp32 partial product by that block's scale — the DeepGEMM "promote per K-block" scheme. e4m3 -> bf16 is done
 by integer bit placement (``_e4m3_to_bf16``) rather than the hardware's e4m3 -> f16 -> bf16 on the
-quarter-rate conversion unit: a decode layer's FP8 GEMMs 11% faster at M=1, same bits (NOTES run 44).
+quarter-rate conversion unit: a decode layer's FP8 GEMMs 11% faster at M=1, same bits (bench/results run 44).
 Decode (tiny M) is bound by the weight bytes, so small M uses narrow N tiles plus a split over K to put
 enough programs on 132 SMs; the partial sums go to an fp32 buffer and the last split program of each tile
 adds them in a fixed order (an atomic ticket only decides *who* adds, never the order), so results are
 run-to-run deterministic and the reduction needs no second launch. (A stream-K decode path, one pipelined
-loop per program over all (tile, K block) steps, measured 40% slower: NOTES run 42.) Tile and split choices are a function of (M bucket, N, K) only.
+loop per program over all (tile, K block) steps, measured 40% slower: bench/results run 42.) Tile and split choices are a function of (M bucket, N, K) only.
 With power-of-two (UE8M0) scales, M <= 64 takes ``_fp8_decode_kernel`` instead: swap-AB, the weight as the
 MMA's register operand read in a permuted order that needs no layout shuffle, the scale folded into the
-conversion (half the instructions per K step; the decode layer's FP8 GEMMs 6-14% faster, NOTES run 48).
+conversion (half the instructions per K step; the decode layer's FP8 GEMMs 6-14% faster, bench/results run 48).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ NUM_SMS = 132
 def _e4m3_to_bf16(w):
     """e4m3 -> bf16, exact, by bit placement on the integer pipes: the hardware conversion goes e4m3 -> f16
     -> bf16 through the quarter-rate conversion unit (two conversions per weight), a large share of a decode
-    GEMV's time (the layer's decode GEMMs are 11% faster without it: NOTES run 44).
+    GEMV's time (the layer's decode GEMMs are 11% faster without it: bench/results run 44).
 
     bf16 bits (sign << 15) | (exponent,mantissa << 4) are the e4m3 value times 2^-120 for every code (e4m3
     subnormals become bf16 subnormals with the same mantissa), and one bf16 multiply by 2^120 restores it.
@@ -48,7 +48,7 @@ def _e4m3_to_bf16(w):
     the low byte of a 16-bit half and its sign, replicated (``prmt``'s sign mode), in the high byte; a shift
     by 4 then brings sign, exponent and mantissa to their bf16 places at once, one mask (0x87F0 per half)
     clears the rest, and a packed multiply rescales: 4 instructions per 2 weights (6 before the sign byte:
-    decode GEMMs ~6% faster, NOTES run 47).
+    decode GEMMs ~6% faster, bench/results run 47).
     """
     return tl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
                                      is_pure=True, pack=4)
@@ -303,7 +303,7 @@ def _fp8_linear_wa_kernel(
 
 
 # Large-M tiles of the weight-as-A path (bench/kernels/bench_fp8_linear.py sweeps alternatives).
-# Swept on the H200 (bench/results/NOTES.md, run 8): 256 tokens x 128 weight rows beat 128x128 by 1.5x.
+# Swept on the H200 (bench/results/README.md, run 8): 256 tokens x 128 weight rows beat 128x128 by 1.5x.
 WA_CONFIG = {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 WA_MIN_M = 257  # the prefill bucket; decode buckets stay weight-bandwidth-bound on the split-K path
 
@@ -325,7 +325,7 @@ def _tickets(device: torch.device) -> torch.Tensor:
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per M bucket; the bench sweeps alternatives (CONFIG_OVERRIDE).
-# 16/64/None swept on the H200 (bench/results/NOTES.md); 256 added after run 3 showed M=128 in the prefill
+# 16/64/None swept on the H200 (bench/results/README.md); 256 added after run 3 showed M=128 in the prefill
 # tile leaves N/128 programs (8 for N=1024): a middle tile with split-K keeps the SMs busy.
 CONFIGS = {16: (16, 64, 4, 4), 64: (32, 64, 4, 4), 256: (64, 64, 4, 3), None: (128, 128, 8, 3)}
 CONFIG_OVERRIDE: dict = {}

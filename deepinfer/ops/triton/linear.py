@@ -2,7 +2,7 @@
 
 Why: at small M cuBLAS runs these GEMVs (the compressor/indexer side projections, the MoE router: 2-17 MB
 of weights per layer) as a split-K kernel plus a separate reduction kernel, ~6-10 µs per call at batch 1
-(bench/results/NOTES.md, run 53). Here one launch does both: swap-AB (the weight tile is the MMA's M side,
+(bench/results/README.md, run 53). Here one launch does both: swap-AB (the weight tile is the MMA's M side,
 the tokens its N side), split over K until the GPU is full, and the split partials added in split order
 by the tile's last program (``fp8_linear._write_tile``: deterministic, no second launch). Accumulation
 in fp32, one rounding to x's dtype, as cuBLAS does (only the order of the K sums differs).

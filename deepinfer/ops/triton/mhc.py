@@ -72,7 +72,7 @@ Why these choices:
   correctly rounded division's own fast path without its per-division branch (``_div_fast``, the same bits
   while the operands stay in a range the kernel checks, else the rounds are redone with ``div_rn``): the
   divisions of a round overlap instead of running one after another, hc_pre 11.7 -> 8.3 µs at T = 1
-  (bench/results/NOTES.md, run 55).
+  (bench/results/README.md, run 55).
 * ``hc_post`` rounds where the reference rounds (post and comb cast to the stream dtype, post*out rounded,
   the comb mix accumulated in fp32 and rounded as a matmul does, then the rounded sum), so bf16 results
   match it bit for bit except where the 4-term fp32 mix sums in another order (rare 1-ulp flips: 4e-6

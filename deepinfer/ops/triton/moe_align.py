@@ -37,7 +37,7 @@ from deepinfer.ops.ref.moe_align import num_align_blocks
 
 # Pairs per program. One program's work grows with its pairs (place and fill are loops over pairs and
 # blocks), so beyond a few dozen pairs the three-launch path with one program per 64 pairs is faster:
-# bench/kernels/bench_align.py on the H200 (bench/results/NOTES.md, run 18): 192 pairs (T=32) 33.2 -> 16.2 µs,
+# bench/kernels/bench_align.py on the H200 (bench/results/README.md, run 18): 192 pairs (T=32) 33.2 -> 16.2 µs,
 # 768 pairs 72.8 -> 12.9 µs, 24576 pairs 87.6 -> 46.7 µs; up to 64 pairs (T <= 10) it stays one launch.
 ONE_PROGRAM_PAIRS = 64
 # Scan tile: ranges per step of the exclusive scan over range programs.

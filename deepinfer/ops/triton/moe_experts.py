@@ -8,7 +8,7 @@ Plan (all on the device, no host sync, so the whole call can be captured in a CU
                  SwiGLU in fp32, h[pair, n] stored in bf16 (fp32 when x is fp32).
                  (``split_gate_up``: gate and up rows in separate programs of ``_matmul_kernel`` into fp32
                  sums, optionally in K chunks, then ``_swiglu_kernel``. Measured slower, kept as options:
-                 bench/results/NOTES.md runs 27-28.)
+                 bench/results/README.md runs 27-28.)
   kernel 2       per (m-block, n-block of H): y[pair, n] = W2 h, fp32 (``_matmul_kernel``).
   combine        per token: out[t] = sum_j w[t, j] * y[t*k + j] in slot order, fp32, one cast to x.dtype.
 A program's share of kernels 1 and 2 (a tile) lives in ``moe_tiles.py``; ``TileConfig.one_launch`` runs both
@@ -23,7 +23,7 @@ Why these choices:
   (scales must be powers of two, as UE8M0 ones are, and at most 2; see ``fp4_codes.dequant_fp4``). Within
   each BLOCK_K step the inputs are taken in a fixed permuted order (same for weights and activations) that
   makes every thread's share of the packed tile one 16-byte run: 16-byte copies and shared-memory loads
-  instead of one instruction per byte (decode 13-22% faster, bench/results/NOTES.md run 20).
+  instead of one instruction per byte (decode 13-22% faster, bench/results/README.md run 20).
 * The model stores the packed codes and their scales tile-major (``fp4_codes.tile_weights``): a program's
   K step reads one contiguous 4 KB block of codes and one 256-byte block of scales instead of 64 pieces
   of each, rows apart: the decode op 12-15% faster at T = 1..128 (runs 30, 36). The kernels also read the
@@ -102,7 +102,7 @@ CONFIG_TABLE: tuple[tuple[float, TileConfig], ...] = (
     (64.0, TileConfig(block_m=64, block_n1=128, block_n2=128, num_warps=8, num_stages=3)),
     (math.inf, TileConfig(block_m=128, block_n1=128, block_n2=128, num_warps=8, num_stages=3)),
 )
-# The wide-token rows were re-swept after the K-order change (bench/results/NOTES.md, run 20): at T=4096,
+# The wide-token rows were re-swept after the K-order change (bench/results/README.md, run 20): at T=4096,
 # 128-row weight tiles with 8 warps beat 64-row ones (m128: 4626 vs 6117 µs; m64: 5975 vs 6178 µs).
 # Decode's gate/up tiles are 128 rows on one warpgroup from 4 tokens on (run 56: 15% fewer instructions per
 # weight byte for 160 registers; the op at T = 32 / 128 583.8 / 1102.4 -> 559.7 / 1038.6 µs, model decode at

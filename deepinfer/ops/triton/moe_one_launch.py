@@ -22,7 +22,7 @@ state live at once (239 registers for the 128-row decode tiles, 2 programs per S
 and 168 with a cap and no spills, 3 programs per SM).
 Where every tile starts at once (a single decode token: 384 tiles for 396 program slots) nothing is left to
 fill, and the waiting programs only compete with the working ones: the table keeps two launches there. An
-L2 prefetch of a waiting down tile's weights measured no gain (bench/results/NOTES.md, run 62).
+L2 prefetch of a waiting down tile's weights measured no gain (bench/results/README.md, run 62).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def gate_up_tile(x_ptr, w13_ptr, s13_ptr, h_ptr, e, pair, nb, K, N, stride_x, st
     for k0 in range(0, K, BK):  # the full reduction, always in this order (no split-K)
         # Weights and activations are software-pipelined by Triton (cp.async, num_stages deep). Scale
         # bytes are too narrow for that (2-byte loads per thread), so the next step's are fetched by hand,
-        # one step ahead (reading them as 32-bit words through the pipeline measured 24% slower: NOTES run 27).
+        # one step ahead (reading them as 32-bit words through the pipeline measured 24% slower: bench/results run 27).
         kn = k0 + BK
         s_next = tile_step(kn, BK, BK // 32, S_TILED)
         sg_n = tl.load(g_s + s_next + s_off, mask=w_mask & (kn < K), other=0)

@@ -2,7 +2,7 @@
 
 Why: the reference derives the lists with ~100 tiny tensor ops per step (lookups, masks, concatenations).
 Inside a captured decode graph each is a dependent node of ~2-3 µs, so the preamble took ~0.28 ms per
-step, about a 43-layer model's 2-3% at batch 1 (bench/results/NOTES.md, run 50). Here every output comes
+step, about a 43-layer model's 2-3% at batch 1 (bench/results/README.md, run 50). Here every output comes
 from one kernel with no intermediate tensors:
   * program t < T (one per token): its window and state rows, its window keys, and per compressed kind
     the visible-entry limit, the closing window's state slots, that window's entry row and start position,
