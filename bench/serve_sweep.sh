@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `deepinfer serve` on the bundled demo model under `deepinfer bench serve`: random prompts of INPUTS tokens,
-# 128 output tokens, at each CONCURRENCY, once per scheduling loop (async, then sync). One JSON per run under
+# 128 output tokens, at each CONCURRENCY, once per scheduling loop in LOOPS (default: async, then sync), each
+# server warmed up first. One JSON per run under
 # $OUT/serve; `python bench/serve_report.py $OUT/serve` writes bench/results/serve_demo.md from them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -8,18 +9,27 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/serve"
 CONCURRENCY=${CONCURRENCY:-"1 16 64 256"}
 INPUTS=${INPUTS:-"512 1024"}
 PORT=${PORT:-8123}
-for loop in async sync; do
+SERVER_ARGS=${SERVER_ARGS:-"--max-num-seqs 256 --max-model-len 2048 --max-num-batched-tokens 8192 --block-size 256 --cache-memory-gb 8"}
+LOOPS=${LOOPS:-"async sync"}
+for loop in $LOOPS; do
   flag=--async-scheduling; [ "$loop" = sync ] && flag=--no-async-scheduling
-  python3 -m deepinfer.server --port "$PORT" --max-num-seqs 256 --max-model-len 2048 --max-num-batched-tokens 8192 \
-    --block-size 256 --cache-memory-gb 8 "$flag" > "$OUT/serve/server_$loop.log" 2>&1 &
+  # shellcheck disable=SC2086
+  python3 -m deepinfer.server --port "$PORT" $SERVER_ARGS "$flag" > "$OUT/serve/server_$loop.log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do
+    kill -0 "$pid" 2>/dev/null || { echo "server ($loop) exited:"; tail -n 20 "$OUT/serve/server_$loop.log"; exit 1; }
     python3 -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
     sleep 1
   done
+  # Warm-up (not recorded): the first prefills of each shape compile kernels, which no loop should be charged.
+  for in_len in $INPUTS; do
+    python3 -m deepinfer.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --dataset-name random \
+      --random-input-len "$in_len" --random-output-len 16 --num-prompts 64 --max-concurrency 64 --ignore-eos \
+      --seed 1 --disable-tqdm > /dev/null 2>&1
+  done
   for in_len in $INPUTS; do
     for c in $CONCURRENCY; do
-      n=$(( 2 * c > 32 ? 2 * c : 32 ))
+      n=$(( 2 * c > 16 ? 2 * c : 16 ))
       python3 -m deepinfer.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --dataset-name random \
         --random-input-len "$in_len" --random-output-len 128 --random-range-ratio 0 --num-prompts "$n" \
         --max-concurrency "$c" --ignore-eos --seed 0 --disable-tqdm --save-result --result-dir "$OUT/serve" \

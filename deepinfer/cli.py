@@ -33,8 +33,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of device memory for weights, activations and the cache")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan step N+1 while step N runs (same tokens; default: on with a GPU, off on the CPU)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="plan step N+1 while step N runs (the same tokens; default: off)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

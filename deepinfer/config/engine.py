@@ -36,9 +36,9 @@ class EngineArgs:
     seed: int = 0
     load_progress: bool = True
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launches its kernels from Python)
-    # Plan and submit step N+1 before reading step N's tokens (same tokens; off: one step at a time).
-    # None: on with an accelerator, off on the CPU (which computes each step itself: nothing to overlap).
-    async_scheduling: bool | None = None
+    # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
+    # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
+    async_scheduling: bool = False
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -79,7 +79,7 @@ class EngineConfig:
     seed: int
     load_progress: bool = True
     enforce_eager: bool = False
-    async_scheduling: bool = True
+    async_scheduling: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -113,8 +113,7 @@ class EngineConfig:
             seed=args.seed,
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
-            async_scheduling=(device != "cpu" if args.async_scheduling is None
-                              else _check_bool("async_scheduling", args.async_scheduling)),
+            async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
         )
 
 

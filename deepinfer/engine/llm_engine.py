@@ -2,7 +2,7 @@
 
     schedule N -> runner.submit(plan N) -> commit N -> apply the results of N (sync) or of N-1 (async)
 
-With async scheduling (the default) the host plans and submits step N+1 before reading step N's tokens, so
+With async scheduling (``async_scheduling=True``) the host plans and submits step N+1 before reading step N's tokens, so
 the device never waits for detokenization, stop checks or streaming: a sequence's token from step N is a
 placeholder in step N+1 that the device fills itself. Draws are keyed by (seed, position), so the tokens
 are those of the synchronous loop; a stop found one step late costs one discarded token of that sequence
