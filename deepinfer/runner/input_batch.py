@@ -93,6 +93,16 @@ class InputBatch:
                 self.prompt_seen[slot, to_device(j.prompt_ids, torch.int64, self.device)] = True
 
     # ---- a step's sampler inputs ----------------------------------------------------------------------
+    def plain_greedy(self, slots: list[int], positions: list[int]) -> bool:
+        """True when every row is greedy with no penalty, no min_tokens mask and no logprobs: the draw is the
+        argmax of the raw logits."""
+        for slot, pos in zip(slots, positions):
+            r = self.sampling[slot]
+            if (r.temperature >= GREEDY_TEMPERATURE_EPS or r.has_penalty or r.num_logprobs is not None
+                    or (r.min_tokens_masked and pos - int(self.prompt_len[slot]) < r.min_tokens)):
+                return False
+        return True
+
     def sampling_tensors(self, slots: list[int], positions: list[int]) -> SamplingTensors:
         """Sampler inputs of rows drawing at ``positions`` for sequences in ``slots`` (one row each)."""
         dev = self.device

@@ -153,29 +153,41 @@ class ModelRunner:
             logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders)
         else:
             logits = self._forward(ids, slots, first, lens, placeholders, draw_rows + prompt_rows)
-        logits = logits.float()
         nd = len(draw_rows)
         handle_args: dict = {}
         if nd:
-            t = batch.sampling_tensors(draw_slots, draw_pos)
-            tokens = draw(logits[:nd], t)
-            batch.record([draw_slots[i] for i in last_rows], tokens, last_rows)
-            lp_rows = [b for b, n in enumerate(t.num_logprobs) if n is not None]
-            draws = _Draws(tuple(w.seq_id for w in work if w.num_samples), tuple(counts), t.num_logprobs)
-            handle_args.update(draws=draws, tokens=_to_host(tokens))
-            if lp_rows:
-                idx = to_device(lp_rows, torch.int64, self.device)
-                max_n = max(t.num_logprobs[b] for b in lp_rows)
-                lp = LogprobTensors.compute(logits[:nd][idx], tokens[idx], max_n)
-                handle_args["logprobs"] = LogprobTensors(*(_to_host(x) for x in (lp.token_ids, lp.chosen, lp.ranks,
-                                                                                   lp.top_vals, lp.top_ids)))
+            handle_args.update(self._draw(logits[:nd], work, draw_slots, draw_pos, last_rows, counts))
         if jobs:
-            handle_args["prompt"] = self._prompt_logprobs(logits[nd:], [w for w, _ in jobs])
+            handle_args["prompt"] = self._prompt_logprobs(logits[nd:].float(), [w for w, _ in jobs])
         done = None
         if logits.is_cuda:
             done = torch.cuda.Event()
             done.record()
         return StepHandle(**handle_args, done=done)
+
+    def _draw(self, logits: torch.Tensor, work, slots: list[int], positions: list[int], last_rows: list[int],
+              counts: list[int]) -> dict:
+        """Draw a token from each row of ``logits``; the StepHandle fields that carry them to the host."""
+        batch = self.batch
+        seq_ids = tuple(w.seq_id for w in work if w.num_samples)
+        if batch.plain_greedy(slots, positions):
+            # Greedy rows with nothing to apply: the sampler would return this argmax (the conversion to
+            # float32 is exact, so it is skipped too); a dozen fewer small launches per step.
+            tokens = torch.argmax(logits, dim=-1)
+            batch.record([slots[i] for i in last_rows], tokens, last_rows)
+            return {"draws": _Draws(seq_ids, tuple(counts), (None,) * len(slots)), "tokens": _to_host(tokens)}
+        logits = logits.float()
+        t = batch.sampling_tensors(slots, positions)
+        tokens = draw(logits, t)
+        batch.record([slots[i] for i in last_rows], tokens, last_rows)
+        out = {"draws": _Draws(seq_ids, tuple(counts), t.num_logprobs), "tokens": _to_host(tokens)}
+        lp_rows = [b for b, n in enumerate(t.num_logprobs) if n is not None]
+        if lp_rows:
+            idx = to_device(lp_rows, torch.int64, self.device)
+            lp = LogprobTensors.compute(logits[idx], tokens[idx], max(t.num_logprobs[b] for b in lp_rows))
+            out["logprobs"] = LogprobTensors(*(_to_host(x) for x in (lp.token_ids, lp.chosen, lp.ranks, lp.top_vals,
+                                                                    lp.top_ids)))
+        return out
 
     def _placeholders(self, work, slots: np.ndarray, starts: np.ndarray):
         """(flat rows, device values) of the inputs still on the device, or None."""
