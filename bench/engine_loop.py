@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--profile-batch", type=int, default=None)
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is reported")
+    p.add_argument("--commit", default=None, help="commit to record (a copied checkout may carry stale git metadata)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = p.parse_args()
     StepHandle.result = _Wait.timed
@@ -147,7 +148,8 @@ def main() -> None:
             del engine
             gc.collect()
     idle = gpu_idle(_engine(a.device, a.profile_batch, True), a.profile_batch, a.tokens) if a.profile_batch else None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
     dev = torch.cuda.get_device_name() if a.device == "cuda" else (platform.processor() or platform.machine())
     meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "device": dev, "torch": torch.__version__,
             "tokens": a.tokens}
