@@ -20,10 +20,12 @@ a padding sequence whose tables are empty: they write to a spare row past the la
 
 The host half runs before every decode step, so it is built for few Python operations per sequence: the
 tensors of a StepIndex are views of one flat int64 buffer (``FlatLayout``; the step's token ids have a
-slot there too), so a step ships with one host-to-device copy, and block tables are converted to int64
-by a ``StepBuffer`` (one per graph bucket) only where they changed since its previous step: turning Python
-ints into int64 costs tens of ns each, and a batch's tables hold thousands of them while changing only
-once per ``block_size`` tokens.
+slot there too), so a step ships with one host-to-device copy. Block tables come from one of two sources:
+the engine's runner keeps them per batch slot as int64 arrays (``SlotTables``, edited by the scheduler's
+table diffs), so a step's tables are one fancy-indexed copy per pool (``build_slot_index``,
+``StepBuffer.write_slots``); direct model use (``ForwardBatch`` of per-run tuples, ``build_step_index``)
+converts them, and a ``StepBuffer`` (one per graph bucket) converts only the rows that changed since its
+previous step: turning Python ints into int64 costs tens of ns each.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from functools import cached_property, lru_cache
 from itertools import chain
 from operator import eq, itemgetter
 
@@ -41,6 +42,7 @@ import torch
 from deepinfer.config.model import CSA, HCA
 from deepinfer.kv.spec import HISTORY, STATE, WINDOW
 from deepinfer.model.batch import ForwardBatch
+from deepinfer.model.flat_layout import FlatLayout, covering
 from deepinfer.ops.ref.step_rows import step_rows as ref_step_rows
 
 
@@ -90,7 +92,7 @@ class StepIndex:
         tensors = {n: getattr(self, n) for n in self._tensors()}
         filled = {n: t for n, t in tensors.items() if t.numel()}  # empty ones need no data (nor valid offsets)
         moved = {n: t.to(device, non_blocking=True) for n, t in tensors.items() if n not in filled}
-        region = _covering(list(filled.values())) if filled else None
+        region = covering(list(filled.values())) if filled else None
         if region is None:
             moved.update({n: t.to(device, non_blocking=True) for n, t in filled.items()})
         else:
@@ -121,88 +123,11 @@ def compress_kinds(layout) -> tuple[tuple[int, bool], ...]:
     return tuple(kinds)
 
 
-_ALIGN = 64  # segment starts in a flat buffer, in int64s: 512 bytes, as if each tensor were allocated alone
 _TABLE_POOLS = (WINDOW, STATE, HISTORY)  # order of the tables in a flat buffer
 _pool_tables = itemgetter(*_TABLE_POOLS)
 # Up to this many runs, per-run table copies and residency checks cost less than the vectorized versions'
 # dozen numpy calls each.
 _SMALL_BATCH = 8
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Where one step's token ids and StepIndex tensors sit in a single flat int64 buffer.
-
-    Segments: ids [T], token_seq [T], positions [T], seq_end [B], then the window, state and history tables
-    [B, width], ``table_stride`` apart. Each starts on a multiple of ``_ALIGN``, so kernels see pointers as
-    aligned as separately allocated tensors. The host builds a step into such a buffer and ships it with
-    one copy; a captured graph reads views of its device twin. Works on numpy arrays and torch tensors
-    alike (1-D slices, and reshapes of contiguous ones, are views in both).
-    """
-
-    num_tokens: int
-    num_seqs: int
-    width: int  # table columns: cdiv(span, block_size)
-
-    @staticmethod
-    @lru_cache(maxsize=256)
-    def for_span(num_tokens: int, num_seqs: int, span: int, block_size: int) -> "FlatLayout":
-        """The layout for tables of ``span`` positions (one instance per shape: its offsets are cached)."""
-        return FlatLayout(num_tokens, num_seqs, -(-span // block_size))
-
-    @cached_property
-    def _starts(self) -> tuple[int, int, int, int, int]:
-        """Where token_seq, positions, seq_end and the window table start; the tables' stride."""
-        at = _aligned(self.num_tokens)
-        return at, 2 * at, 3 * at, 3 * at + _aligned(self.num_seqs), _aligned(self.num_seqs * self.width)
-
-    @property
-    def table_stride(self) -> int:
-        return self._starts[4]
-
-    @property
-    def size(self) -> int:
-        return self._starts[3] + 3 * self._starts[4]
-
-    def ids(self, flat):
-        return flat[: self.num_tokens]
-
-    def split(self, flat) -> tuple:
-        """(token_seq, positions, seq_end, window_table, state_table, history_table) as views of ``flat``."""
-        t, b, w = self.num_tokens, self.num_seqs, self.width
-        ts, pos, end, first, stride = self._starts
-        return (flat[ts : ts + t], flat[pos : pos + t], flat[end : end + b],
-                flat[first : first + b * w].reshape(b, w),
-                flat[first + stride : first + stride + b * w].reshape(b, w),
-                flat[first + 2 * stride : first + 2 * stride + b * w].reshape(b, w))
-
-    def table_block(self, flat):
-        """The three tables and the gaps between them, 1-D: row i of table p starts at p * table_stride +
-        i * width (one fill and one scatter reach them all)."""
-        return flat[self._starts[3] : self.size]
-
-    def tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """StepIndex's tensor fields as views of ``flat``: ``dataclasses.replace(index, **layout.tensors(buf))``
-        re-points a host-built index at the device buffer it is copied to."""
-        token_seq, positions, seq_end, window, state, history = self.split(flat)
-        return {"token_seq": token_seq, "positions": positions, "window_table": window, "state_table": state,
-                "history_table": history, "seq_end": seq_end}
-
-
-def _covering(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
-    """A 1-D view over the part of one storage that holds all ``tensors`` and its storage offset, when they
-    are contiguous int64 views of one buffer; else None."""
-    ptr = tensors[0].untyped_storage().data_ptr()
-    if not all(t.dtype == torch.int64 and t.is_contiguous() and t.untyped_storage().data_ptr() == ptr
-               for t in tensors):
-        return None
-    lo = min(t.storage_offset() for t in tensors)
-    hi = max(t.storage_offset() + t.numel() for t in tensors)
-    return tensors[0].as_strided((hi - lo,), (1,), lo), lo
 
 
 _layout_facts: dict[int, tuple] = {}
