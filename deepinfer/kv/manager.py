@@ -42,11 +42,6 @@ class _Request:
     # Per tail pool, the index of the first block not yet released; entries before it are all -1.
     # Releases only ever happen at the front and truncation only at the back, so -1s form a prefix.
     first_live: dict[str, int] = field(default_factory=lambda: {p: 0 for p in TAIL_POOLS})
-    # ``tables`` as tuples, built on the first ``block_tables`` call after a change (None: stale). Tables
-    # change once per ``block_size`` tokens, yet are read every step; handing out the same tuple objects
-    # also lets a decode graph's ``StepBuffer`` (``model/step_index.py``) see them unchanged at a pointer
-    # comparison.
-    frozen: dict[str, tuple[int, ...]] | None = None
 
 
 class CacheManager:
@@ -105,11 +100,8 @@ class CacheManager:
         return len(self._get(req_id).tables[HISTORY]) * self.block_size
 
     def block_tables(self, req_id: Hashable) -> dict[str, tuple[int, ...]]:
-        """Pool -> block ids; the tuples are shared until the tables change (the dict is the caller's)."""
-        r = self._get(req_id)
-        if r.frozen is None:
-            r.frozen = {p: tuple(t) for p, t in r.tables.items()}
-        return dict(r.frozen)
+        """Pool -> block ids (a snapshot; the engine's runner mirrors the tables through ``drain_edits``)."""
+        return {p: tuple(t) for p, t in self._get(req_id).tables.items()}
 
     def num_free_blocks(self, pool: str) -> int:
         return self.pools[pool].num_free
@@ -158,7 +150,6 @@ class CacheManager:
             if need[p]:
                 start = len(r.tables[p])
                 r.tables[p].extend(self.pools[p].allocate(need[p]))
-                r.frozen = None
                 self._edited(req_id, p, start, r.tables[p])
 
     def commit(self, req_id: Hashable, num_computed: int) -> None:
@@ -185,7 +176,6 @@ class CacheManager:
                 table[lo:keep_from] = [RELEASED] * len(stale)
                 self.pools[p].free(stale)  # oldest first: they become the first evicted later
                 r.first_live[p] = keep_from
-                r.frozen = None
                 if self._edits is not None:
                     self._edits.append((req_id, p, lo, (RELEASED,) * (keep_from - lo), len(table)))
 
@@ -209,7 +199,6 @@ class CacheManager:
                         f"were released (length {r.length}, spec_slack {self.spec_slack}); free and recompute"
                     )
         keep = self.blocks_for_count(n)
-        r.frozen = None
         for p in POOLS:
             table = r.tables[p]
             dropped = [b for b in reversed(table[keep:]) if b != RELEASED]  # tail first
@@ -261,8 +250,6 @@ class CacheManager:
             raise AssertionError(f"request {rid!r}: length {r.length} but only {nblocks} blocks")
         if RELEASED in r.tables[HISTORY]:
             raise AssertionError(f"request {rid!r}: released entry in the history table")
-        if r.frozen is not None and r.frozen != {p: tuple(t) for p, t in r.tables.items()}:
-            raise AssertionError(f"request {rid!r}: cached block tables {r.frozen} are stale")
         for p in TAIL_POOLS:
             lo, table = r.first_live[p], r.tables[p]
             if any(b != RELEASED for b in table[:lo]) or RELEASED in table[lo:]:

@@ -210,28 +210,6 @@ def test_free_returns_everything():
     assert frees(m) == {p: 32 for p in POOLS} and m.usage() == {p: 0.0 for p in POOLS}
 
 
-def test_block_tables_are_shared_until_they_change():
-    m = manager(csa_only())
-    step(m, "a", 100)
-    first = m.block_tables("a")
-    assert m.block_tables("a") is not first  # a fresh dict each time ...
-    assert all(m.block_tables("a")[p] is first[p] for p in POOLS)  # ... of the same tuples
-    step(m, "a", 1)  # within block 0: nothing changes
-    assert all(m.block_tables("a")[p] is first[p] for p in POOLS)
-    step(m, "a", 100)  # a second block
-    grown = m.block_tables("a")
-    assert all(len(grown[p]) == 2 for p in POOLS)
-    step(m, "a", 40)  # state block 0 released
-    assert m.block_tables("a")[STATE] == (-1, grown[STATE][1]) and m.block_tables("a")[HISTORY] is grown[HISTORY]
-    m.truncate("a", 0)
-    assert m.block_tables("a") == {p: () for p in POOLS}
-    step(m, "a", 10)
-    assert m.block_tables("a") == {p: tuple(t) for p, t in m._reqs["a"].tables.items()}
-    m._reqs["a"].tables[HISTORY][0] += 1  # a change behind the manager's back: the cached tuples are stale
-    with pytest.raises(AssertionError, match="stale"):
-        m.check_integrity()
-
-
 def test_integrity_catches_table_corruption():
     m = manager()
     step(m, "a", 300)
