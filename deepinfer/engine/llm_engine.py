@@ -23,7 +23,6 @@ from deepinfer.engine.sequence import RequestState
 from deepinfer.engine.sizing import build_cache
 from deepinfer.kv.manager import cdiv
 from deepinfer.model.device import prepare_for_device
-from deepinfer.model.fused import use_batched_path
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
@@ -41,10 +40,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer_dir)
         self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device,
                                 strict_mtp=False, progress=config.load_progress)
-        if config.device == "cuda":  # quantized weights + Triton kernels
+        if config.device == "cuda":  # quantized weights + Triton kernels; the CPU runs the reference ops
             prepare_for_device(self.model, select_ops(config.device))
-        else:  # the same batched path on the reference ops
-            use_batched_path(self.model)
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
         self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,))

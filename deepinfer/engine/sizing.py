@@ -49,7 +49,7 @@ def profile_activation_bytes(model, config: EngineConfig, layout) -> int:
 
 
 def _cuda_budget(config: EngineConfig, model, layout) -> int:
-    activations = profile_activation_bytes(model, config, layout) if model is not None and model.indexed else 0
+    activations = profile_activation_bytes(model, config, layout) if model is not None else 0
     free, total = torch.cuda.mem_get_info()
     budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - activations
     log.info("cache budget %.2f GiB (total %.1f, in use %.1f, activation peak %.2f GiB, utilization %.2f)",

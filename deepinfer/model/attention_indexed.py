@@ -1,10 +1,9 @@
-"""The batched attention path: one set of kernels per layer for every sequence of the step.
+"""Attention over a whole step: one set of kernels per layer for every sequence of the step.
 
-Same math as ``Attention.forward`` (the reference, which loops over sequences), but the cache is read
-and written through the step's row lists (``model/step_index.py``), so a layer costs a fixed number of
-launches whatever the batch, nothing syncs with the host, and a decode step can be captured as a CUDA
-graph. Used when the step context carries a ``StepIndex`` (the device path; tests also run it on the
-CPU with the reference op table and compare it with the per-sequence path).
+The cache is read and written through the step's row lists (``model/step_index.py``), so a layer costs a
+fixed number of launches whatever the batch, nothing syncs with the host, and a decode step can be captured
+as a CUDA graph. The model's only attention path (``Attention.forward``): the reference ops on the CPU,
+the Triton kernels on the GPU; tests compare it with the per-sequence oracle (``tests/oracle/per_sequence.py``).
 """
 
 from __future__ import annotations

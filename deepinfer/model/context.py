@@ -16,11 +16,11 @@ from deepinfer.model.step_index import StepRows
 class StepContext:
     input_ids: torch.Tensor  # [T] token ids (hash routing needs them in every forward)
     positions: torch.Tensor  # [T] absolute positions
-    batch: ForwardBatch | None  # None on the batched path (everything it needs is in ``index``)
+    batch: ForwardBatch | None  # the runs, when the caller gave them (the per-sequence oracle reads them)
     storage: KVStorage
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # table name ("main"/"compress") -> cos, sin [T, R/2]
-    index: StepRows | None = None  # row lists of the batched path (model/attention_indexed.py)
-    emit_rope: dict | None = None  # (ratio, overlap) -> cos, sin at each token's closing-window start
+    index: StepRows  # every cache row the step reads or writes (model/step_index.py)
+    emit_rope: dict  # (ratio, overlap) -> cos, sin at each token's closing-window start
 
     @property
     def layout(self) -> CacheLayout:

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 as pure math in plain PyTorch (the CPU reference path).
+"""DeepSeek-V4 as pure math in plain PyTorch: one forward path, the batched step.
 
 Parameter names equal the DeepSeek-native checkpoint names (``embed.weight``, ``layers.N.attn.wq_a.weight``,
 ``layers.N.ffn.experts.E.w1.weight``, ``mtp.0.*`` ...), so loading is a name-for-name copy after the
@@ -6,7 +6,11 @@ loader has dequantized and renamed whatever it read.
 
 ``forward`` takes a flat batch of new tokens from several sequences plus explicit metadata and the cache
 storage, and returns the final residual streams (before ``hc_head``); ``logits`` finishes the head. The
-MTP block (``mtp``) reuses the same decoder block and shares the embedding and LM head.
+MTP block (``mtp``) reuses the same decoder block and shares the embedding and LM head. Every step reads
+and writes the cache through row lists built once per step (``model/step_index.py``,
+``model/attention_indexed.py``); with the reference op table (the default) this is the CPU reference, with
+the Triton table (``model/device.py``) the GPU path. The per-sequence formulation it is checked against
+lives with the tests (``tests/oracle/per_sequence.py``).
 """
 
 from __future__ import annotations
@@ -97,29 +101,19 @@ class DeepseekV4(nn.Module):
         _hc_params(self, "hc_head", cfg.hc_mult, cfg.hc_mult * h, 1)
         self.mtp = nn.ModuleList(MTPBlock(cfg, dtype) for _ in range(cfg.num_nextn_predict_layers))
         self.ropes = RopeTables(cfg)
-        # The batched path (model/attention_indexed.py) instead of the per-sequence reference; set by
-        # model/device.py for device runs. Both compute the same math.
-        self.indexed = False
 
     def context(self, input_ids: torch.Tensor, batch: ForwardBatch | None, storage: KVStorage,
                 index: StepIndex | None = None) -> StepContext:
-        if index is None and self.indexed:
+        """The step's row lists (from ``index``, or built from ``batch`` on the host) and RoPE tables."""
+        if index is None:
             batch.check()
             index = build_step_index(batch, storage, self.cfg.sliding_window).to(input_ids.device)
-        if index is not None:
-            if len(input_ids) != len(index.positions):
-                raise ValueError(f"input_ids: {len(input_ids)} tokens but the step index has {len(index.positions)}")
-            positions = index.positions
-        else:
-            batch.check()
-            if len(input_ids) != batch.num_tokens:
-                raise ValueError(f"input_ids: {len(input_ids)} tokens but the batch describes {batch.num_tokens}")
-            positions = batch.positions(input_ids.device)
+        if len(input_ids) != len(index.positions):
+            raise ValueError(f"input_ids: {len(input_ids)} tokens but the step index has {len(index.positions)}")
+        positions = index.positions
         rope = {t: self.ropes.cos_sin(t, positions, self.dtype) for t in ("main", "compress")}
-        rows = emit_rope = None
-        if index is not None:
-            rows = index.rows(self.ops.step_rows)
-            emit_rope = {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype) for k, c in rows.compress.items()}
+        rows = index.rows(self.ops.step_rows)
+        emit_rope = {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype) for k, c in rows.compress.items()}
         return StepContext(input_ids, positions, batch, storage, rope, rows, emit_rope)
 
     @torch.no_grad()

@@ -23,7 +23,7 @@ from torch import nn
 
 from deepinfer.model.branches import INLINE, Branches
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.fused import use_batched_path
+from deepinfer.model.fused import fuse_projections
 from deepinfer.model.linear import flat_grouped
 from deepinfer.model.moe import MoE
 from deepinfer.model.quant import QuantizedWeight, scale_to_float
@@ -153,7 +153,7 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = N
                 module.fused = FusedFP4Experts(name, len(module.experts), quantized, module.cfg.swiglu_limit, ops)
                 module.experts = nn.ModuleList()  # the dequantized copies are no longer read
     model.quantized = {}
-    use_batched_path(model)
+    fuse_projections(model)
     for module in model.modules():  # after stacking: the stacks take the op table too
         if hasattr(module, "ops"):
             module.ops = ops

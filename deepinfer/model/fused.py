@@ -7,10 +7,12 @@ places read one input through weights the checkpoint stores separately:
     weights (bf16): one stack per weight format;
   * the normalised query latent feeds wq_b and, in CSA layers, the indexer's wq_b (FP8);
   * the shared expert's gate (w1) and up (w3) projections.
-``fuse_projections`` stacks each set once, after loading, into one weight and points the original modules
-at row slices of it (views: no second copy), so the reference modules keep working unchanged. Parts that
-cannot share one weight (FP8 rows that are not whole 128-row scale blocks, in tiny test models) run one
-GEMM each and are concatenated: the caller sees the same [T, sum of rows] layout either way.
+Every model is built with each set as a ``StackedLinear.side_by_side`` (the parts run one after another
+and are concatenated; no weight of its own, so loading and the parameter names are unaffected).
+``fuse_projections`` (the device transform) stacks each set once, after loading, into one weight and
+points the original modules at row slices of it (views: no second copy). Parts that cannot share one
+weight (FP8 rows that are not whole 128-row scale blocks, in tiny test models) run one GEMM each and are
+concatenated: the caller sees the same [T, sum of rows] layout either way.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class StackedLinear(nn.Module):
 
     def __init__(self, parts: list[tuple[str, nn.Module]]) -> None:
         super().__init__()
+        self.fused = True  # built by fuse_projections from the modules as they are now
+        self._refs: tuple[nn.Module, ...] | None = None
         kinds = {type(m) for _, m in parts}
         if len(kinds) != 1:
             raise TypeError(f"cannot stack {sorted(k.__name__ for k in kinds)}: one weight format per stack")
@@ -52,7 +56,23 @@ class StackedLinear(nn.Module):
         else:
             self.parts = nn.ModuleList(m for _, m in parts)
 
+    @classmethod
+    def side_by_side(cls, parts: list[tuple[str, nn.Module]]) -> "StackedLinear":
+        """The parts' outputs concatenated, computed one part at a time. The parts are referenced, not
+        registered as submodules: their parameters keep their one name (``layers.N.attn.wq_a.weight``)."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.fused, out.parts, out.inner = False, None, None
+        out._refs = tuple(m for _, m in parts)
+        out.cols, start = {}, 0
+        for name, module in parts:
+            out.cols[name] = start
+            start += module.out_features
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._refs is not None:
+            return torch.cat([m(x) for m in self._refs], dim=-1) if len(self._refs) > 1 else self._refs[0](x)
         if self.parts is not None:
             return torch.cat([m(x) for m in self.parts], dim=-1)
         if isinstance(self.inner, Linear):
@@ -65,27 +85,30 @@ def _rows(module: nn.Module) -> int:
     return w.shape[0]
 
 
-def use_batched_path(model: nn.Module) -> None:
-    """Switch a loaded model to the batched step path (``model/attention_indexed.py``) with stacked weights."""
-    fuse_projections(model)
-    model.indexed = True
-
-
-def fuse_projections(model: nn.Module) -> None:
-    """Stack the projections above in every block (idempotent)."""
+def projection_sets(module: nn.Module) -> dict[str, list[tuple[str, nn.Module]]]:
+    """The stacks an Attention or MoE module has (attribute -> named parts), from its modules as they are."""
     from deepinfer.model.attention import Attention
     from deepinfer.model.moe import MoE
 
+    if isinstance(module, Attention):
+        ix = getattr(module, "indexer", None)
+        sets = {"x_proj": [("q", module.wq_a), ("kv", module.wkv)],
+                "q_proj": [("q", module.wq_b)] + ([("ix_q", ix.wq_b)] if ix is not None else [])}
+        if hasattr(module, "compressor"):
+            parts = [("kv", module.compressor.wkv), ("gate", module.compressor.wgate)]
+            if ix is not None:
+                parts += [("ix_kv", ix.compressor.wkv), ("ix_gate", ix.compressor.wgate), ("ix_w", ix.weights_proj)]
+            sets["side_proj"] = parts
+        return sets
+    if isinstance(module, MoE) and module.shared_experts is not None:
+        e = module.shared_experts
+        return {"shared_w13": [("w1", e.w1), ("w3", e.w3)]}
+    return {}
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Stack the projections above in every block into one weight each (idempotent)."""
     for module in list(model.modules()):
-        if isinstance(module, Attention) and module.x_proj is None:
-            ix = getattr(module, "indexer", None)
-            module.x_proj = StackedLinear([("q", module.wq_a), ("kv", module.wkv)])
-            module.q_proj = StackedLinear([("q", module.wq_b)] + ([("ix_q", ix.wq_b)] if ix is not None else []))
-            if hasattr(module, "compressor"):
-                parts = [("kv", module.compressor.wkv), ("gate", module.compressor.wgate)]
-                if ix is not None:
-                    parts += [("ix_kv", ix.compressor.wkv), ("ix_gate", ix.compressor.wgate), ("ix_w", ix.weights_proj)]
-                module.side_proj = StackedLinear(parts)
-        elif isinstance(module, MoE) and module.shared_experts is not None and module.shared_w13 is None:
-            e = module.shared_experts
-            module.shared_w13 = StackedLinear([("w1", e.w1), ("w3", e.w3)])
+        for attr, parts in projection_sets(module).items():
+            if not getattr(module, attr).fused:
+                setattr(module, attr, StackedLinear(parts))

@@ -10,6 +10,7 @@ from torch import nn
 
 from deepinfer.config.model import HASH_MOE, ModelConfig
 from deepinfer.model.branches import INLINE, Branches
+from deepinfer.model.fused import StackedLinear, projection_sets
 from deepinfer.model.linear import Linear
 from deepinfer.ops.table import REF, OpTable
 
@@ -56,7 +57,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit, dtype) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, inter, limit, dtype) if cfg.n_shared_experts else None
         self.fused: nn.Module | None = None  # stacked quantized experts (model/device.py)
-        self.shared_w13: nn.Module | None = None  # the shared expert's w1 and w3 as one GEMM (model/fused.py)
+        for attr, parts in projection_sets(self).items():  # the shared expert's w1|w3 (model/fused.py)
+            setattr(self, attr, StackedLinear.side_by_side(parts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.fused is None:  # the reference: dequantized experts, one by one
@@ -88,9 +90,7 @@ class MoE(nn.Module):
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         e = self.shared_experts
-        if self.shared_w13 is None:
-            return e(x)
-        return e.w2(self.ops.swiglu(self.shared_w13(x), e.limit))  # Expert.forward's math, two GEMMs
+        return e.w2(self.ops.swiglu(self.shared_w13(x), e.limit))  # Expert.forward's math
 
     def _experts_loop(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         routed = torch.zeros_like(x)

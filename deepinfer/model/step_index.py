@@ -1,8 +1,8 @@
 """StepIndex / StepRows: every cache row one step reads or writes, as flat index tensors.
 
-The reference path (``attention.py``) walks the batch sequence by sequence in every layer and turns block
-tables into rows with small tensor ops. The device path cannot afford that: it would launch hundreds of
-tiny kernels per layer and stall on host syncs. Instead one step works in two stages:
+Walking the batch sequence by sequence in every layer, turning block tables into rows with small tensor
+ops (the per-sequence oracle, ``tests/oracle/per_sequence.py``), would launch hundreds of tiny kernels per
+layer and stall on host syncs. Instead one step works in two stages:
 
   * ``StepIndex`` (host, numpy): the few per-step facts only the scheduler knows — each token's sequence
     and position, each sequence's block tables and length — padded to fixed shapes when asked

@@ -54,8 +54,6 @@ class DecodeGraphs:
 
     def __init__(self, model: DeepseekV4, storage: KVStorage, max_model_len: int, sizes: Sequence[int],
                  tokens_per_seq: int = 1) -> None:
-        if not model.indexed:
-            raise ValueError("DecodeGraphs needs the batched path (model.indexed, set by prepare_for_device)")
         if tokens_per_seq < 1:
             raise ValueError(f"tokens_per_seq: must be >= 1, got {tokens_per_seq}")
         self.model, self.storage = model, storage

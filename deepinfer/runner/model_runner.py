@@ -112,8 +112,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: DeepseekV4, storage: KVStorage, batch: InputBatch,
                  graphs: DecodeGraphs | None = None) -> None:
-        if not model.indexed:
-            raise ValueError("ModelRunner runs the batched path: call use_batched_path(model) (or prepare_for_device)")
         self.model, self.storage, self.batch, self.graphs = model, storage, batch, graphs
         self.device = next(model.parameters()).device
         self.window = model.cfg.sliding_window

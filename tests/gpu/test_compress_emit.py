@@ -1,4 +1,4 @@
-"""Triton compressor emit against its reference twin (and the reference against ``Compressor.emit``).
+"""Triton compressor emit against its reference twin (and the reference against the per-sequence oracle's ``emit``).
 
 Fresh fixed-seed random inputs per case, laid out like the model's: each position of a sequence owns a
 scattered (paged) state row, and a token at the last position of a window emits that window's entry from
@@ -148,8 +148,10 @@ def test_batch_invariant(dtype, device) -> None:
 @pytest.mark.interpret_ok
 @pytest.mark.parametrize("overlap", [True, False])
 def test_reference_is_compressor_emit(overlap, device, monkeypatch) -> None:
-    """The batched op writes what ``Compressor.emit`` writes, run by run, over a shared paged pool."""
+    """The batched op writes what the per-sequence oracle's ``emit`` writes, run by run, over a shared paged
+    pool."""
     import deepinfer.model.compressor as mc
+    from tests.oracle import per_sequence as ps
     from deepinfer.kv.spec import HISTORY, STATE
 
     m, W, dtype = 4, 64, torch.float32
@@ -162,7 +164,7 @@ def test_reference_is_compressor_emit(overlap, device, monkeypatch) -> None:
     perm, eperm = torch.randperm(R, generator=g), torch.randperm(R2, generator=g)
     tables = [(perm[:24], eperm[:6]), (perm[24:48], eperm[6:12])]  # position -> state row, window -> entry row
     state = torch.randn(R, 2 * S, generator=g).to(device)
-    monkeypatch.setattr(mc, "rows_for", lambda table, idx, layout, spec: table.to(idx.device)[idx])
+    monkeypatch.setattr(ps, "rows_for", lambda table, idx, layout, spec: table.to(idx.device)[idx])
     freqs = _freqs()
 
     def rope(x, positions):
@@ -176,7 +178,7 @@ def test_reference_is_compressor_emit(overlap, device, monkeypatch) -> None:
     slots, entry, wins = [], [], []
     for (lo, hi), (srow, erow) in zip(spans, tables):
         run = SimpleNamespace(first_pos=lo, end_pos=hi, block_tables={STATE: srow, HISTORY: erow})
-        comp.emit(run, ctx, "layer", "state", "entries", rope)
+        ps.emit(comp, run, ctx, "layer", "state", "entries", rope)
         pos = torch.arange(lo, hi)  # the batch: every token of the run, in order
         closes = (pos + 1) % m == 0
         slots.append(torch.where(closes[:, None], _slots_of(pos // m, srow, m, overlap), -1))

@@ -16,7 +16,6 @@ import torch
 from deepinfer.kv.manager import CacheManager, cdiv
 from deepinfer.kv.spec import POOLS, build_layout
 from deepinfer.kv.storage import KVStorage
-from deepinfer.model.fused import use_batched_path
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.sampling import SamplingParams
@@ -32,7 +31,6 @@ class Harness:
 
     def __init__(self) -> None:
         model = copy.deepcopy(MODEL)
-        use_batched_path(model)
         layout = build_layout(model.cfg, 128)
         counts = {p: 16 for p in POOLS}
         self.cache = CacheManager(layout, counts)

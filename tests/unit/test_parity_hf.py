@@ -19,10 +19,14 @@ import torch
 from deepinfer.kv.spec import build_layout
 from deepinfer.runner.sequences import SequenceCache
 from tests.oracle.hf import build_hf, ours_from_hf, tiny_native_config
+from tests.oracle.per_sequence import per_sequence
 
 pytest.importorskip("transformers")
 
 TOL = 1e-4
+# The batched path against HF in bf16, relative to the logits' norm: one bf16 rounding step (2**-7) apart
+# (measured 1.1e-2 on flash_order, where CSA layers' indexer picks feel the rounding; 0 on the others).
+BF16_TOL = 2e-2
 PROMPT = 40
 DECODE = 300  # > 2 HCA windows of 128 close during decode
 
@@ -136,8 +140,9 @@ def test_save_pretrained_checkpoint_loads_and_matches_hf_logits(tmp_path) -> Non
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_bf16_full_prompt_is_bitwise_equal_to_hf(name: str, tmp_path) -> None:
-    """In bf16, with HF loaded the usual way (norms, mHC, sinks, biases kept in fp32), the reference path
-    reproduces HF's rounding steps exactly: identical logits, not merely close ones."""
+    """In bf16, with HF loaded the usual way (norms, mHC, sinks, biases kept in fp32), the per-sequence
+    oracle reproduces HF's rounding steps exactly: identical logits, not merely close ones. The model's one
+    (batched) path orders some ops differently, so in bf16 it is close, not identical."""
     from transformers import DeepseekV4ForCausalLM
 
     from deepinfer.model.loader import load_model
@@ -151,4 +156,8 @@ def test_bf16_full_prompt_is_bitwise_equal_to_hf(name: str, tmp_path) -> None:
     cache = SequenceCache(build_layout(ours.cfg, 128), 4, torch.bfloat16)
     sid = cache.new_sequence()
     tok, batch = cache.plan({sid: ids.tolist()})
-    assert torch.equal(ours.logits(ours(tok, batch, cache.storage)), ref)
+    with per_sequence():
+        assert torch.equal(ours.logits(ours(tok, batch, cache.storage)), ref)
+    cache.truncate(sid, 0)
+    got = ours.logits(ours(tok, batch, cache.storage)).float()
+    assert (got - ref.float()).norm() <= BF16_TOL * ref.float().norm()

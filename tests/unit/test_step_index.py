@@ -1,4 +1,4 @@
-"""The batched (index-list) step path against the per-sequence reference path, on the CPU in fp32.
+"""The batched (index-list) step path against the per-sequence oracle (tests/oracle/per_sequence.py), in fp32.
 
 Both paths compute the same math with different op orders (batched gathers vs per-sequence tensors), so
 logits agree to fp32 rounding (observed ~1e-7 relative; bound 1e-5). Steps mix sequences, chunked prefill
@@ -20,10 +20,11 @@ from deepinfer.config import ModelConfig
 from deepinfer.kv.spec import HISTORY, STATE, WINDOW, build_layout
 from deepinfer.model.batch import ForwardBatch, SeqRun
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.fused import use_batched_path
+from deepinfer.model.fused import fuse_projections
 from deepinfer.model.step_index import StepBuffer, build_step_index
 from deepinfer.runner.sequences import SequenceCache
 from tests.oracle.hf import tiny_native_config
+from tests.oracle.per_sequence import per_sequence
 from tests.unit.test_sequence_state import _model
 
 NATIVE = tiny_native_config(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1,
@@ -31,10 +32,11 @@ NATIVE = tiny_native_config(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4, 
 
 
 def _pair() -> tuple[DeepseekV4, DeepseekV4]:
-    ref = _model()
-    batched = copy.deepcopy(ref)
-    use_batched_path(batched)
-    return ref, batched
+    """The model as built (projections side by side) and a copy with its projections stacked (one GEMM)."""
+    plain = _model()
+    stacked = copy.deepcopy(plain)
+    fuse_projections(stacked)
+    return plain, stacked
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -71,11 +73,14 @@ SCHEDULE = [
 ]
 
 
-def test_batched_path_matches_reference() -> None:
-    ref, batched = _pair()
-    for a, b in zip(_run(ref, SCHEDULE), _run(batched, SCHEDULE)):
-        assert torch.isfinite(b).all()
-        assert (a - b).norm() <= 1e-5 * a.norm(), (a - b).abs().max()
+def test_batched_path_matches_the_per_sequence_oracle() -> None:
+    model, stacked = _pair()
+    with per_sequence():
+        want = _run(model, SCHEDULE)
+    for got in (_run(model, SCHEDULE), _run(stacked, SCHEDULE)):
+        for a, b in zip(want, got):
+            assert torch.isfinite(b).all()
+            assert (a - b).norm() <= 1e-5 * a.norm(), (a - b).abs().max()
 
 
 def test_padding_to_fixed_shapes_changes_nothing() -> None:

@@ -1,6 +1,6 @@
 """Compressor emit for a whole batch: gather each closing window's slots, pool, normalise, rotate, store.
 
-This is ``Compressor.emit`` (model/compressor.py) flattened over the batch, so one call (and on the GPU one
+This is the per-sequence ``emit`` (tests/oracle/per_sequence.py) flattened over the batch, so one call (and on the GPU one
 kernel, ``ops/triton/compress_emit.py``, same signature) serves every sequence of a step, with the slot
 row ids precomputed by the caller instead of per-sequence position arithmetic.
 

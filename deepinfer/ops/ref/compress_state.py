@@ -1,6 +1,6 @@
 """Compressor state write for a whole batch: every new token's kv and biased gate rows, in fp32.
 
-The first half of ``Compressor.write_state`` (model/compressor.py), flattened over the batch: the caller has
+The first half of the per-sequence ``write_state`` (tests/oracle/per_sequence.py), flattened over the batch: the caller has
 already run the token's projections (on the device path one GEMM serves every compressor of the layer, so
 the kv and gate columns of one compressor are a column range of a wider projection). Twin of
 ``ops/triton/compress_state.py`` (one kernel on the GPU instead of casts, a gather, an add and two scatters).
