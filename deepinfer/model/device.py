@@ -150,7 +150,7 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = N
     for name, module in model.named_modules():
         if isinstance(module, MoE) and f"{name}.experts.0.w1.weight" in quantized:
             if quantized[f"{name}.experts.0.w1.weight"].format == "fp4":
-                module.fused = FusedFP4Experts(name, len(module.experts), quantized, module.cfg.swiglu_limit, ops)
+                module.routed = FusedFP4Experts(name, len(module.experts), quantized, module.cfg.swiglu_limit, ops)
                 module.experts = nn.ModuleList()  # the dequantized copies are no longer read
     model.quantized = {}
     fuse_projections(model)

@@ -44,6 +44,31 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
 
+class ExpertLoop(nn.Module):
+    """The routed experts as the reference computes them: the dequantized experts one by one, in ascending
+    expert order, accumulating in the activation dtype. The device transform replaces it with stacked
+    quantized experts (``FusedFP4Experts``, model/device.py) of the same call signature. The experts are
+    referenced, not registered: their parameters keep their names (``ffn.experts.E.w1.weight``)."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        super().__init__()
+        self._experts = (experts,)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None,
+                before_add=None) -> torch.Tensor:
+        experts = self._experts[0]
+        routed = torch.zeros_like(x)
+        for e in torch.unique(indices).tolist():
+            tok, slot = torch.where(indices == e)
+            out = experts[e](x[tok]) * weights[tok, slot, None]
+            routed.index_add_(0, tok, out.to(x.dtype))
+        if add is None:
+            return routed
+        if before_add is not None:
+            before_add()
+        return routed + add
+
+
 class MoE(nn.Module):
     ops: OpTable = REF  # replaced by model/device.py for accelerated runs (one fused routing kernel)
     branches: Branches = INLINE  # two streams on the GPU path (model/device.py)
@@ -56,23 +81,19 @@ class MoE(nn.Module):
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit, dtype) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, inter, limit, dtype) if cfg.n_shared_experts else None
-        self.fused: nn.Module | None = None  # stacked quantized experts (model/device.py)
+        self.routed: nn.Module = ExpertLoop(self.experts)  # FusedFP4Experts after the device transform
         for attr, parts in projection_sets(self).items():  # the shared expert's w1|w3 (model/fused.py)
             setattr(self, attr, StackedLinear.side_by_side(parts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.fused is None:  # the reference: dequantized experts, one by one
-            weights, indices = self._route(x, input_ids)
-            routed = self._experts_loop(x, indices, weights)
-            return routed if self.shared_experts is None else routed + self._shared(x)
         shared = None
         if self.shared_experts is not None:
-            # The shared expert runs beside the router and the routed experts (model/branches.py); the
-            # kernels' combine adds it (no extra launch) once it is done.
+            # The shared expert runs beside the router and the routed experts (model/branches.py; inline on
+            # the CPU); the routed experts' combine adds it once it is done.
             with self.branches.side():
                 shared = self._shared(x)
         weights, indices = self._route(x, input_ids)
-        return self.fused(x, indices, weights, add=shared, before_add=self.branches.join)
+        return self.routed(x, indices, weights, add=shared, before_add=self.branches.join)
 
     def _route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -91,12 +112,3 @@ class MoE(nn.Module):
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         e = self.shared_experts
         return e.w2(self.ops.swiglu(self.shared_w13(x), e.limit))  # Expert.forward's math
-
-    def _experts_loop(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        routed = torch.zeros_like(x)
-        # Ascending expert order, accumulating in the activation dtype (the reference's order).
-        for e in torch.unique(indices).tolist():
-            tok, slot = torch.where(indices == e)
-            out = self.experts[e](x[tok]) * weights[tok, slot, None]
-            routed.index_add_(0, tok, out.to(x.dtype))
-        return routed
