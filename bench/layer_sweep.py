@@ -286,11 +286,11 @@ def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
         seen: set[int] = set()
         for name, t in list(layer.named_buffers()) + list(layer.named_parameters()):
             storage = t.untyped_storage()
-            if ".fused." in f".{name}" or storage.data_ptr() in seen:
+            if ".routed." in f".{name}" or storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
             total += storage.nbytes()
-        fused = layer.ffn.fused
+        fused = layer.ffn.routed  # FusedFP4Experts after prepare_for_device
         per_expert = sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("w13", "w2"))
         per_expert += sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("s13", "s2"))
         total += per_expert * active_experts
