@@ -1,9 +1,11 @@
 """Per-row sampler input: everything the sampler needs about one row, frozen and self-contained.
 
-A ``SamplingRow`` is built once per row per step from the request's ``SamplingParams`` and its token
-history. It carries only plain Python values, so the sampler's result for a row is a function of
-(that row's logits, that row's ``SamplingRow``) and nothing else -- which is what makes a request's tokens
-independent of its neighbours in the batch.
+A ``SamplingRow`` is built from the request's ``SamplingParams`` and its whole token history: the
+reference form of the sampler's input (tests, direct callers). It carries only plain Python values, so the
+sampler's result for a row is a function of (that row's logits, that row's ``SamplingRow``) and nothing
+else -- which is what makes a request's tokens independent of its neighbours in the batch. The engine's
+runner does not rebuild rows each step: it keeps the same settings per batch slot and the penalty counts
+on the device (``runner/input_batch.py``), and a test checks it gathers the tensors these rows give.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The batched sampler: float32 logits [B, V] + one ``SamplingRow`` per row -> one token per row.
+"""The batched sampler: float32 logits [B, V] + per-row inputs (``SamplingTensors``: from ``SamplingRow``
+objects, or gathered by the runner from its per-slot state) -> one token per row.
 
 Processing order (each step sees the output of the previous one):
   1. penalties       repetition (prompt + output tokens), then presence / frequency (output counts)
