@@ -3,7 +3,7 @@
 One engine thread owns the engine. Everything else talks to it through a command queue:
 
     HTTP coroutine --Submit/Abort/Call--> command deque (under a Condition) --> engine thread
-    engine thread --RequestOutput--> loop.call_soon_threadsafe(queue.put_nowait) --> HTTP coroutine
+    engine thread --a step's RequestOutputs--> loop.call_soon_threadsafe(put each) --> HTTP coroutines
 
 The engine thread drains commands, then runs ``step()`` while the engine has work, and otherwise waits on
 the Condition: no busy spin and no sleeps. A command is only ever appended under the Condition's lock and
@@ -83,6 +83,11 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     cache_usage: dict[str, float] = field(default_factory=dict)
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -270,6 +275,10 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
+        # One hand-off per event loop per step, not one per output: each call_soon_threadsafe writes to the
+        # loop's wake-up pipe (measured: 64 outputs one by one 0.43-0.49 ms of this thread per step, in one
+        # batch 0.05 ms).
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -278,7 +287,12 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             if self.metrics is not None:
                 self._observe(stream, out, now)
-            self._deliver(stream, out)
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that client's event loop is closed
+                pass
         self._publish_stats()
 
     def _observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
