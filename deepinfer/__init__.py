@@ -8,6 +8,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.llm import LLM, ChatOutput
 from deepinfer.sampling import SamplingParams
+from deepinfer.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -20,4 +21,5 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -18,8 +18,11 @@ PromptInput = str | dict | list
 
 
 class Intake:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, max_cached_tokens: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, max_cached_tokens: int,
+                 eos_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self._grammars = None  # GrammarBackend, built on the first structured request
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_cached_tokens = max_cached_tokens
@@ -68,6 +71,7 @@ class Intake:
             )
         if len(ids) + 1 > self.max_cached_tokens:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache ({self.max_cached_tokens} tokens)")
+        grammar = self._compile(params)
         req = RequestState(request_id, text, tuple(ids), params)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
@@ -78,4 +82,20 @@ class Intake:
                                            params.include_stop_str_in_output, min_tokens=params.min_tokens)
             req.seqs.append(Sequence(f"{request_id}#{i}", i, req, list(ids), len(ids), s, next(self._arrivals),
                                      detok, params.max_new_tokens(len(ids), self.max_model_len)))
+            if grammar is not None:
+                req.seqs[-1].grammar = self._grammars.matcher(grammar)
         return req
+
+    def _compile(self, params: SamplingParams) -> str | None:
+        """The request's grammar, compiled now so that a bad constraint is a ValueError naming the field
+        before anything is queued."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            from deepinfer.structured.backend import GrammarBackend
+
+            self._grammars = GrammarBackend(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_id)
+        return self._grammars.compile(params.structured_outputs)
+
+    def masks(self, matchers: list) -> list[bytes]:
+        return self._grammars.masks(matchers)

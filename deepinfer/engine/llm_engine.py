@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from deepinfer.config.engine import EngineArgs, EngineConfig
@@ -55,7 +56,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[Schedule, StepHandle] | None = None  # async: submitted, results not applied
         max_cached = self.facts.num_blocks["history"] * config.cache.block_size
-        self.intake = Intake(self.tokenizer, mc.vocab_size, config.scheduler.max_model_len, max_cached)
+        self.intake = Intake(self.tokenizer, mc.vocab_size, config.scheduler.max_model_len, max_cached, mc.eos_token_id)
         self.requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
 
@@ -94,10 +95,15 @@ class LLMEngine:
     # ---- the loop body --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        schedule = self.scheduler.schedule()
+        touched: set[str] = set()
+        if self._inflight is not None and any(s.grammar is not None for s in self.scheduler.running):
+            # A grammar's next mask needs the token in flight: this step waits for it (no overlap).
+            touched |= self._apply(*self._inflight)
+            self._inflight = None
+        schedule = self._with_grammar_masks(self.scheduler.schedule())
         for seq in schedule.unschedulable:
             finish(seq, "length")
-        touched = {seq.request.request_id for seq in schedule.unschedulable}
+        touched |= {seq.request.request_id for seq in schedule.unschedulable}
         handle = self.runner.submit(schedule.plan)  # an empty plan still carries departures
         self.scheduler.commit(schedule)
         current = None if schedule.empty else (schedule, handle)
@@ -114,6 +120,19 @@ class LLMEngine:
             if req.finished:
                 del self.requests[rid]
         return outputs
+
+    def _with_grammar_masks(self, schedule: Schedule) -> Schedule:
+        """The schedule with each constrained draw's allowed-token mask in its work item."""
+        rows = [i for i, (seq, w) in enumerate(zip(schedule.seqs, schedule.plan.work))
+                if w.num_samples and seq.grammar is not None]
+        if not rows:
+            return schedule
+        work = list(schedule.plan.work)
+        if any(work[i].num_samples > 1 for i in rows):
+            raise ValueError("structured outputs: several draws of one sequence in a step are not supported")
+        for i, mask in zip(rows, self.intake.masks([schedule.seqs[i].grammar for i in rows])):
+            work[i] = replace(work[i], grammar_mask=mask)
+        return replace(schedule, plan=replace(schedule.plan, work=tuple(work)))
 
     def _apply(self, schedule: Schedule, handle: StepHandle) -> set[str]:
         """Fold a finished step's results into its sequences (waits for them to reach the host)."""
@@ -133,7 +152,20 @@ class LLMEngine:
                     break
                 append_token(seq, token, lp, eos, self._decode_one)
                 touched.add(seq.request.request_id)
+                if seq.grammar is not None and not seq.finished:
+                    self._advance_grammar(seq, token)
         return touched
+
+    @staticmethod
+    def _advance_grammar(seq, token: int) -> None:
+        """Feed the grammar the accepted token; end the sequence when the grammar allows nothing more."""
+        g = seq.grammar
+        if not g.consume_token(token) or g.is_error():
+            # Only reachable when another mask (min_tokens) left no token the grammar allows.
+            log.warning("%s: token %d breaks its output constraint (%s); stopping", seq.seq_id, token, g.get_error())
+            finish(seq, "stop")
+        elif g.is_stopped():
+            finish(seq, "stop")
 
     def _position_logprobs(self, values):
         return [to_position_logprobs(v, self._decode_one) for v in values]

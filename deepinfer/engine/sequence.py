@@ -34,6 +34,7 @@ class Sequence:
     num_computed: int = 0
     # Tokens drawn on the device whose ids have not reached the host yet (async scheduling: at most 1).
     num_pending: int = 0
+    grammar: object | None = None  # the structured-output matcher (llguidance.LLMatcher), fed every token
     status: Status = Status.WAITING
     text: str = ""
     finish_reason: str | None = None

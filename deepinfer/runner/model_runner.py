@@ -28,6 +28,7 @@ from deepinfer.sampling import TokenLogprobs
 from deepinfer.sampling.logprobs import LogprobTensors
 from deepinfer.sampling.sampler import draw
 from deepinfer.sched.plan import StepPlan
+from deepinfer.structured.backend import apply_masks, words_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +169,9 @@ class ModelRunner:
         """Draw a token from each row of ``logits``; the StepHandle fields that carry them to the host."""
         batch = self.batch
         seq_ids = tuple(w.seq_id for w in work if w.num_samples)
+        masks = [w.grammar_mask for w in work if w.num_samples]
+        if any(m is not None for m in masks):
+            logits = self._apply_grammar_masks(logits.float(), masks, last_rows)
         if batch.plain_greedy(slots, positions):
             # Greedy rows with nothing to apply: the sampler would return this argmax (the conversion to
             # float32 is exact, so it is skipped too); a dozen fewer small launches per step.
@@ -186,6 +190,16 @@ class ModelRunner:
             out["logprobs"] = LogprobTensors(*(_to_host(x) for x in (lp.token_ids, lp.chosen, lp.ranks, lp.top_vals,
                                                                     lp.top_ids)))
         return out
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, masks: list[bytes | None], last_rows: list[int]):
+        """Disallowed tokens of constrained draws to -inf (rows without a constraint: all bits set)."""
+        words = (logits.shape[1] + 31) // 32
+        host = np.full((len(logits), words), -1, dtype=np.int32)
+        for mask, row in zip(masks, last_rows):
+            if mask is not None:
+                host[row] = words_of(mask)[:words]
+        flat = to_device(host.reshape(-1), torch.int32, self.device).view(len(logits), words)
+        return apply_masks(logits, flat)
 
     def _placeholders(self, work, slots: np.ndarray, starts: np.ndarray):
         """(flat rows, device values) of the inputs still on the device, or None."""

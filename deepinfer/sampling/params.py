@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from deepinfer.structured.params import StructuredOutputsParams
+
 # Below this temperature a request is sampled greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by
 # a temperature this small overflows to inf and the softmax becomes NaN, while the distribution is already
 # one-hot for any practical purpose.
@@ -121,6 +123,7 @@ class SamplingParams:
     seq_seed: int | None
     skip_special_tokens: bool
     include_stop_str_in_output: bool
+    structured_outputs: StructuredOutputsParams | None  # a constraint on the output (deepinfer.structured)
 
     def __init__(
         self,
@@ -143,6 +146,7 @@ class SamplingParams:
         seq_seed: int | None = None,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        structured_outputs: StructuredOutputsParams | dict | None = None,
         seed: int | None = None,
         **unknown: Any,
     ) -> None:
@@ -181,6 +185,8 @@ class SamplingParams:
             "seq_seed": None if seq_seed is None else int(seq_seed),
             "skip_special_tokens": _check_bool("skip_special_tokens", skip_special_tokens),
             "include_stop_str_in_output": _check_bool("include_stop_str_in_output", include_stop_str_in_output),
+            "structured_outputs": None if structured_outputs is None else
+            StructuredOutputsParams.from_dict(structured_outputs),
         }
         for key, value in values.items():
             object.__setattr__(self, key, value)  # frozen dataclass: the only way to set in __init__

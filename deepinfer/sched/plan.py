@@ -91,6 +91,9 @@ class SeqWork:
     num_placeholders: int = 0  # trailing new tokens still on the device (drawn by the previous step)
     num_samples: int = 0  # tokens drawn at the last num_samples positions
     prompt_logprobs: PromptLogprobJob | None = None
+    # Structured outputs: the allowed next tokens, int32 words (bit t of word t // 32 set: token t allowed),
+    # applied to the logits of the sequence's draw.
+    grammar_mask: bytes | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -242,7 +242,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         top = (req.top_logprobs or 0) if req.logprobs else None
         b = ChatBuilder(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, req.n, thinking, top)
         stream = await state.submit([EngineRequest(b.id, prompt, params)],
-                                    {"prompt": "messages", "prompt_token_ids": "messages"})
+                                    {"prompt": "messages", "prompt_token_ids": "messages", **req.constraint_renames()})
         if req.stream:
             return EventStream(_events(stream, b.chunks, b.usage_chunk if req.include_usage else None), stream)
         finals = await _finals(request, stream)

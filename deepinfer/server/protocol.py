@@ -60,6 +60,8 @@ class _SamplingRequest(_Strict):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # {json | json_object | regex | choice | grammar} (vLLM's spelling), enforced by deepinfer.structured
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -73,6 +75,7 @@ class _SamplingRequest(_Strict):
             "n": self.n, "max_tokens": max_tokens, "stop": self.stop, "seed": self.seed,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self.constraint(),
         }
         # null means "the default" in the OpenAI API, so only forward what was given.
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -80,6 +83,9 @@ class _SamplingRequest(_Strict):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         return kw
+
+    def constraint(self) -> dict[str, Any] | None:
+        return self.structured_outputs
 
 
 def _prompt_count(prompt: Any) -> list[Any]:
@@ -185,8 +191,31 @@ class ChatCompletionRequest(_SamplingRequest):
         raise ApiError(400, f"tool_choice: {json.dumps(choice)} is not supported; use \"auto\" or \"none\"",
                        param="tool_choice", code="unsupported_parameter")
 
+    def constraint(self) -> dict[str, Any] | None:
+        """The output constraint: response_format (json_object, json_schema; "strict" or not, the schema is
+        enforced) or structured_outputs, not both. Not with thinking: the constraint would bind the reasoning
+        too (constraining only the answer after </think> is not built yet)."""
+        schema = self.schema()
+        if schema is not None and self.structured_outputs is not None:
+            raise ApiError(400, "structured_outputs: give either response_format or structured_outputs, not both",
+                           param="structured_outputs", code="invalid_value")
+        if schema is None and self.structured_outputs is None:
+            return None
+        field = "response_format" if schema is not None else "structured_outputs"
+        if self.thinking():
+            raise ApiError(400, f"{field}: not supported with thinking mode yet (the constraint would apply to "
+                                "the reasoning); turn thinking off", param=field, code="unsupported_parameter")
+        if schema is None:
+            return self.structured_outputs
+        return {"json_object": True} if self.response_format.get("type") == "json_object" else {"json": schema}
+
+    def constraint_renames(self) -> dict[str, str]:
+        """Errors about the constraint name the field the client used."""
+        return {"structured_outputs": "response_format"} if self.schema() is not None else {}
+
     def schema(self) -> dict | None:
-        """response_format rendered into the prompt (a hint to the model, not enforced)."""
+        """response_format's schema: rendered into the prompt (V4's chat format has a section for it) and
+        enforced (``constraint``)."""
         rf = self.response_format
         if rf is None or rf.get("type") == "text":
             return None
@@ -214,7 +243,7 @@ class ChatCompletionRequest(_SamplingRequest):
         kw = self._sampling_kwargs(limit)  # None: up to the model length, as OpenAI's chat default
         # The parser needs </think>, EOS and the DSML markers in the text, so specials are kept.
         kw.update(logprobs=(self.top_logprobs or 0) if self.logprobs else None, skip_special_tokens=False)
-        renames = {"seq_seed": "seed", "logprobs": "top_logprobs"}
+        renames = {"seq_seed": "seed", "logprobs": "top_logprobs", **self.constraint_renames()}
         if self.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         try:
