@@ -84,7 +84,18 @@ class Intake:
                                      detok, params.max_new_tokens(len(ids), self.max_model_len)))
             if grammar is not None:
                 req.seqs[-1].grammar = self._grammars.matcher(grammar)
+                req.seqs[-1].grammar_after = self._thinking_end(ids)
         return req
+
+    def _thinking_end(self, ids: list[int]) -> int | None:
+        """``</think>``'s id when the prompt ends inside a thinking block (V4's chat format opens one with
+        ``<think>`` in thinking mode and closes it in the prompt otherwise), else None."""
+        start, end = self.tokenizer.token_to_id("<think>"), self.tokenizer.token_to_id("</think>")
+        if start is None or end is None:
+            return None
+        last_start = max((i for i, t in enumerate(ids) if t == start), default=-1)
+        last_end = max((i for i, t in enumerate(ids) if t == end), default=-1)
+        return end if last_start > last_end else None
 
     def _compile(self, params: SamplingParams) -> str | None:
         """The request's grammar, compiled now so that a bad constraint is a ValueError naming the field

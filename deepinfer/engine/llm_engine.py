@@ -124,7 +124,7 @@ class LLMEngine:
     def _with_grammar_masks(self, schedule: Schedule) -> Schedule:
         """The schedule with each constrained draw's allowed-token mask in its work item."""
         rows = [i for i, (seq, w) in enumerate(zip(schedule.seqs, schedule.plan.work))
-                if w.num_samples and seq.grammar is not None]
+                if w.num_samples and seq.grammar is not None and seq.grammar_after is None]
         if not rows:
             return schedule
         work = list(schedule.plan.work)
@@ -153,7 +153,10 @@ class LLMEngine:
                 append_token(seq, token, lp, eos, self._decode_one)
                 touched.add(seq.request.request_id)
                 if seq.grammar is not None and not seq.finished:
-                    self._advance_grammar(seq, token)
+                    if seq.grammar_after is None:
+                        self._advance_grammar(seq, token)
+                    elif token == seq.grammar_after:  # the reasoning ended: the answer is constrained
+                        seq.grammar_after = None
         return touched
 
     @staticmethod

@@ -35,6 +35,9 @@ class Sequence:
     # Tokens drawn on the device whose ids have not reached the host yet (async scheduling: at most 1).
     num_pending: int = 0
     grammar: object | None = None  # the structured-output matcher (llguidance.LLMatcher), fed every token
+    # The prompt opened a thinking block: the constraint starts after the model closes it (the reasoning
+    # is free text; only the answer is constrained).
+    grammar_after: int | None = None  # the token that starts the constraint (``</think>``), None: from the start
     status: Status = Status.WAITING
     text: str = ""
     finish_reason: str | None = None

@@ -193,18 +193,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def constraint(self) -> dict[str, Any] | None:
         """The output constraint: response_format (json_object, json_schema; "strict" or not, the schema is
-        enforced) or structured_outputs, not both. Not with thinking: the constraint would bind the reasoning
-        too (constraining only the answer after </think> is not built yet)."""
+        enforced) or structured_outputs, not both. In thinking mode it binds the answer after </think> only
+        (the engine defers it while the prompt's thinking block is open)."""
         schema = self.schema()
         if schema is not None and self.structured_outputs is not None:
             raise ApiError(400, "structured_outputs: give either response_format or structured_outputs, not both",
                            param="structured_outputs", code="invalid_value")
         if schema is None and self.structured_outputs is None:
             return None
-        field = "response_format" if schema is not None else "structured_outputs"
-        if self.thinking():
-            raise ApiError(400, f"{field}: not supported with thinking mode yet (the constraint would apply to "
-                                "the reasoning); turn thinking off", param=field, code="unsupported_parameter")
         if schema is None:
             return self.structured_outputs
         return {"json_object": True} if self.response_format.get("type") == "json_object" else {"json": schema}

@@ -88,7 +88,6 @@ def test_structured_outputs_on_completions(client, constraint, valid) -> None:
     ({"extra_body": {"structured_outputs": {"choice": "red"}}}, "structured_outputs.choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nope"}}}},
      "response_format.json"),
-    ({"response_format": {"type": "json_object"}, "reasoning_effort": "high"}, "response_format"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
      "structured_outputs"),
 ])

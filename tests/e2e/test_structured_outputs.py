@@ -112,3 +112,35 @@ def test_bad_constraints_name_the_field(llm, constraint, field) -> None:
         llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=constraint), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()  # nothing was queued
     assert llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_thinking_mode_constrains_only_the_answer(llm) -> None:
+    """In thinking mode the reasoning is free and the answer after </think> obeys the constraint. The demo
+    model never closes a thinking block by itself, so its draw at the third output position is steered to
+    </think> (a logit bias in the runner); greedy decoding makes the rest deterministic."""
+    from deepinfer.runner.model_runner import ModelRunner
+
+    from deepinfer.chat import encode_messages
+
+    think_end = llm.get_tokenizer().token_to_id("</think>")
+    messages = [{"role": "user", "content": "a code?"}]
+    prompt_len = len(llm.get_tokenizer().encode(encode_messages(messages, thinking=True)))
+    original = ModelRunner._draw
+
+    def steered(self, logits, work, slots, positions, last_rows, counts):
+        logits = logits.float().clone()
+        for row, pos in enumerate(positions):
+            if pos == prompt_len + 2:
+                logits[row, think_end] = 1e4
+        return original(self, logits, work, slots, positions, last_rows, counts)
+
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": REGEX})
+    ModelRunner._draw = steered
+    try:
+        out = llm.chat(messages, params, thinking=True, use_tqdm=False)[0]
+    finally:
+        ModelRunner._draw = original
+    ids = out.request.outputs[0].token_ids
+    assert ids[2] == think_end and think_end not in ids[:2]
+    assert re.fullmatch(REGEX, out.choices[0].content), out.choices[0].content
+    assert out.choices[0].reasoning is not None
