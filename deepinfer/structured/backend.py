@@ -38,6 +38,18 @@ class GrammarBackend:
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The llguidance grammar of ``params``; ValueError naming the field if it does not compile."""
+        try:
+            grammar = self._grammar(params)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        except ValueError:
+            raise
+        except Exception as e:  # whatever the library raises, the client hears of its field
+            error = str(e) or type(e).__name__
+        if error:
+            raise ValueError(f"structured_outputs.{params.kind}: {error.strip().splitlines()[0]}")
+        return grammar
+
+    def _grammar(self, params: StructuredOutputsParams) -> str:
         kind = params.kind
         M = llguidance.LLMatcher
         if kind == "json":
@@ -55,9 +67,6 @@ class GrammarBackend:
             grammar = M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
         else:
             grammar = M.grammar_from_lark(params.grammar)
-        error = M.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise ValueError(f"structured_outputs.{kind}: {error.strip().splitlines()[0]}")
         return grammar
 
     def matcher(self, grammar: str) -> "llguidance.LLMatcher":
