@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from deepinfer.chat.encoding import DSML
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.sequence import RequestState, Sequence
 from deepinfer.sampling import SamplingParams, child_seed, resolve_seed
@@ -105,7 +106,8 @@ class Intake:
         if self._grammars is None:
             from deepinfer.structured.backend import GrammarBackend
 
-            self._grammars = GrammarBackend(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_id)
+            self._grammars = GrammarBackend(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_id,
+                                            self.tokenizer.token_to_id(DSML))
         return self._grammars.compile(params.structured_outputs)
 
     def masks(self, matchers: list) -> list[bytes]:

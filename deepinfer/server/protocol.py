@@ -181,15 +181,32 @@ class ChatCompletionRequest(_SamplingRequest):
                        param="reasoning_effort", code="invalid_value")
 
     def active_tools(self) -> list[Any] | None:
-        """The tools to render: "auto" (the default) renders them, "none" drops them. Forcing a call
-        ("required", a named function) would need constrained decoding, which this server does not do."""
+        """The tools to render: all of them unless tool_choice is "none"."""
+        self.forced_functions()  # validates tool_choice
+        return None if self.tool_choice == "none" else (self.tools or None)
+
+    def forced_functions(self) -> list[dict[str, Any]] | None:
+        """The functions a forced call may use: all tools for "required", the named one for
+        {"type": "function", "function": {"name": ...}}; None when the model decides ("auto", "none")."""
         choice = self.tool_choice
-        if choice is None or choice == "auto":
-            return self.tools or None
-        if choice == "none":
+        if choice is None or choice in ("auto", "none"):
             return None
-        raise ApiError(400, f"tool_choice: {json.dumps(choice)} is not supported; use \"auto\" or \"none\"",
-                       param="tool_choice", code="unsupported_parameter")
+        functions = [t.get("function") for t in self.tools or () if isinstance(t, dict)]
+        functions = [f for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str)]
+        if choice == "required":
+            if not functions:
+                raise ApiError(400, "tool_choice: \"required\" needs tools", param="tool_choice",
+                               code="invalid_value")
+            return functions
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(name, str):
+            raise ApiError(400, f"tool_choice: expected \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                                f"\"function\": {{\"name\": ...}}}}, got {json.dumps(choice)}", param="tool_choice",
+                           code="invalid_value")
+        named = [f for f in functions if f["name"] == name]
+        if not named:
+            raise ApiError(400, f"tool_choice: no tool named {name!r}", param="tool_choice", code="invalid_value")
+        return named
 
     def constraint(self) -> dict[str, Any] | None:
         """The output constraint: response_format (json_object, json_schema; "strict" or not, the schema is
@@ -199,6 +216,12 @@ class ChatCompletionRequest(_SamplingRequest):
         if schema is not None and self.structured_outputs is not None:
             raise ApiError(400, "structured_outputs: give either response_format or structured_outputs, not both",
                            param="structured_outputs", code="invalid_value")
+        forced = self.forced_functions()
+        if forced is not None:
+            if schema is not None or self.structured_outputs is not None:
+                raise ApiError(400, "tool_choice: a forced tool call cannot be combined with response_format or "
+                                    "structured_outputs", param="tool_choice", code="invalid_value")
+            return {"tools": forced}
         if schema is None and self.structured_outputs is None:
             return None
         if schema is None:
@@ -207,6 +230,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def constraint_renames(self) -> dict[str, str]:
         """Errors about the constraint name the field the client used."""
+        if self.forced_functions() is not None:
+            return {"structured_outputs": "tools"}
         return {"structured_outputs": "response_format"} if self.schema() is not None else {}
 
     def schema(self) -> dict | None:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from deepinfer.structured.params import StructuredOutputsParams
+from deepinfer.structured.tool_calls import tool_call_grammar
 
 try:
     import llguidance
@@ -29,12 +30,14 @@ _JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int,
+                 dsml_token_id: int | None = None) -> None:
         if llguidance is None:
             raise RuntimeError("structured outputs need llguidance: pip install llguidance")
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
         self.words = (vocab_size + 31) // 32  # int32 words of one mask row
+        self.dsml_token_id = dsml_token_id  # V4's tool-call marker, for forced tool calls
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The llguidance grammar of ``params``; ValueError naming the field if it does not compile."""
@@ -65,6 +68,11 @@ class GrammarBackend:
         elif kind == "choice":
             # A Lark alternation of quoted literals: no escaping rules of a regex dialect to get wrong.
             grammar = M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+        elif kind == "tools":
+            dsml = self.dsml_token_id
+            if dsml is None:
+                raise ValueError("structured_outputs.tools: this tokenizer has no DSML marker token")
+            grammar = M.grammar_from_lark(tool_call_grammar(params.tools, dsml))
         else:
             grammar = M.grammar_from_lark(params.grammar)
         return grammar

@@ -1,8 +1,9 @@
 """StructuredOutputsParams: one constraint per request, in vLLM's shape (``SamplingParams.structured_outputs``).
 
 Exactly one of ``json`` (a JSON schema, as a dict or a JSON string), ``json_object`` (any JSON object),
-``regex``, ``choice`` (the output is one of these strings) or ``grammar`` (a Lark grammar, llguidance's
-dialect) is set. Types are checked here; whether the schema / regex / grammar compiles is checked by the
+``regex``, ``choice`` (the output is one of these strings), ``grammar`` (a Lark grammar, llguidance's
+dialect) or ``tools`` (OpenAI function specs: the output is a DSML call of one or more of them; what the
+server's ``tool_choice: "required"`` / a named function sets) is set. Types are checked here; whether the schema / regex / grammar compiles is checked by the
 grammar backend when the request is added (``structured/backend.py``), both raising ValueError naming the
 field.
 """
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tools")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,9 +25,11 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    tools: tuple[Mapping, ...] | None = None  # function specs ({"name", "parameters"}) a tool call may use
 
     def __init__(self, *, json: str | Mapping | None = None, json_object: bool = False, regex: str | None = None,
-                 choice: list[str] | tuple[str, ...] | None = None, grammar: str | None = None) -> None:
+                 choice: list[str] | tuple[str, ...] | None = None, grammar: str | None = None,
+                 tools: list[Mapping] | tuple[Mapping, ...] | None = None) -> None:
         if isinstance(json, Mapping):
             json = jsonlib.dumps(json)
         elif json is not None and not isinstance(json, str):
@@ -43,7 +46,13 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.choice: expected a non-empty list of non-empty strings, got "
                                  f"{choice!r}")
             choice = tuple(choice)
-        values = {"json": json, "json_object": json_object, "regex": regex, "choice": choice, "grammar": grammar}
+        if tools is not None:
+            if (not isinstance(tools, (list, tuple)) or not tools
+                    or not all(isinstance(f, Mapping) and isinstance(f.get("name"), str) and f["name"] for f in tools)):
+                raise ValueError("structured_outputs.tools: expected a non-empty list of functions with a name")
+            tools = tuple(tools)
+        values = {"json": json, "json_object": json_object, "regex": regex, "choice": choice, "grammar": grammar,
+                  "tools": tools}
         given = [k for k in _KINDS if values[k] not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs: set exactly one of {', '.join(_KINDS)}; got "

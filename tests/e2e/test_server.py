@@ -196,7 +196,8 @@ def test_logprobs(client: openai.OpenAI, offline: LLM) -> None:
 
 def test_tools_are_rendered_into_the_prompt(client: openai.OpenAI, offline: LLM) -> None:
     """What is checked: the prompt the server built is exactly encode_messages(..., tools=...) (equal token
-    counts; the count grows by the tool section), tool_choice "none" drops the tools, "required" is refused.
+    counts; the count grows by the tool section), tool_choice "none" drops the tools, a forced call of an
+    unknown function is refused (forced calls themselves: tests/e2e/test_server_structured.py).
     Parsing the model's tool calls is covered by the builder test above."""
     tok = offline.get_tokenizer()
 
@@ -208,9 +209,10 @@ def test_tools_are_rendered_into_the_prompt(client: openai.OpenAI, offline: LLM)
     assert with_tools > without + 50
     assert prompt_tokens(tools=TOOLS) == with_tools
     assert prompt_tokens(tools=TOOLS, tool_choice="none") == without == prompt_tokens()
-    with pytest.raises(openai.BadRequestError) as e:
-        prompt_tokens(tools=TOOLS, tool_choice="required")
-    assert e.value.body["param"] == "tool_choice"
+    for choice in ({"type": "function", "function": {"name": "no_such_tool"}}, "always"):
+        with pytest.raises(openai.BadRequestError) as e:
+            prompt_tokens(tools=TOOLS, tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
 
 
 def test_thinking_mode_fills_reasoning_content(client: openai.OpenAI, offline: LLM) -> None:

@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from tests.e2e.test_server import API_KEY, MODEL, Server, server  # noqa: E402,F401
+from tests.e2e.test_server import API_KEY, MODEL, TOOLS, Server, server  # noqa: E402,F401
 
 N = 20
 POINT = {"type": "object", "additionalProperties": False, "required": ["x", "y"],
@@ -98,3 +98,18 @@ def test_bad_constraints_are_400s(client, server, body, param) -> None:
     ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
     server.wait_idle()
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_parse_and_validate(client, tool_choice) -> None:
+    schema = TOOLS[0]["function"]["parameters"]
+    outs = _many(lambda i: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"weather {i}?"}], tools=TOOLS, tool_choice=tool_choice,
+        max_tokens=96, seed=i, temperature=1.0).choices[0])
+    done = [c for c in outs if c.finish_reason == "tool_calls"]
+    assert len(done) >= N // 2, [c.finish_reason for c in outs]
+    for c in done:
+        assert c.message.tool_calls
+        for call in c.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), schema)
