@@ -78,7 +78,12 @@ def offline() -> LLM:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    app = build_app(LLMEngine.from_engine_args(**ENGINE), api_key=API_KEY)
+    yield from serve(LLMEngine.from_engine_args(**ENGINE))
+
+
+def serve(engine: LLMEngine) -> Iterator[Server]:
+    """Serve ``engine`` from a background thread until the generator is closed (a fixture's teardown)."""
+    app = build_app(engine, api_key=API_KEY)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; uvicorn serves this very socket (no race)
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -8,9 +8,6 @@ aborted, and the cache ends empty.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,8 +19,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from deepinfer import LLMEngine, SamplingParams  # noqa: E402
-from deepinfer.server import build_app  # noqa: E402
-from tests.e2e.test_server import API_KEY, ENGINE, MODEL, PROMPTS, Server, offline  # noqa: E402,F401
+from tests.e2e.test_server import API_KEY, ENGINE, MODEL, PROMPTS, Server, offline, serve  # noqa: E402,F401
 
 CASES = [(PROMPTS[i], {"temperature": 0}) for i in range(0, 8, 2)] + \
     [(PROMPTS[i], {"temperature": 0.9, "top_p": 0.9, "seed": 11 + i}) for i in range(1, 8, 2)]
@@ -31,20 +27,7 @@ CASES = [(PROMPTS[i], {"temperature": 0}) for i in range(0, 8, 2)] + \
 
 @pytest.fixture(scope="module")
 def async_server() -> Iterator[Server]:
-    app = build_app(LLMEngine.from_engine_args(**ENGINE, async_scheduling=True), api_key=API_KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.server)
-    srv.should_exit = True
-    thread.join(30)
-    sock.close()
+    yield from serve(LLMEngine.from_engine_args(**ENGINE, async_scheduling=True))
 
 
 def _complete(client: openai.OpenAI, prompt: str, params: dict, stream: bool) -> str:
