@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Train the bundled demo model: a tiny DeepSeek-V4 (with its MTP layer) on the Python standard library.
 
+One file on purpose (~820 lines): it is the whole recipe of the bundled model, data to exported weights,
+and a reader should be able to follow it top to bottom.
+
 Five steps, run from the repository root (the recorded run's exact commands are at the end)::
 
     python tools/train_demo.py prepare                        # CPU: tokenize -> .whl/train_demo/data.pt

@@ -76,9 +76,10 @@ class CacheManager:
         edits, self._edits = self._edits or [], ([] if self._edits is not None else None)
         return edits
 
-    def _edited(self, req_id: Hashable, pool: str, start: int, table: list[int]) -> None:
+    def _edited(self, req_id: Hashable, pool: str, start: int, table: list[int], end: int | None = None) -> None:
+        """Record that ``table[start:end]`` changed (and the table's length)."""
         if self._edits is not None:
-            self._edits.append((req_id, pool, start, tuple(table[start:]), len(table)))
+            self._edits.append((req_id, pool, start, tuple(table[start:end]), len(table)))
 
     # ------------------------------------------------------------------------------------------ queries
     def blocks_for_count(self, n: int) -> int:
@@ -122,10 +123,15 @@ class CacheManager:
         need = max(0, self.blocks_for_count(n + num_new_tokens) - have)
         return {p: need for p in POOLS}
 
-    def can_allocate(self, req_id: Hashable, num_new_tokens: int) -> bool:
+    def _covered(self, req_id: Hashable, num_new_tokens: int) -> bool:
+        """The request's blocks already cover its next ``num_new_tokens`` positions (the common decode step:
+        checked before building ``blocks_needed``'s per-pool dict)."""
         r = self._reqs.get(req_id)
-        if r is not None and 0 <= num_new_tokens and r.length + num_new_tokens <= len(r.tables[HISTORY]) * self.block_size:
-            return True  # the common decode step: its blocks are already there
+        return r is not None and 0 <= num_new_tokens and r.length + num_new_tokens <= len(r.tables[HISTORY]) * self.block_size
+
+    def can_allocate(self, req_id: Hashable, num_new_tokens: int) -> bool:
+        if self._covered(req_id, num_new_tokens):
+            return True
         need = self.blocks_needed(req_id, num_new_tokens)
         return all(need[p] <= self.pools[p].num_free for p in POOLS)
 
@@ -137,13 +143,13 @@ class CacheManager:
         changed (and an unknown request is not registered). Idempotent for the same range: blocks
         allocated earlier but not yet committed are reused.
         """
-        r = self._reqs.get(req_id)
-        if r is not None and 0 <= num_new_tokens and r.length + num_new_tokens <= len(r.tables[HISTORY]) * self.block_size:
-            return  # the common decode step: its blocks are already there
+        if self._covered(req_id, num_new_tokens):
+            return
         need = self.blocks_needed(req_id, num_new_tokens)
         for p in POOLS:
             if need[p] > self.pools[p].num_free:
                 raise OutOfBlocks(p, need[p], self.pools[p].num_free)
+        r = self._reqs.get(req_id)
         if r is None:
             r = self._reqs[req_id] = _Request()
         for p in POOLS:
@@ -176,8 +182,7 @@ class CacheManager:
                 table[lo:keep_from] = [RELEASED] * len(stale)
                 self.pools[p].free(stale)  # oldest first: they become the first evicted later
                 r.first_live[p] = keep_from
-                if self._edits is not None:
-                    self._edits.append((req_id, p, lo, (RELEASED,) * (keep_from - lo), len(table)))
+                self._edited(req_id, p, lo, table, keep_from)
 
     def truncate(self, req_id: Hashable, n: int) -> None:
         """Roll the request back to its first ``n`` positions, returning every block past them.

@@ -343,8 +343,7 @@ class SlotTables:
     def __init__(self, num_slots: int, max_blocks: int) -> None:
         self.arrays = {p: np.full((num_slots, max_blocks), -1, dtype=np.int64) for p in _TABLE_POOLS}
 
-    def write(self, block: np.ndarray, tables: tuple, stride: int, slots: np.ndarray, fresh: bool,
-              used: list[int] | None = None) -> None:
+    def write(self, tables: tuple, slots: np.ndarray, fresh: bool, used: list[int] | None = None) -> None:
         """Copy rows ``slots`` into the step's ``tables`` (columns past a table's width are dropped).
         ``used``: [rows, cols] the previous write covered, when ``tables`` still hold it (a graph bucket's
         buffer): only what this step does not overwrite is reset to -1."""
@@ -367,7 +366,7 @@ def _write_slots(slots: np.ndarray, first: np.ndarray, lens: np.ndarray, tables:
     """``_write`` for runs that live in batch slots (tables from ``SlotTables``)."""
 
     def fill(block, step_tables, stride, fresh):
-        tables.write(block, step_tables, stride, slots, fresh, None if buffer is None else buffer._used)
+        tables.write(step_tables, slots, fresh, None if buffer is None else buffer._used)
 
     return _write(first, lens, layout, window, num_tokens, num_seqs, max_len, fill,
                   lambda i, pool: tables.arrays[pool][slots[i]], buffer, pin_memory)

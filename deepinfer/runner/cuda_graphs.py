@@ -96,10 +96,6 @@ class DecodeGraphs:
             self._graphs[b] = _Graph(graph, host, flat, index, logits)
         torch.cuda.synchronize()
 
-    def fits(self, batch: ForwardBatch) -> bool:
-        q = self.tokens_per_seq
-        return 0 < len(batch.runs) <= self.max_batch and all(r.length == q for r in batch.runs)
-
     def fits_slots(self, num_seqs: int, num_tokens: int) -> bool:
         """A step of ``num_seqs`` sequences with ``num_tokens`` new tokens in all can replay a bucket (the
         caller checks that each has the same count)."""

@@ -42,9 +42,6 @@ class InputBatch:
         self.counts: torch.Tensor | None = None  # [slots, V] float32 output-token counts
         self.prompt_seen: torch.Tensor | None = None  # [slots, V] bool
 
-    def __len__(self) -> int:
-        return len(self.slot_of)
-
     # ---- plan edits -----------------------------------------------------------------------------------
     def apply(self, plan: StepPlan) -> None:
         for seq_id in plan.left:
