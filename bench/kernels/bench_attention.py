@@ -2,7 +2,7 @@
 
     python bench/kernels/bench_attention.py [--no-sweep] [--quick]
 
-Always also sweeps the small-batch split (``SMALL_SPLIT``, 0 = off) at decode batches.
+Always also sweeps the small-batch split (``KernelTuning.attention_small_split``, 0 = off) at decode batches.
 
 Attention: batch 1/8/32/128 decode queries, H=64, D=512, bf16; every query is its own sequence, so its key
 rows are distinct (paged: random rows of two storage tensors, window KV and entries, as in the model).
@@ -19,6 +19,7 @@ reference (gather + matmuls). A markdown table goes to stdout; JSON to $OUT/benc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -160,11 +161,12 @@ def sweep_attention() -> list[dict]:
 
 
 def sweep_small_split() -> list[dict]:
-    """The small-batch split (sparse_attention.SMALL_SPLIT; 0 = the batch-invariant SPLIT path) at decode
-    batches, on CSA lists at ctx 8K (512 entries) and 1K (256) and HCA at 8K (64 entries)."""
+    """The small-batch split (``KernelTuning.attention_small_split``; 0 = the batch-invariant SPLIT path) at
+    decode batches, on CSA lists at ctx 8K (512 entries) and 1K (256) and HCA at 8K (64 entries)."""
     import deepinfer.ops.triton.sparse_attention as mod
+    from deepinfer.ops.tuning import KernelTuning
 
-    base = mod.SMALL_SPLIT
+    base = KernelTuning.for_device()
     out = []
     for name, n_ent in (("CSA 8K", 512), ("CSA 1K", 256), ("HCA 8K", 64)):
         for batch in (1, 8, 32, 64):
@@ -172,12 +174,12 @@ def sweep_small_split() -> list[dict]:
             args = (x["q"], x["win"], x["widx"], x["sinks"], D**-0.5, x["ent"], x["eidx"])
             ref = ref_attention(*args)
             for small in (0, 64, 128, 256):
-                mod.SMALL_SPLIT = small
-                err = rel_err(mod.sparse_attention_indexed(*args), ref)
+                tuning = dataclasses.replace(base, attention_small_split=small)
+                err = rel_err(mod.sparse_attention_indexed(*args, tuning=tuning), ref)
                 out.append({"shape": name, "batch": batch, "small_split": small,
-                            "us": time_us(lambda: mod.sparse_attention_indexed(*args)), "rel_err": err})
+                            "us": time_us(lambda: mod.sparse_attention_indexed(*args, tuning=tuning)),
+                            "rel_err": err})
                 print(json.dumps(out[-1]), flush=True)
-    mod.SMALL_SPLIT = base
     return out
 
 
@@ -208,7 +210,7 @@ def main() -> None:
             c = r["config"]
             print(f"| {c['BLOCK_H']}, {c['BLOCK_N']}, {c['num_warps']}, {c['num_stages']} | {r['split']} | "
                   f"{r['shape']} | {r['batch']} | {r['us']:.1f} | {r['rel_err']:.1e} |")
-    print("\n| shape | batch | SMALL_SPLIT | µs | rel_err |")
+    print("\n| shape | batch | small split | µs | rel_err |")
     print("|---|---:|---:|---:|---:|")
     for r in results["small_split"]:
         print(f"| {r['shape']} | {r['batch']} | {r['small_split']} | {r['us']:.1f} | {r['rel_err']:.1e} |")

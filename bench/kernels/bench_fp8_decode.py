@@ -16,6 +16,7 @@ Writes $OUT/fp8_decode.json when $OUT is set.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.kernels.ceilings import copy_bandwidth  # noqa: E402
 from deepinfer.ops.triton import fp8_linear as fp8  # noqa: E402
+from deepinfer.ops.tuning import KernelTuning  # noqa: E402
 
 # (rows N, input width, groups) of one CSA layer's FP8 linears on the batched path (model/fused.py stacks);
 # the grouped wo_a reads 8 groups of 4096 inputs through a [8 x 1024, 4096] weight.
@@ -36,10 +38,11 @@ TILES = {16: [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 4, 6), (
          64: [(32, 64, 4, 4), (32, 128, 4, 4), (32, 32, 4, 4), (64, 64, 4, 4), (32, 64, 4, 6), (16, 64, 4, 4)]}
 # The swap-AB decode path's (BLOCK_M, warps, stages) per decode bucket.
 DECODE_TILES = {16: [(16, 4, 3), (16, 4, 4), (16, 4, 2)], 32: [(32, 4, 3), (32, 4, 4), (32, 4, 2)], 64: [(64, 4, 3), (64, 4, 4), (64, 4, 2)]}
-TARGETS = [fp8.NUM_SMS, 2 * fp8.NUM_SMS, 4 * fp8.NUM_SMS, 8 * fp8.NUM_SMS]
-DEFAULT_TARGET = fp8.SPLIT_TARGET
-DEFAULT_DECODE = dict(fp8.DECODE_CONFIGS)
-DEFAULT_DECODE_MAX_M = fp8.DECODE_MAX_M
+BASE = KernelTuning.for_device()
+TARGETS = [BASE.num_sms, 2 * BASE.num_sms, 4 * BASE.num_sms, 8 * BASE.num_sms]
+DEFAULT_TARGET = BASE.split_target
+DEFAULT_DECODE = dict(BASE.fp8_decode_tiles)
+DEFAULT_DECODE_MAX_M = BASE.fp8_decode_max_m
 
 
 def make_layer(copies: int) -> list[list[tuple[torch.Tensor, torch.Tensor, int]]]:
@@ -55,14 +58,14 @@ def make_layer(copies: int) -> list[list[tuple[torch.Tensor, torch.Tensor, int]]
     return layers
 
 
-def run_layer(layers, xs) -> list[torch.Tensor]:
+def run_layer(layers, xs, tuning: KernelTuning = BASE) -> list[torch.Tensor]:
     outs = []
     for mats in layers:
         for (w, s, groups), x in zip(mats, xs):
             if groups == 1:
-                outs.append(fp8.fp8_linear(x, w, s, pow2_scales=True))
+                outs.append(fp8.fp8_linear(x, w, s, pow2_scales=True, tuning=tuning))
             else:
-                outs.append(fp8.fp8_linear_grouped(x, w, s, groups, pow2_scales=True))
+                outs.append(fp8.fp8_linear_grouped(x, w, s, groups, pow2_scales=True, tuning=tuning))
     return outs
 
 
@@ -90,34 +93,32 @@ def main() -> None:
     rows = []
     for m in args.tokens:
         bucket = 16 if m <= 16 else 64
-        dbucket = next(b for b in sorted(fp8.DECODE_CONFIGS) if m <= b) if m <= max(fp8.DECODE_CONFIGS) else None
+        dbucket = next(b for b in sorted(DEFAULT_DECODE) if m <= b) if m <= max(DEFAULT_DECODE) else None
         xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _, k, _ in LAYER]
         ref = None
         candidates = [("mma", tile) for tile in (TILES[bucket][:1] if args.quick else TILES[bucket])]
         candidates += [("decode", tile) for tile in DECODE_TILES.get(dbucket, [])]
         for path, tile in candidates:
             for target in ([DEFAULT_TARGET] if args.quick and path == "mma" else TARGETS):
-                fp8.SPLIT_TARGET = target
+                tuning = dataclasses.replace(BASE, fp8_split_target=target)
                 if path == "mma":
-                    fp8.DECODE_MAX_M, fp8.CONFIG_OVERRIDE[bucket] = 0, tile
+                    tuning = dataclasses.replace(tuning, fp8_decode_max_m=0).with_fp8_tile(bucket, tile)
                 else:
-                    fp8.DECODE_MAX_M, fp8.DECODE_CONFIGS[dbucket] = DEFAULT_DECODE_MAX_M, tile
+                    tuning = tuning.with_fp8_decode_tile(dbucket, tile)
                 try:
-                    outs = run_layer(layers[:1], xs)
+                    outs = run_layer(layers[:1], xs, tuning)
                     torch.cuda.synchronize()
-                    us = do_bench_cudagraph(lambda: run_layer(layers, xs), rep=200, return_mode="median") * 1e3
+                    us = do_bench_cudagraph(lambda: run_layer(layers, xs, tuning), rep=200,
+                                            return_mode="median") * 1e3
                 except Exception as exc:  # a tile that does not compile or fit is reported, not fatal
                     rows.append({"M": m, "path": path, "tile": tile, "target": target,
                                  "error": f"{type(exc).__name__}: {exc}"[:160]})
                     continue
-                finally:
-                    fp8.CONFIG_OVERRIDE.clear()
-                    fp8.DECODE_CONFIGS.update(DEFAULT_DECODE)
-                    fp8.DECODE_MAX_M, fp8.SPLIT_TARGET = DEFAULT_DECODE_MAX_M, DEFAULT_TARGET
                 us /= args.copies
                 if path == "mma":
-                    splits = [fp8._config(m, n, k // g)[2] for n, k, g in LAYER]
-                    pick = m > DEFAULT_DECODE_MAX_M and tile == fp8.CONFIGS[bucket] and target == DEFAULT_TARGET
+                    splits = [fp8._config(m, n, k // g, tuning)[2] for n, k, g in LAYER]
+                    pick = (m > DEFAULT_DECODE_MAX_M and tile == dict(BASE.fp8_tiles)[bucket]
+                            and target == DEFAULT_TARGET)
                 else:
                     splits = None
                     pick = tile == DEFAULT_DECODE[dbucket] and target == DEFAULT_TARGET

@@ -9,6 +9,7 @@ torch bf16 matmul on pre-dequantized weights (what HF with dequantized weights r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -22,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernels.ceilings import measure  # noqa: E402
 from deepinfer.model.quant import quant_fp8_block, ue8m0_to_float  # noqa: E402
 from deepinfer.ops.ref.fp8_linear import dequant_weight  # noqa: E402
-from deepinfer.ops.triton import fp8_linear as fp8_mod  # noqa: E402
 from deepinfer.ops.triton.fp8_linear import fp8_linear  # noqa: E402
+from deepinfer.ops.tuning import KernelTuning  # noqa: E402
 
 SHAPES = {  # name: (N, K) of one V4-Flash layer's FP8 linears
     "wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a(group)": (1024, 4096),
@@ -40,25 +41,25 @@ def timed(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def sweep() -> dict:
+def sweep(tuning: KernelTuning) -> tuple[dict, KernelTuning]:
     """Pick the fastest tile per M bucket on representative shapes; the table below then uses it."""
     best = {}
     for bucket, cands in SWEEP.items():
         m = {16: 1, 64: 32, None: 4096}[bucket]
         times = []
         for cfg in cands:
-            fp8_mod.CONFIG_OVERRIDE[bucket] = cfg
+            trial = tuning.with_fp8_tile(bucket, cfg)
             total = 0.0
             for n, k in ((32768, 1024), (4096, 8192), (1024, 4096)):
                 q, s = quant_fp8_block(torch.randn(n, k) * 0.05, (128, 128))
                 w, sc = q.cuda(), ue8m0_to_float(s).float().cuda()
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                total += timed(lambda: fp8_linear(x, w, sc))
+                total += timed(lambda: fp8_linear(x, w, sc, tuning=trial))
             times.append((total, cfg))
             print(f"sweep bucket={bucket} cfg={cfg}: {total * 1e3:.1f} µs (3 shapes)")
         best[bucket] = min(times)[1]
-        fp8_mod.CONFIG_OVERRIDE[bucket] = best[bucket]
-    return best
+        tuning = tuning.with_fp8_tile(bucket, best[bucket])
+    return best, tuning
 
 
 WA_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=st)
@@ -66,32 +67,31 @@ WA_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=w, num_stages=st)
                                   (64, 128, 4, 4), (128, 64, 4, 4))]
 
 
-def sweep_wa() -> dict:
+def sweep_wa(tuning: KernelTuning) -> tuple[dict, KernelTuning]:
     """Pick the large-M (weight-as-A, power-of-two scales) tile on prefill shapes."""
     times = []
     for cfg in WA_SWEEP:
-        fp8_mod.WA_CONFIG = cfg
+        trial = dataclasses.replace(tuning, fp8_wa_tile=tuple(cfg.items()))
         total = 0.0
         try:
             for n, k in ((4096, 4096), (32768, 1024), (4096, 8192)):
                 q, s = quant_fp8_block(torch.randn(n, k) * 0.05, (128, 128))
                 w, sc = q.cuda(), ue8m0_to_float(s).float().cuda()
                 x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
-                total += timed(lambda: fp8_linear(x, w, sc, pow2_scales=True))
+                total += timed(lambda: fp8_linear(x, w, sc, pow2_scales=True, tuning=trial))
         except Exception as e:  # a tile that does not fit in shared memory
             print(f"sweep wa cfg={cfg}: failed ({type(e).__name__})")
             continue
         times.append((total, list(cfg.items())))
         print(f"sweep wa cfg={cfg}: {total * 1e3:.1f} µs (3 shapes)")
     best = dict(min(times)[1])
-    fp8_mod.WA_CONFIG = best
-    return best
+    return best, dataclasses.replace(tuning, fp8_wa_tile=tuple(best.items()))
 
 
 def main() -> None:
     ceil = measure()
-    best = sweep()
-    best["wa"] = sweep_wa()
+    best, tuning = sweep(KernelTuning.for_device())
+    best["wa"], tuning = sweep_wa(tuning)
     rows = []
     for name, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k) * 0.05
@@ -100,7 +100,7 @@ def main() -> None:
         wbf = dequant_weight(w, sc).to(torch.bfloat16)
         for m in MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t = timed(lambda: fp8_linear(x, w, sc, pow2_scales=True))
+            t = timed(lambda: fp8_linear(x, w, sc, pow2_scales=True, tuning=tuning))
             tp = timed(lambda: x @ wbf.t())
             nbytes = n * k + sc.numel() * 4 + m * k * 2 + m * n * 2
             flops = 2 * m * n * k

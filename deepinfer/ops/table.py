@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -68,6 +69,7 @@ from deepinfer.ops.ref import step_rows as ref_rows
 from deepinfer.ops.ref import swiglu as ref_swiglu
 from deepinfer.ops.ref.attention import sparse_attention
 from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
+from deepinfer.ops.tuning import KernelTuning
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,8 @@ class OpTable:
     fp4_expert_layout: Callable
     step_rows: Callable
     linear: Callable
+    # The kernels' per-device choices (tiles, splits; ops/tuning.py) bound into the entries above; None for REF.
+    tuning: KernelTuning | None = None
 
 
 def _checkpoint_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +121,9 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
               linear=ref_linear.linear)
 
 
-def triton_ops() -> OpTable:
+def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
+    """The Triton table with ``tuning`` bound into its kernels (default: the measured choices with this
+    process's current CUDA device's SM count)."""
     from deepinfer.ops.triton import compress_emit as tri_emit
     from deepinfer.ops.triton import compress_state as tri_state
     from deepinfer.ops.triton import fp4_codes as tri_fp4
@@ -132,27 +138,30 @@ def triton_ops() -> OpTable:
     from deepinfer.ops.triton import step_rows as tri_rows
     from deepinfer.ops.triton import swiglu as tri_swiglu
 
+    tuning = tuning or KernelTuning.for_device()
+
     def attention(q, keys, visible, sinks, scale):
         # The kernel reads keys through index lists (-1 = not visible); here the keys are already gathered.
         n = keys.shape[0]
         cols = torch.arange(n, device=keys.device, dtype=torch.int32).expand(len(q), n)
         indices = torch.where(visible, cols, torch.full_like(cols, -1))
-        return tri_attn.sparse_attention_indexed(q, keys.to(q.dtype), indices, sinks.float(), scale)
+        return tri_attn.sparse_attention_indexed(q, keys.to(q.dtype), indices, sinks.float(), scale, tuning=tuning)
 
     def indexer_select(q, weights, keys, limits, topk, scale):
         e = keys.shape[0]
         rows = torch.arange(e, device=keys.device, dtype=torch.int32).expand(len(q), e).contiguous()
         return tri_index.indexer_topk(q, weights.float(), keys, rows, limits, topk, scale)
 
-    return OpTable("triton", attention, indexer_select, tri_fp8.fp8_linear, tri_fp8.fp8_linear_grouped,
-                   tri_moe.moe_experts_fp4,
-                   tri_attn.sparse_attention_indexed, tri_index.indexer_topk, tri_emit.compress_emit,
-                   tri_state.compress_state, tri_mhc.hc_pre, tri_mhc.hc_post, tri_mhc.hc_head,
+    return OpTable("triton", attention, indexer_select, partial(tri_fp8.fp8_linear, tuning=tuning),
+                   partial(tri_fp8.fp8_linear_grouped, tuning=tuning), tri_moe.moe_experts_fp4,
+                   partial(tri_attn.sparse_attention_indexed, tuning=tuning), tri_index.indexer_topk,
+                   tri_emit.compress_emit, tri_state.compress_state, partial(tri_mhc.hc_pre, tuning=tuning),
+                   tri_mhc.hc_post, tri_mhc.hc_head,
                    rms_norm=tri_rn.rms_norm, norm_rope_heads=tri_rn.norm_rope_heads, norm_rope=tri_rn.norm_rope,
                    rope=tri_rn.rope, latent_norms=tri_rn.latent_norms, heads_norm_rope=tri_rn.heads_norm_rope,
                    moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
                    fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
-                   linear=tri_linear.linear)
+                   linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning)
 
 
 def select(device: str) -> OpTable:

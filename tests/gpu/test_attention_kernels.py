@@ -14,6 +14,8 @@ larger than rounding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,7 +24,10 @@ from deepinfer.ops.ref.indexer_topk import indexer_scores_indexed
 from deepinfer.ops.ref.indexer_topk import indexer_topk as ref_indexer_topk
 from deepinfer.ops.ref.sparse_attention import gather_keys
 from deepinfer.ops.ref.sparse_attention import sparse_attention_indexed as ref_attention
+from deepinfer.ops.tuning import H200
 from tests.gpu.conftest import rel_err
+
+NO_SMALL_SPLIT = dataclasses.replace(H200, attention_small_split=0)  # the batch-invariant split choice
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
@@ -132,10 +137,10 @@ def test_two_sources_and_splits(L, H, D, nw, ne, split, dtype, device, monkeypat
     import deepinfer.ops.triton.sparse_attention as tri
 
     monkeypatch.setattr(tri, "SPLIT", split)
-    monkeypatch.setattr(tri, "SMALL_SPLIT", 0)  # the batch-invariant splits only (the small-batch split: below)
+    fixed = NO_SMALL_SPLIT  # the batch-invariant splits only (the small-batch split: below)
     q, win, widx, ent, eidx, sinks = _two_source_case(L, H, D, nw, ne, dtype, seed=ne + nw + L, device=device)
     scale = D**-0.5
-    out = _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx)
+    out = _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx, tuning=fixed)
     ref = ref_attention(q, win, widx, sinks, scale, ent, eidx)
     assert rel_err(out, ref) <= TOL[dtype]
     # Split layout never changes bits: each query alone, with its padding trimmed (fewer splits, maybe the
@@ -144,7 +149,7 @@ def test_two_sources_and_splits(L, H, D, nw, ne, split, dtype, device, monkeypat
         valid = (eidx[l] >= 0).nonzero()
         width = int(valid.max()) + 1 if len(valid) else 0
         alone = _run(tri.sparse_attention_indexed, q[l:l + 1], win, widx[l:l + 1], sinks, scale, ent,
-                     eidx[l:l + 1, :width].contiguous())
+                     eidx[l:l + 1, :width].contiguous(), tuning=fixed)
         assert torch.equal(alone[0], out[l]), f"query {l} differs alone vs in the batch"
 
 
@@ -160,26 +165,26 @@ SMALL_BATCH = [  # (L, H, D, window cols, entry cols, small split)
 
 @pytest.mark.parametrize("L, H, D, nw, ne, small", SMALL_BATCH)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_small_batch_split(L, H, D, nw, ne, small, dtype, device, monkeypatch) -> None:
-    """Decode-sized calls split every SMALL_SPLIT entry columns with the window a split of its own: same
+def test_small_batch_split(L, H, D, nw, ne, small, dtype, device) -> None:
+    """Decode-sized calls split every ``attention_small_split`` entry columns with the window a split of its own: same
     result as the reference, and (both calls on this path, same index width) a query alone equals its row of
     the batch."""
     import deepinfer.ops.triton.sparse_attention as tri
 
-    monkeypatch.setattr(tri, "SMALL_SPLIT", small)
+    tuning = dataclasses.replace(H200, attention_small_split=small)
     q, win, widx, ent, eidx, sinks = _two_source_case(L, H, D, max(nw, 1), ne, dtype, seed=ne + L, device=device)
     if nw == 0:
         widx = widx[:, :0].contiguous()  # no window keys at all: split 0 holds nothing
-    assert L * -(-H // tri.config(dtype, D)["BLOCK_H"]) < tri.FILL_PROGRAMS  # this path is taken
+    assert L * -(-H // tri.config(dtype, D)["BLOCK_H"]) < tuning.attention_fill_programs  # this path is taken
     scale = D**-0.5
-    out = _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx)
+    out = _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx, tuning=tuning)
     assert rel_err(out, ref_attention(q, win, widx, sinks, scale, ent, eidx)) <= TOL[dtype]
     for l in range(L):
         alone = _run(tri.sparse_attention_indexed, q[l:l + 1], win, widx[l:l + 1], sinks, scale, ent,
-                     eidx[l:l + 1])
+                     eidx[l:l + 1], tuning=tuning)
         assert torch.equal(alone[0], out[l]), f"query {l} differs alone vs in the batch"
-    monkeypatch.setattr(tri, "SMALL_SPLIT", 0)  # the batch-invariant path: the same values
-    assert rel_err(out, _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx).float()) <= TOL[dtype]
+    fixed = _run(tri.sparse_attention_indexed, q, win, widx, sinks, scale, ent, eidx, tuning=NO_SMALL_SPLIT)
+    assert rel_err(out, fixed.float()) <= TOL[dtype]  # the batch-invariant path: the same values
 
 
 @pytest.mark.interpret_ok
@@ -197,16 +202,13 @@ def test_indexed_reference_matches_mask_reference(device) -> None:
 
 @pytest.mark.interpret_ok
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_batch_invariant(dtype, device, monkeypatch) -> None:
-    import deepinfer.ops.triton.sparse_attention as tri
-
-    monkeypatch.setattr(tri, "SMALL_SPLIT", 0)  # what the batch-invariant op table runs
+def test_attention_batch_invariant(dtype, device) -> None:
     interp = device == "cpu"
     L, H, D, n = (7, 4, 64, 40) if interp else (33, 64, 512, 640)
     q, kv, idx, sinks = _attention_case(L, H, D, n, dtype, seed=11, device=device)
-    batch = _run(_tri_attention, q, kv, idx, sinks, D**-0.5)
+    batch = _run(_tri_attention, q, kv, idx, sinks, D**-0.5, tuning=NO_SMALL_SPLIT)  # the fixed splits only
     for l in (0, 2, L - 1):
-        alone = _run(_tri_attention, q[l:l + 1], kv, idx[l:l + 1], sinks, D**-0.5)
+        alone = _run(_tri_attention, q[l:l + 1], kv, idx[l:l + 1], sinks, D**-0.5, tuning=NO_SMALL_SPLIT)
         assert torch.equal(alone[0], batch[l])
     # Permuting the batch moves rows and nothing else.
     perm = torch.randperm(L, generator=_gen(12)).to(device)

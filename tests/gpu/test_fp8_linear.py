@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from deepinfer.model.quant import quant_fp8_block, ue8m0_to_float
 from deepinfer.ops.ref.fp8_linear import fp8_linear as ref_fp8_linear
+from deepinfer.ops.tuning import H200
 from tests.gpu.conftest import rel_err
 
 
@@ -139,14 +142,10 @@ def test_e4m3_to_bf16_by_bit_placement_is_exact(device) -> None:
     w, s = _weights(1024, 4096, 11, "cuda")
     for m in (3, 40, 300):
         x = torch.randn(m, 4096, generator=torch.Generator().manual_seed(m)).to("cuda", torch.bfloat16)
-        try:
-            tri.DECODE_MAX_M = 0
-            by_bits = tri.fp8_linear(x, w, s, pow2_scales=True)
-            tri.E4M3_BY_BITS = False
-            by_cvt = tri.fp8_linear(x, w, s, pow2_scales=True)
-        finally:
-            tri.E4M3_BY_BITS = True
-            tri.DECODE_MAX_M = 64
+        no_decode = dataclasses.replace(H200, fp8_decode_max_m=0)
+        by_bits = tri.fp8_linear(x, w, s, pow2_scales=True, tuning=no_decode)
+        by_cvt = tri.fp8_linear(x, w, s, pow2_scales=True,
+                                tuning=dataclasses.replace(no_decode, fp8_e4m3_by_bits=False))
         assert torch.equal(by_bits, by_cvt), m
 
 
@@ -163,15 +162,11 @@ def test_decode_path_against_reference(m, n, k, device) -> None:
         pytest.skip("needs CUDA")
     from deepinfer.ops.triton import fp8_linear as tri
 
-    assert m <= tri.DECODE_MAX_M and k % 128 == 0
+    assert m <= H200.fp8_decode_max_m and k % 128 == 0
     _check(m, n, k, torch.bfloat16, device, seed=n + k + m, pow2_scales=True)
     w, s = _weights(n, k, n + k + m, device)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n + k + m + 1)).to(device, torch.bfloat16)
-    try:
-        tri.DECODE_MAX_M = 0
-        mma = tri.fp8_linear(x, w, s, pow2_scales=True)
-    finally:
-        tri.DECODE_MAX_M = 64
+    mma = tri.fp8_linear(x, w, s, pow2_scales=True, tuning=dataclasses.replace(H200, fp8_decode_max_m=0))
     assert rel_err(tri.fp8_linear(x, w, s, pow2_scales=True), mma.float()) <= 1e-2
 
 

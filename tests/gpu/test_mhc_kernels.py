@@ -29,6 +29,7 @@ Outputs are written into NaN-filled tensors and the partial-sum scratch starts a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -38,6 +39,7 @@ pytest.importorskip("triton")
 
 from deepinfer.ops.ref import mhc as ref  # noqa: E402
 from deepinfer.ops.triton import mhc as tri  # noqa: E402
+from deepinfer.ops.tuning import H200  # noqa: E402
 from tests.gpu.conftest import poison_scratch_exact_fp32, rel_err  # noqa: E402
 
 EPS = 1e-6
@@ -60,9 +62,9 @@ def _case(T: int, N: int, H: int, dtype: torch.dtype, seed: int, device: str, he
     return streams, fn, base, scale
 
 
-def _pre(streams, *args):
+def _pre(streams, *args, **kwargs):
     out = torch.full(streams[:, 0].shape, float("nan"), dtype=streams.dtype, device=streams.device)
-    res = tri.hc_pre(streams, *args, out=out)
+    res = tri.hc_pre(streams, *args, out=out, **kwargs)
     assert res[0].data_ptr() == out.data_ptr()
     for r in res:
         assert torch.isfinite(r).all(), "unwritten or non-finite output"
@@ -119,8 +121,8 @@ def test_hc_pre_v4_shapes(T, dtype, device) -> None:
 
 
 @pytest.mark.parametrize("case", ["softmax", "peaked", "tiny_eps"])
-def test_sinkhorn_fast_division_same_bits(case, device, monkeypatch) -> None:
-    """The Sinkhorn rounds by the division's fast path (``FAST_DIV``) give div_rn's bits: on V4-like inputs
+def test_sinkhorn_fast_division_same_bits(case, device) -> None:
+    """The Sinkhorn rounds by the division's fast path (``KernelTuning.mhc_fast_div``) give div_rn's bits: on V4-like inputs
     (fast path throughout), and where operands leave [2^-60, 2^60] (eps 1e-30 with peaked logits: entries
     near 1e-30), which must take the div_rn rounds instead; and peaked logits (entries at eps). GPU only
     (inline PTX)."""
@@ -130,8 +132,8 @@ def test_sinkhorn_fast_division_same_bits(case, device, monkeypatch) -> None:
         scale = torch.tensor([1.0, 1.5, 400.0 if case == "tiny_eps" else 4e4], device=device)
     got = {}
     for fast in (True, False):
-        monkeypatch.setattr(tri, "FAST_DIV", fast)
-        got[fast] = _pre(streams, fn, base, scale, ITERS, eps, EPS)
+        got[fast] = _pre(streams, fn, base, scale, ITERS, eps, EPS,
+                         tuning=dataclasses.replace(H200, mhc_fast_div=fast))
     for g, w in zip(got[True], got[False]):
         assert torch.equal(g, w)
     if case == "tiny_eps":

@@ -8,7 +8,7 @@ fp32 partial product by that block's scale — the DeepGEMM "promote per K-block
 by integer bit placement (``_e4m3_to_bf16``) rather than the hardware's e4m3 -> f16 -> bf16 on the
 quarter-rate conversion unit: a decode layer's FP8 GEMMs 11% faster at M=1, same bits (bench/results run 44).
 Decode (tiny M) is bound by the weight bytes, so small M uses narrow N tiles plus a split over K to put
-enough programs on 132 SMs; the partial sums go to an fp32 buffer and the last split program of each tile
+enough programs on the SMs (``KernelTuning``); the partial sums go to an fp32 buffer and the last split program of each tile
 adds them in a fixed order (an atomic ticket only decides *who* adds, never the order), so results are
 run-to-run deterministic and the reduction needs no second launch. (A stream-K decode path, one pipelined
 loop per program over all (tile, K block) steps, measured 40% slower: bench/results run 42.) Tile and split choices are a function of (M bucket, N, K) only.
@@ -26,14 +26,11 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops import lanes
+from deepinfer.ops.tuning import H200, KernelTuning
 
 SCALE_BLOCK = 128
-# e4m3 -> bf16 by integer bit placement (``_e4m3_to_bf16``) instead of the hardware conversion; the same
-# values either way (benchmarks switch it off to compare).
-E4M3_BY_BITS = True
 # Triton's CPU interpreter mis-converts fp32 -> bf16 inside kernels, so interpreted runs use fp32 dots.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-NUM_SMS = 132
 
 
 @triton.jit
@@ -302,12 +299,6 @@ def _fp8_linear_wa_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
 
 
-# Large-M tiles of the weight-as-A path (bench/kernels/bench_fp8_linear.py sweeps alternatives).
-# Swept on the H200 (bench/results/README.md, run 8): 256 tokens x 128 weight rows beat 128x128 by 1.5x.
-WA_CONFIG = {"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-WA_MIN_M = 257  # the prefill bucket; decode buckets stay weight-bandwidth-bound on the split-K path
-
-
 _TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_TILES = 1 << 16
 
@@ -324,54 +315,39 @@ def _tickets(device: torch.device) -> torch.Tensor:
     return _TICKETS[key]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per M bucket; the bench sweeps alternatives (CONFIG_OVERRIDE).
-# 16/64/None swept on the H200 (bench/results/README.md); 256 added after run 3 showed M=128 in the prefill
-# tile leaves N/128 programs (8 for N=1024): a middle tile with split-K keeps the SMs busy.
-CONFIGS = {16: (16, 64, 4, 4), 64: (32, 64, 4, 4), 256: (64, 64, 4, 3), None: (128, 128, 8, 3)}
-CONFIG_OVERRIDE: dict = {}
-# Split K (M <= 256) until this many programs run; bench/kernels/bench_fp8_decode.py sweeps it.
-SPLIT_TARGET = 2 * NUM_SMS
-MAX_SPLIT = 16
-
-
-# Swap-AB decode path (``_fp8_decode_kernel``, power-of-two scales, K % 128 == 0): (BLOCK_M, num_warps,
-# num_stages) per M bucket; larger M takes the split-K MMA path below. bench/kernels/bench_fp8_decode.py
-# sweeps it (DECODE_MAX_M = 0 switches the path off).
-DECODE_CONFIGS = {16: (16, 4, 3), 32: (32, 4, 3), 64: (64, 4, 3)}
-DECODE_MAX_M = 64
-
-
-def _split(programs: int, k: int) -> int:
+def _split(programs: int, k: int, tuning: KernelTuning) -> int:
     """K splits (a power of two, at most one per 128-wide K block) until ``programs * split`` fills the GPU."""
     split = 1
-    while programs * split < SPLIT_TARGET and split * 2 <= triton.cdiv(k, 128) and split < MAX_SPLIT:
+    while (programs * split < tuning.split_target and split * 2 <= triton.cdiv(k, 128)
+           and split < tuning.fp8_max_split):
         split *= 2
     return split
 
 
-def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+def _config(m: int, n: int, k: int, tuning: KernelTuning) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, split_k, num_warps, num_stages) from the M bucket and (N, K)."""
-    bucket = 16 if m <= 16 else 64 if m <= 64 else 256 if m <= 256 else None
-    bm, bn, warps, stages = CONFIG_OVERRIDE.get(bucket, CONFIGS[bucket])
-    split = _split(triton.cdiv(m, bm) * triton.cdiv(n, bn), k) if m <= 256 else 1
+    bucket, (bm, bn, warps, stages) = tuning.fp8_tile(m)
+    split = _split(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, tuning) if bucket is not None else 1
     return bm, bn, split, warps, stages
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] = (128, 128), pow2_scales: bool = False) -> torch.Tensor:
+               block: tuple[int, int] = (128, 128), pow2_scales: bool = False,
+               tuning: KernelTuning = H200) -> torch.Tensor:
     """x [M, K] (bf16/fp32) @ dequant(weight [N, K] e4m3, scale fp32 [ceil(N/128), ceil(K/128)]).T -> x.dtype."""
     assert block == (SCALE_BLOCK, SCALE_BLOCK), f"only 128x128 weight blocks are supported, got {block}"
-    return _launch(x, weight, scale, 1, pow2_scales)
+    return _launch(x, weight, scale, 1, pow2_scales, tuning)
 
 
 def fp8_linear_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
-                       pow2_scales: bool = False) -> torch.Tensor:
+                       pow2_scales: bool = False, tuning: KernelTuning = H200) -> torch.Tensor:
     """Block-diagonal: x [M, G*K] -> [M, G*r]; output rows [g*r, (g+1)*r) of weight [G*r, K] read input
     columns [g*K, (g+1)*K). One launch for all groups (r must be a multiple of 128: whole scale blocks)."""
-    return _launch(x, weight, scale, groups, pow2_scales)
+    return _launch(x, weight, scale, groups, pow2_scales, tuning)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, pow2_scales: bool):
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, pow2_scales: bool,
+            tuning: KernelTuning):
     assert weight.dtype == torch.float8_e4m3fn, f"weight must be float8_e4m3fn, got {weight.dtype}"
     assert scale.dtype == torch.float32, f"scale must be decoded fp32, got {scale.dtype}"
     assert x.dim() == 2 and x.shape[1] == groups * weight.shape[1], f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
@@ -382,20 +358,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
     group_rows = n // groups
     assert n % groups == 0 and (groups == 1 or group_rows % 128 == 0), f"{n} rows in {groups} groups"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    c = WA_CONFIG
-    if pow2_scales and m >= WA_MIN_M and x.dtype == torch.bfloat16 and group_rows % c["BLOCK_N"] == 0:
+    c = dict(tuning.fp8_wa_tile)
+    bits = tuning.fp8_e4m3_by_bits
+    if pow2_scales and m >= tuning.fp8_wa_min_m and x.dtype == torch.bfloat16 and group_rows % c["BLOCK_N"] == 0:
         grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
         _fp8_linear_wa_kernel[grid](
             x, weight, scale, y, m, n, k, group_rows, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
             BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=128, GROUP_M=c["GROUP_M"], IEEE=_INTERPRET,
-            BITS=E4M3_BY_BITS,
+            BITS=bits,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return y
-    if (pow2_scales and m <= DECODE_MAX_M and x.dtype == torch.bfloat16 and not _INTERPRET and k % 128 == 0
+    if (pow2_scales and m <= tuning.fp8_decode_max_m and x.dtype == torch.bfloat16 and not _INTERPRET and k % 128 == 0
             and group_rows % 64 == 0):
-        return _launch_decode(x, weight, scale, y, group_rows)
-    bm, bn, split, warps, stages = _config(m, n, k)
+        return _launch_decode(x, weight, scale, y, group_rows, tuning)
+    bm, bn, split, warps, stages = _config(m, n, k, tuning)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
@@ -405,17 +382,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         x, weight, scale, y, part, _tickets(x.device), m, n, k, k_per_split, group_rows,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, SPLIT=split,
-        BITS=E4M3_BY_BITS,
+        BITS=bits,
         num_warps=warps, num_stages=stages,
     )
     return y
 
 
-def _launch_decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, group_rows: int):
+def _launch_decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, group_rows: int,
+                   tuning: KernelTuning):
     m = x.shape[0]
     n, k = weight.shape
-    bm, warps, stages = next(cfg for bucket, cfg in sorted(DECODE_CONFIGS.items()) if m <= bucket)
-    split = _split(triton.cdiv(n, 64), k)
+    bm, warps, stages = tuning.fp8_decode_tile(m)
+    split = _split(triton.cdiv(n, 64), k, tuning)
     k_per_split = triton.cdiv(k // 128, split) * 128
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y

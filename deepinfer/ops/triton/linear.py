@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.triton.fp8_linear import MAX_TILES, _split, _tickets, _write_tile, load_swap_ab
+from deepinfer.ops.tuning import H200, KernelTuning
 
 # The interpreter multiplies bf16 operands as raw bits: interpreted runs use fp32 dots (exact products).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -54,7 +55,7 @@ def _linear_decode_kernel(
                 pid_k, stride_ym, stride_pm, stride_psplit, SPLIT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, tuning: KernelTuning = H200) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N] in x.dtype (see ``ops/ref/linear.py``)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -63,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     bm, warps, stages = next(cfg for bucket, cfg in sorted(CONFIGS.items()) if m <= bucket)
     tiles = triton.cdiv(n, BLOCK_N)
-    split = _split(tiles, k)
+    split = _split(tiles, k, tuning)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
     split = triton.cdiv(k, k_per_split)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -93,6 +93,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.tuning import H200, KernelTuning
+
 # Triton 3.6's CPU interpreter truncates fp32 -> bf16; interpreted runs round the bits first (``_to_out``).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tests set this: the partial-sum scratch and internally allocated outputs start as NaN.
@@ -103,9 +105,6 @@ BLOCK_K = 32  # inner step of the mixes loop; min(BLOCK_K, K_CHUNK) divides K_CH
 BLOCK_H = 512  # H elements per collapse step of the finish kernel (4 KB of bf16 streams per step)
 POST_BLOCK_H = 1024  # H elements per post program: 4 warps x 32 lanes x 8 (one 16-byte bf16 vector each)
 FINISH_PROGRAMS = 1024  # collapse programs per token: min(H blocks, ceil(FINISH_PROGRAMS / T))
-# The Sinkhorn rounds' divisions by their branch-free fast path (``_div_fast``; same bits as div_rn). Tests
-# switch it off to compare.
-FAST_DIV = True
 
 
 @triton.jit
@@ -301,7 +300,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
+def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out, fast_div):
     """Shared by hc_pre and hc_head: mixes kernel, then finish kernel; returns (collapsed, post, comb)."""
     t, n, h = streams.shape
     rows, k = fn.shape
@@ -334,22 +333,22 @@ def _collapse(streams, fn, base, scale, iters, hc_eps, norm_eps, head, out):
     _finish_kernel[(t, progs + (sink > 0))](
         x, part, base, scale, collapsed, post, comb, t, h, rows, int(iters), float(hc_eps), float(norm_eps),
         per_prog, sink, N=n, NP=triton.next_power_of_2(n), SPLIT=split, SP=triton.next_power_of_2(split),
-        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, FAST_DIV=FAST_DIV and not _INTERPRET, num_warps=1)
+        BLOCK_H=block_h, HEAD=head, INTERPRET=_INTERPRET, FAST_DIV=fast_div and not _INTERPRET, num_warps=1)
     return collapsed, post, comb
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float, *, out: torch.Tensor | None = None,
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           tuning: KernelTuning = H200) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, H] -> (collapsed [T, H] in streams.dtype, post [T, N] fp32, comb [T, N, N] fp32)."""
     assert sinkhorn_iters >= 1
-    return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, out)
+    return _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, out, tuning.mhc_fast_div)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Final collapse [T, N, H] -> [T, H] with a sigmoid ``pre`` (fn [N, N*H], base [N], scale [1])."""
-    return _collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, True, out)[0]
+    return _collapse(streams, fn, base, scale, 1, hc_eps, norm_eps, True, out, False)[0]  # no Sinkhorn here
 
 
 def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,

@@ -15,12 +15,12 @@ whose merge weight is exactly 0, and a single-split query's fused epilogue is th
 weight 1: the output bits do not depend on the padding width, the batch or the split count.
 Partials (m, l, acc in fp32) are merged in split order by a second kernel; no atomics anywhere.
 
-Small batches (fewer than FILL_PROGRAMS programs at SPLIT, i.e. decode) split much finer instead: every
-SMALL_SPLIT columns of the last source (at most ~8 such splits: wider for long HCA lists), with the first
+Small batches (fewer than ``attention_fill_programs`` programs at SPLIT, i.e. decode) split much finer
+instead (``KernelTuning``, ops/tuning.py): every ``attention_small_split`` columns of the last source (at most ~8 such splits: wider for long HCA lists), with the first
 source (the window) a split of its own. A decode query's walk over up to 640 keys in 20 dependent gather
-steps, on 4 programs at batch 1, then spreads over 4 x (1 + N2 / SMALL_SPLIT) programs. This choice
-depends on the batch and the index width, so a row's bits do too: the batch-invariant op table turns it
-off (SMALL_SPLIT = 0); prefill keeps SPLIT, whose partials would be gigabytes at 128 columns.
+steps, on 4 programs at batch 1, then spreads over 4 x (1 + N2 / small split) programs. This choice
+depends on the batch and the index width, so a row's bits do too: a batch-invariant op table turns it
+off (``attention_small_split=0``); prefill keeps SPLIT, whose partials would be gigabytes at 128 columns.
 
 Within a program the reduction runs over key blocks in column order. All-invalid blocks (padding) leave
 the state bit-identical (alpha = 1, p = 0), so trailing padding never changes a result.
@@ -34,13 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.tuning import H200, KernelTuning
+
 # Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Keys per split along the split axis (see module docstring). Changing it changes bits; fixed per build.
 SPLIT = 1024
-# The small-batch split (module docstring); 0 = always SPLIT. bench/kernels/bench_attention.py sweeps it.
-SMALL_SPLIT = 128
-FILL_PROGRAMS = 64
 LOG2E = 1.4426950408889634
 LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)
 # Running max starts finite: a block with no valid key then gives alpha = exp2(0) = 1, p = 0 (no NaN).
@@ -201,6 +200,7 @@ def sparse_attention_indexed(
     indices_extra: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    tuning: KernelTuning = H200,
 ) -> torch.Tensor:
     """q [L, H, D], kv [R, D], indices [L, N] int32 (-1 invalid), sinks [H] fp32 -> out [L, H, D] in q.dtype.
 
@@ -228,10 +228,11 @@ def sparse_attention_indexed(
     cfg = config(q.dtype, D)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
     split, window_alone = SPLIT, False
-    if SMALL_SPLIT and L * triton.cdiv(H, block_h) < FILL_PROGRAMS:
+    small = tuning.attention_small_split
+    if small and L * triton.cdiv(H, block_h) < tuning.attention_fill_programs:
         # At most ~8 splits of the last source (long HCA lists get wider splits), window apart.
         width = n2 if has_extra else n
-        split = max(SMALL_SPLIT, triton.next_power_of_2(triton.cdiv(width, 8)))
+        split = max(small, triton.next_power_of_2(triton.cdiv(width, 8)))
         window_alone = has_extra and n > 0
     num_splits = max(1, window_alone + triton.cdiv(n2 if has_extra else n, split))
     block_d = max(16, triton.next_power_of_2(D))

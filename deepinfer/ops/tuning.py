@@ -1,0 +1,91 @@
+"""Per-device kernel choices, frozen and carried by the op table (``ops/table.py``).
+
+Tile sizes, split-K targets and the small-batch paths are performance choices, measured on the H200
+(``bench/kernels/``, ``bench/results/README.md``). They live here, as one immutable value chosen when the op
+table is built, instead of as module globals: two tables in one process (the default and a batch-invariant
+one) can then carry different choices, the SM count comes from the device the table runs on, and a sweep
+passes a modified copy (``dataclasses.replace``) instead of patching a module.
+
+Which choices change bits: the FP8 split-K (``fp8_split_target``, ``fp8_tiles``, ``fp8_decode_max_m``)
+changes the order of the K reduction, and the attention small-batch split (``attention_small_split``)
+changes where the softmax merge happens; both depend on the batch size, so a batch-invariant table must
+fix them. The remaining fields never change a result's bits (tests/gpu check the
+fast division and the e4m3 bit placement against their plain forms).
+
+Importable without Triton (the CPU path reads none of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+FP8Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+DecodeTile = tuple[int, int, int]  # (BLOCK_M, num_warps, num_stages)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTuning:
+    # Streaming multiprocessors of the device: split-K fills multiples of them.
+    num_sms: int = 132
+    # FP8 linear, split-K MMA path: a tile per M bucket (M <= 16, <= 64, <= 256, larger = None).
+    # 16/64/None swept on the H200; the 256 bucket keeps SMs busy at M = 128 (N/128 programs otherwise).
+    fp8_tiles: tuple[tuple[int | None, FP8Tile], ...] = (
+        (16, (16, 64, 4, 4)), (64, (32, 64, 4, 4)), (256, (64, 64, 4, 3)), (None, (128, 128, 8, 3)))
+    # Split K (M <= 256) until this many programs run; 0 -> twice the SM count.
+    fp8_split_target: int = 0
+    fp8_max_split: int = 16
+    # Swap-AB decode path (power-of-two scales, K % 128 == 0) for M <= fp8_decode_max_m (0 = off).
+    fp8_decode_max_m: int = 64
+    fp8_decode_tiles: tuple[tuple[int, DecodeTile], ...] = ((16, (16, 4, 3)), (32, (32, 4, 3)), (64, (64, 4, 3)))
+    # Weight-as-A path for prefill-sized M (256 tokens x 128 weight rows beat 128x128 by 1.5x on the H200).
+    fp8_wa_min_m: int = 257
+    fp8_wa_tile: tuple[tuple[str, int], ...] = (
+        ("BLOCK_M", 256), ("BLOCK_N", 128), ("GROUP_M", 8), ("num_warps", 8), ("num_stages", 3))
+    # e4m3 -> bf16 by integer bit placement instead of the conversion unit (same values, 11% faster at M=1).
+    fp8_e4m3_by_bits: bool = True
+    # Sparse attention: below attention_fill_programs programs (decode), split every
+    # attention_small_split index columns, window apart (0 = the fixed, batch-invariant split only).
+    attention_small_split: int = 128
+    attention_fill_programs: int = 64
+    # mHC Sinkhorn divisions by the branch-free fast path (the bits of div_rn).
+    mhc_fast_div: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_sms <= 0:
+            raise ValueError(f"num_sms: must be positive, got {self.num_sms}")
+        if self.fp8_split_target < 0 or self.fp8_decode_max_m < 0 or self.attention_small_split < 0:
+            raise ValueError("fp8_split_target, fp8_decode_max_m and attention_small_split must be >= 0")
+        if self.fp8_decode_max_m > max(b for b, _ in self.fp8_decode_tiles):
+            raise ValueError(f"fp8_decode_max_m: {self.fp8_decode_max_m} exceeds the largest decode tile bucket")
+        if self.fp8_tiles[-1][0] is not None:
+            raise ValueError("fp8_tiles: the last bucket must be None (every larger M)")
+
+    @property
+    def split_target(self) -> int:
+        return self.fp8_split_target or 2 * self.num_sms
+
+    def fp8_tile(self, m: int) -> tuple[int | None, FP8Tile]:
+        """(bucket, tile) of the first bucket holding M."""
+        return next((b, t) for b, t in self.fp8_tiles if b is None or m <= b)
+
+    def fp8_decode_tile(self, m: int) -> DecodeTile:
+        return next(t for b, t in self.fp8_decode_tiles if m <= b)
+
+    def with_fp8_tile(self, bucket: int | None, tile: FP8Tile) -> "KernelTuning":
+        return dataclasses.replace(self, fp8_tiles=tuple((b, tile if b == bucket else t) for b, t in self.fp8_tiles))
+
+    def with_fp8_decode_tile(self, bucket: int, tile: DecodeTile) -> "KernelTuning":
+        return dataclasses.replace(
+            self, fp8_decode_tiles=tuple((b, tile if b == bucket else t) for b, t in self.fp8_decode_tiles))
+
+    @classmethod
+    def for_device(cls, device: object = None) -> "KernelTuning":
+        """The defaults with the SM count of ``device`` (a CUDA device; the current one when None)."""
+        import torch
+
+        props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        return cls(num_sms=props.multi_processor_count)
+
+
+H200 = KernelTuning()  # the measured defaults (132 SMs); what direct kernel calls use
