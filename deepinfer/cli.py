@@ -143,9 +143,28 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from deepinfer.model.summary import summarize
+    from deepinfer.config.model import ModelConfig
+    from deepinfer.engine.memory_plan import GIB, Deployment, describe, device_memory_bytes
+    from deepinfer.assets import demo_model_dir
+    from deepinfer.model.summary import parameter_specs, summarize
 
-    print(json.dumps(summarize(a.model), indent=2))
+    model_dir = a.model or str(demo_model_dir())
+    cfg = ModelConfig.from_model_dir(model_dir)
+    specs = parameter_specs(cfg)
+    summary = summarize(model_dir, specs)
+    deployment = Deployment(
+        tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
+        enable_expert_parallel=a.enable_expert_parallel, max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_model_len or min(cfg.max_position_embeddings, 8192),
+        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+        gpu_memory_utilization=a.gpu_memory_utilization)
+    device_bytes = int(a.device_memory_gib * GIB) if a.device_memory_gib else device_memory_bytes()
+    summary["memory_plan"] = describe(cfg, deployment, device_bytes, specs)
+    print(json.dumps(summary, indent=2))
+    plan = summary["memory_plan"]
+    if not plan["fits"]:
+        print(f"error: does not fit: {plan['reason']}; try {plan['suggestion']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -178,8 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _engine_flags(s)
     s.set_defaults(func=cmd_serve)
-    i = sub.add_parser("info", help="model summary: layers, parameters, cache bytes per token")
+    i = sub.add_parser("info", help="model summary and the memory plan per device (nothing is loaded)")
     i.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    i.add_argument("--tensor-parallel-size", type=int, default=1, help="devices splitting attention heads")
+    i.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
+    i.add_argument("--enable-expert-parallel", action="store_true", help="spread routed experts over all devices")
+    i.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per step")
+    i.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    i.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per sequence")
+    i.add_argument("--block-size", type=int, default=256, help="cache block size in tokens")
+    i.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory to use")
+    i.add_argument("--device-memory-gib", type=float, default=None,
+                   help="memory of one device (default: the visible CUDA device, else an H200's 140 GiB)")
     i.set_defaults(func=cmd_info)
     from deepinfer.eval.perplexity import add_eval_parser
 

@@ -1,0 +1,217 @@
+"""The memory plan of a deployment, per device, from ``config.json`` alone (``deepinfer info``).
+
+Before anything is loaded it answers: how many bytes of weights each device holds in the formats the GPU
+path keeps them in (FP8 e4m3 with fp32 block scales for the dense linears, packed FP4 with one scale byte
+per 32 weights for the routed experts, bf16/fp32 for the rest), what the cache needs, an estimate of the
+activation peak of the largest step, and whether it fits ``gpu_memory_utilization`` of the device; when
+it does not, the smallest data-parallel + expert-parallel world that would.
+
+Parallel layouts follow vLLM's flags: ``tensor_parallel_size`` splits attention heads (``wq_b``, ``wo_a``,
+the sinks, ``wo_b``'s input), the shared expert's and, without expert parallelism, every routed expert's
+intermediate dimension, and the vocabulary of the embedding and the LM head; the single shared K=V latent,
+the compressors and the indexer are replicated. ``data_parallel_size`` replicates what TP does not split
+and gives every DP rank its own cache. ``enable_expert_parallel`` spreads whole routed experts over all
+``tp x dp`` devices.
+
+The activation figure is an estimate (the engine measures the real peak with a profiling step at start-up,
+``engine/sizing.py``); the weight and cache figures are exact for the formats above.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.config.model import ModelConfig
+from deepinfer.kv.manager import blocks_for_budget
+from deepinfer.kv.spec import HISTORY, build_layout
+from deepinfer.model.quant import FP4_GROUP, fp8_scale_shape, storage_format
+from deepinfer.model.summary import Specs, parameter_specs
+
+GIB = 1 << 30
+H200_BYTES = 140 * GIB  # what an H200 reports (torch.cuda.mem_get_info total)
+# CUDA context, NCCL buffers, CUDA-graph pools and allocator slack: held back on every device.
+RESERVED_BYTES = 2 * GIB
+_ROUTED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.")
+_SHARED = re.compile(r"\.ffn\.shared_experts\.")
+_HEAD_SPLIT = re.compile(r"\.attn\.(wq_b\.weight|wo_a\.weight|attn_sink)$")
+_HEAD_INPUT_SPLIT = re.compile(r"\.attn\.wo_b\.weight$")
+_VOCAB = re.compile(r"^(embed|head)\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """What the plan is for: the parallel layout and the engine limits that size the cache and activations."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 2048
+    block_size: int = 256
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs", "max_model_len",
+                     "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    deployment: Deployment
+    device_bytes: int  # memory of one device
+    weight_bytes: int  # per device (the largest share when experts do not divide evenly)
+    expert_bytes: int  # of weight_bytes: routed experts
+    activation_bytes: int  # per device, estimated
+    reserved_bytes: int
+    cache_bytes: int  # per device: what is left for the cache pools (may be negative)
+    cache_tokens: int  # history tokens one device's cache holds (0 when it cannot hold one sequence)
+    fits: bool
+    reason: str  # why it does not fit ("" when it fits)
+
+    def as_dict(self) -> dict:
+        d = self.deployment
+        return {
+            "tensor_parallel_size": d.tensor_parallel_size, "data_parallel_size": d.data_parallel_size,
+            "enable_expert_parallel": d.enable_expert_parallel, "devices": d.world_size,
+            "per_device_gib": {
+                "device": round(self.device_bytes / GIB, 2),
+                "usable": round(self.device_bytes * d.gpu_memory_utilization / GIB, 2),
+                "weights": round(self.weight_bytes / GIB, 2),
+                "of_which_routed_experts": round(self.expert_bytes / GIB, 2),
+                "activations_estimate": round(self.activation_bytes / GIB, 2),
+                "reserved": round(self.reserved_bytes / GIB, 2),
+                "cache": round(max(self.cache_bytes, 0) / GIB, 2),
+            },
+            "cache_tokens_per_dp_rank": self.cache_tokens,
+            "fits": self.fits,
+            **({"reason": self.reason} if self.reason else {}),
+        }
+
+
+def device_memory_bytes() -> int:
+    """The visible CUDA device's memory, else an H200's (plans are usually made before reaching the GPUs)."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[1]
+    return H200_BYTES
+
+
+def device_bytes_of(name: str, shape: tuple[int, ...], dtype: torch.dtype, cfg: ModelConfig) -> int:
+    """Bytes of one parameter as the GPU path holds it (with its scales); ``dtype``: the model parameter's."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    fmt = storage_format(name, cfg)
+    if fmt == "fp8":
+        rows, cols = fp8_scale_shape(shape, cfg.quant.weight_block_size)  # type: ignore[union-attr]
+        return numel + 4 * rows * cols  # e4m3 codes + fp32 block scales (FP8Linear decodes UE8M0 once)
+    if fmt == "fp4":
+        return numel // 2 + numel // FP4_GROUP  # two codes a byte + one UE8M0 byte per 32 weights
+    return numel * dtype.itemsize
+
+
+def _share(name: str, d: Deployment, cfg: ModelConfig) -> float:
+    """The fraction of parameter ``name`` one device holds (experts under EP: see ``weights_per_device``)."""
+    tp = d.tensor_parallel_size
+    if _ROUTED.match(name):
+        return 1.0 if d.enable_expert_parallel else 1.0 / tp
+    if _SHARED.search(name) or _HEAD_SPLIT.search(name) or _HEAD_INPUT_SPLIT.search(name) or _VOCAB.match(name):
+        return 1.0 / tp
+    return 1.0
+
+
+def weights_per_device(cfg: ModelConfig, d: Deployment, specs: Specs | None = None
+                       ) -> tuple[int, int]:
+    """(weight bytes, routed-expert bytes) on the most loaded device. The MTP layer counts (the engine keeps
+    it), its experts spread like the others'."""
+    specs = specs if specs is not None else parameter_specs(cfg)
+    total = experts = 0.0
+    for name, (shape, dtype) in specs.items():
+        b = device_bytes_of(name, shape, dtype, cfg) * _share(name, d, cfg)
+        total += b
+        experts += b if _ROUTED.match(name) else 0.0
+    if d.enable_expert_parallel:
+        # Whole experts per device: ceil(E / world) of them on the most loaded device.
+        per_expert = experts / cfg.n_routed_experts
+        held = -(-cfg.n_routed_experts // d.world_size) * per_expert
+        total += held - experts
+        experts = held
+    return int(total), int(experts)
+
+
+def activation_bytes_estimate(cfg: ModelConfig, d: Deployment) -> int:
+    """A generous estimate of the transient peak of one step of ``max_num_batched_tokens`` tokens on one
+    device: a layer's live tensors (mHC streams in and out, the query heads and attention output, the MoE's
+    routed intermediates for every token's top-k experts) plus the logits of the sampled rows."""
+    t, h, tp = d.max_num_batched_tokens, cfg.hidden_size, d.tensor_parallel_size
+    streams = 3 * cfg.hc_mult * h * 2  # streams in, out and the mHC collapse (bf16)
+    heads = 3 * (cfg.num_attention_heads // tp) * cfg.head_dim * 2  # q, attention output, grouped wo_a input
+    moe = cfg.num_experts_per_tok * 3 * (cfg.moe_intermediate_size // (1 if d.enable_expert_parallel else tp)) * 2
+    per_token = streams + heads + moe + 4 * h * 2
+    logits = min(d.max_num_seqs, t) * cfg.vocab_size * 4 * 2  # fp32 logits and the sampler's working copy
+    return t * per_token + logits
+
+
+def plan(cfg: ModelConfig, d: Deployment, device_bytes: int, cache_dtype: torch.dtype = torch.bfloat16,
+         specs: Specs | None = None) -> MemoryPlan:
+    """``specs``: the model's ``parameter_specs`` when already known (building them is the slow part)."""
+    weights, experts = weights_per_device(cfg, d, specs)
+    acts = activation_bytes_estimate(cfg, d)
+    usable = int(device_bytes * d.gpu_memory_utilization)
+    cache = usable - weights - acts - RESERVED_BYTES
+    layout = build_layout(cfg, d.block_size, include_mtp=False)
+    dtype_bytes = torch.empty(0, dtype=cache_dtype).element_size()
+    reason, tokens = "", 0
+    if cache <= 0:
+        reason = (f"weights {weights / GIB:.1f} GiB + activations ~{acts / GIB:.1f} GiB + reserved "
+                  f"{RESERVED_BYTES / GIB:.0f} GiB per device exceed {usable / GIB:.1f} GiB usable "
+                  f"({d.gpu_memory_utilization} of {device_bytes / GIB:.1f} GiB)")
+    else:
+        try:
+            counts = blocks_for_budget(layout, cache, dtype_bytes, d.max_num_seqs, d.max_model_len,
+                                       max_num_batched_tokens=d.max_num_batched_tokens)
+            tokens = counts[HISTORY] * d.block_size
+        except ValueError as e:
+            reason = f"the {cache / GIB:.2f} GiB left for the cache is too small: {e}"
+    return MemoryPlan(d, device_bytes, weights, experts, acts, RESERVED_BYTES, cache, tokens, not reason, reason)
+
+
+def smallest_fitting(cfg: ModelConfig, d: Deployment, device_bytes: int, limit: int = 64,
+                     specs: Specs | None = None) -> Deployment | None:
+    """The smallest data-parallel + expert-parallel world (same TP) that fits, up to ``limit`` devices."""
+    import dataclasses
+
+    specs = specs if specs is not None else parameter_specs(cfg)
+    dp = 1
+    while d.tensor_parallel_size * dp <= limit:
+        cand = dataclasses.replace(d, data_parallel_size=dp, enable_expert_parallel=dp * d.tensor_parallel_size > 1)
+        if plan(cfg, cand, device_bytes, specs=specs).fits:
+            return cand
+        dp *= 2
+    return None
+
+
+def describe(cfg: ModelConfig, d: Deployment, device_bytes: int,
+             specs: Specs | None = None) -> dict:
+    """The plan as ``deepinfer info`` prints it, with a suggestion when it does not fit."""
+    specs = specs if specs is not None else parameter_specs(cfg)
+    p = plan(cfg, d, device_bytes, specs=specs)
+    out = p.as_dict()
+    if not p.fits:
+        alt = smallest_fitting(cfg, d, device_bytes, specs=specs)
+        out["suggestion"] = (
+            f"--tensor-parallel-size {alt.tensor_parallel_size} --data-parallel-size {alt.data_parallel_size}"
+            + (" --enable-expert-parallel" if alt.enable_expert_parallel else "")
+            + f" ({alt.world_size} devices)" if alt else "no layout up to 64 devices fits; lower max_num_batched_tokens")
+    return out

@@ -1,0 +1,89 @@
+"""The memory plan (``deepinfer info``): exact weight bytes, parallel shares, fit verdicts, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from deepinfer.assets import demo_model_dir, shapes_dir
+from deepinfer.config.model import ModelConfig
+from deepinfer.engine.memory_plan import GIB, Deployment, describe, plan, weights_per_device
+from deepinfer.model.summary import parameter_specs
+
+H200 = 140 * GIB
+
+
+def _device_tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct storage the prepared model holds (stacked projections are views), less the
+    RoPE tables (recomputed from the config, never weights)."""
+    seen: dict[int, int] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not name.startswith("ropes."):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_weight_bytes_equal_what_the_device_transform_holds() -> None:
+    """Oracle: the demo model loaded and transformed for the device path (FP8Linear with fp32 block scales,
+    stacked FP4 experts with byte scales) holds exactly the planned bytes."""
+    from deepinfer.model.device import prepare_for_device
+    from deepinfer.model.loader import load_model
+    from deepinfer.ops.table import REF
+
+    model = prepare_for_device(load_model(demo_model_dir(), dtype=torch.bfloat16, progress=False), REF)
+    planned, experts = weights_per_device(model.cfg, Deployment())
+    assert planned == _device_tensor_bytes(model)
+    assert experts == sum(_device_tensor_bytes(m.ffn.routed) for m in [*model.layers, *model.mtp])
+
+
+def test_expert_parallel_spreads_whole_experts_and_tensor_parallel_splits_heads() -> None:
+    cfg = ModelConfig.from_model_dir(demo_model_dir())  # 8 experts
+    specs = parameter_specs(cfg)
+    one, experts = weights_per_device(cfg, Deployment(), specs)
+    dense = one - experts
+    for world, held in ((2, 4), (4, 2), (3, 3), (8, 1)):  # ceil(8 / world) experts on the busiest device
+        got, e = weights_per_device(cfg, Deployment(data_parallel_size=world, enable_expert_parallel=True), specs)
+        assert e == experts * held // 8 and got == dense + e
+    tp2, e2 = weights_per_device(cfg, Deployment(tensor_parallel_size=2), specs)
+    assert e2 == experts // 2  # every expert's intermediate split in two
+    assert dense // 2 < tp2 - e2 < dense  # heads, vocab and shared expert split; latent, norms, indexer not
+
+
+def test_v4_flash_needs_two_h200s_and_v4_pro_needs_more_than_eight() -> None:
+    flash = ModelConfig.from_model_dir(shapes_dir("v4-flash"))
+    specs = parameter_specs(flash)
+    one = plan(flash, Deployment(), H200, specs=specs)
+    assert not one.fits and "exceed" in one.reason and one.weight_bytes > 140 * GIB  # ~149 GiB in device formats
+    two = plan(flash, Deployment(data_parallel_size=2, enable_expert_parallel=True), H200, specs=specs)
+    assert two.fits and two.cache_tokens > 1_000_000
+    out = describe(flash, Deployment(), H200, specs)
+    assert out["suggestion"].startswith("--tensor-parallel-size 1 --data-parallel-size 2 --enable-expert-parallel")
+
+
+def test_a_too_small_cache_is_named() -> None:
+    cfg = ModelConfig.from_model_dir(demo_model_dir())
+    tiny_device = int(2.1 * GIB)  # weights and activations fit; the 2 GiB reserve leaves almost nothing
+    p = plan(cfg, Deployment(max_num_seqs=256, max_model_len=65536), tiny_device)
+    assert not p.fits and p.cache_tokens == 0
+
+
+@pytest.mark.parametrize("field, value", [("tensor_parallel_size", 0), ("data_parallel_size", -1),
+                                          ("gpu_memory_utilization", 1.5), ("max_model_len", 0)])
+def test_bad_deployment_names_the_field(field, value) -> None:
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(Deployment(), **{field: value})
+
+
+def test_cli_prints_the_plan_and_fails_when_it_cannot_fit(capsys) -> None:
+    from deepinfer.cli import main
+
+    assert main(["info", "--device-memory-gib", "140"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory_plan"]["fits"] and out["parameters"]["total"] > 0
+    assert main(["info", "--device-memory-gib", "2.05"]) == 1
+    captured = capsys.readouterr()
+    assert "does not fit" in captured.err and "--gpu-memory-utilization" not in captured.err
+    assert json.loads(captured.out)["memory_plan"]["fits"] is False
