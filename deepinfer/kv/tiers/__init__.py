@@ -10,7 +10,7 @@ from deepinfer.kv.tiers.disk import DiskTier
 from deepinfer.kv.tiers.host import HostTier
 from deepinfer.kv.tiers.payload import pack, payload_bytes, unpack
 from deepinfer.kv.tiers.stats import TierCounters, TierStats
-from deepinfer.kv.tiers.store import TieredStore
+from deepinfer.kv.tiers.store import TieredStore, open_store
 
 __all__ = ["BlobError", "DiskTier", "HostTier", "StoreIdentity", "StoredBlock", "Tier", "TierCounters",
-           "TierStats", "TieredStore", "pack", "payload_bytes", "unpack"]
+           "TierStats", "TieredStore", "open_store", "pack", "payload_bytes", "unpack"]

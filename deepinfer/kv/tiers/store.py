@@ -24,8 +24,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
+from deepinfer.config.engine import KVTierConfig
 from deepinfer.kv.tiers.base import Tier
 from deepinfer.kv.tiers.blob import BlobError, StoredBlock, StoreIdentity, decode, encode
+from deepinfer.kv.tiers.disk import DiskTier
+from deepinfer.kv.tiers.host import HostTier
 from deepinfer.kv.tiers.stats import TierCounters, TierStats
 
 log = logging.getLogger("deepinfer")
@@ -367,3 +370,12 @@ class TieredStore:
     def _hit(counts: _Counts, found: StoredBlock) -> None:
         counts.hits += 1
         counts.hit_tokens += found.num_tokens
+
+
+def open_store(tiers: KVTierConfig, identity: StoreIdentity) -> TieredStore | None:
+    """The store that the engine arguments ask for (``--kv-host-cache-gb``, ``--kv-cache-dir``), or None."""
+    if not tiers.enabled:
+        return None
+    host = HostTier(tiers.host_bytes) if tiers.host_bytes else None
+    disk = DiskTier(tiers.disk_dir, tiers.disk_bytes) if tiers.disk_dir is not None else None
+    return TieredStore(identity, host, disk)
