@@ -8,6 +8,8 @@ validates it against the model and the machine and freezes the result. Facts dis
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,11 @@ class EngineArgs:
     # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
     # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
     async_scheduling: bool = False
+    # Prefix caching, and the cache tiers below the device pools (sizes in GiB, like cache_memory_gb).
+    enable_prefix_caching: bool = True
+    kv_cache_dir: str | None = None  # local directory of the disk tier (kept across restarts)
+    kv_host_cache_gb: float = 0.0  # host-memory tier (pinned on CUDA); 0 = none
+    kv_disk_cache_gb: float | None = None  # size limit of kv_cache_dir; required with it
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -60,11 +67,26 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    """Cache tiers below the device pools; all zero / None when there are none."""
+
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0 or self.disk_dir is not None
+
+
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int
     num_cache_blocks: int | None
     cache_memory_gb: float | None
     gpu_memory_utilization: float
+    enable_prefix_caching: bool = True
+    tiers: KVTierConfig = KVTierConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +131,8 @@ class EngineConfig:
             device=device,
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
             cache=CacheConfig(args.block_size, args.num_cache_blocks, args.cache_memory_gb,
-                              args.gpu_memory_utilization),
+                              args.gpu_memory_utilization,
+                              _check_bool("enable_prefix_caching", args.enable_prefix_caching), _tier_config(args)),
             seed=args.seed,
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
@@ -142,6 +165,34 @@ def _check_positive(args: EngineArgs) -> None:
         raise ValueError(f"num_cache_blocks: must be a positive integer, got {args.num_cache_blocks!r}")
     if args.cache_memory_gb is not None and not args.cache_memory_gb > 0:
         raise ValueError(f"cache_memory_gb: must be > 0, got {args.cache_memory_gb!r}")
+
+
+def _gib(name: str, value: object, allow_zero: bool) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}: must be a number {'>= 0' if allow_zero else '> 0'} (GiB), got {value!r}")
+    return int(value * (1 << 30))
+
+
+def _tier_config(args: EngineArgs) -> KVTierConfig:
+    host = _gib("kv_host_cache_gb", args.kv_host_cache_gb, allow_zero=True)
+    disk_dir = args.kv_cache_dir
+    if disk_dir is not None:
+        if not isinstance(disk_dir, str) or not disk_dir.strip():
+            raise ValueError(f"kv_cache_dir: must be a directory path, got {disk_dir!r}")
+        disk_dir = os.path.expanduser(disk_dir)
+        if os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
+            raise ValueError(f"kv_cache_dir: {disk_dir!r} exists and is not a directory")
+        if args.kv_disk_cache_gb is None:
+            raise ValueError("kv_disk_cache_gb: required with kv_cache_dir (the disk tier's size limit in GiB)")
+    elif args.kv_disk_cache_gb is not None:
+        raise ValueError("kv_disk_cache_gb: set without kv_cache_dir (the directory of the disk tier)")
+    disk = 0 if disk_dir is None else _gib("kv_disk_cache_gb", args.kv_disk_cache_gb, allow_zero=False)
+    tiers = KVTierConfig(host, disk_dir, disk)
+    if tiers.enabled and not args.enable_prefix_caching:
+        name = "kv_host_cache_gb" if host else "kv_cache_dir"
+        raise ValueError(f"{name}: the cache tiers hold prefix-cache blocks; they need enable_prefix_caching=True")
+    return tiers
 
 
 @dataclass(frozen=True, slots=True)

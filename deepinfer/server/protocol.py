@@ -62,6 +62,8 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     # {json | json_object | regex | choice | grammar} (vLLM's spelling), enforced by deepinfer.structured
     structured_outputs: dict[str, Any] | None = None
+    # Prefix-cache tenancy (vLLM's field): requests with different salts never share cached blocks.
+    cache_salt: str | None = Field(None, min_length=1)
 
     @property
     def include_usage(self) -> bool:
