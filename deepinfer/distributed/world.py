@@ -9,6 +9,7 @@ they are torch.distributed's variables, not deepinfer switches. Backend: NCCL on
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -114,6 +115,13 @@ def init_world(config: ParallelConfig, device: str = "cpu", env: WorldEnv | None
             tp_group = group
     ep_group = dist.group.WORLD if config.expert_parallel_size > 1 else None
     return ParallelContext(config, env.rank, dev, tp_group, ep_group)
+
+
+def free_port() -> int:
+    """A free TCP port on this machine (for a world started here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def close_world() -> None:

@@ -11,7 +11,6 @@ fails the call, so a hang in a collective ends a test instead of stalling it.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,13 +19,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from deepinfer.distributed.world import WorldEnv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deepinfer.distributed.world import WorldEnv, free_port
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
