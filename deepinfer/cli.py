@@ -35,6 +35,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="plan step N+1 while step N runs (the same tokens; default: off)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split attention heads (and, without expert parallelism, experts) over this many devices")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="data-parallel attention: this many groups, each with its own sequences and cache")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="spread the routed experts over all data x tensor parallel devices")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -61,7 +67,8 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-        async_scheduling=a.async_scheduling,
+        async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size,
+        data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
     )
 
 

@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Any
 
+import torch
+
 from deepinfer.config.engine import EngineConfig
 from deepinfer.distributed.world import WorldEnv, close_world, free_port
 from deepinfer.engine.llm_engine import LLMEngine
@@ -53,6 +55,8 @@ def launch_engine(config: EngineConfig) -> "ParallelLLMEngine":
             sys.exit(0)
         return ParallelLLMEngine(config, env, [])
     world = config.parallel.world_size
+    if config.device == "cpu":  # the ranks share this machine's cores (rank_main divides them likewise)
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = []

@@ -4,12 +4,17 @@ engine's greedy tokens on the demo model, under chunked prefill (a 48-token step
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.assets import demo_model_dir
+from deepinfer.distributed.world import free_port
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
@@ -57,6 +62,7 @@ def single() -> dict[str, list[int]]:
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
                                       dict(data_parallel_size=2, enable_expert_parallel=True)], ids=["tp2", "dp2-ep"])
 def test_two_process_engine_equals_single_process(single, parallel) -> None:
+    threads = torch.get_num_threads()  # a CPU world divides the cores among its ranks
     engine = LLMEngine.from_engine_args(**ARGS, **parallel)
     try:
         assert isinstance(engine, ParallelLLMEngine)
@@ -66,4 +72,25 @@ def test_two_process_engine_equals_single_process(single, parallel) -> None:
             assert all(s.cache.num_requests == 0 for s in engine.schedulers)
     finally:
         engine.close()
+        torch.set_num_threads(threads)
     assert got == single
+
+
+def test_torchrun_style_launch_equals_single_process(tmp_path) -> None:
+    """Each rank started on its own with torchrun's variables (as on several nodes): rank 0 generates,
+    rank 1 follows its orders and exits when it is done."""
+    cmd = [sys.executable, "-m", "deepinfer.cli", "generate", "def f(x):", "--max-tokens", "6", "--device", "cpu",
+           "--quiet", "--output"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([*cmd, str(tmp_path / "single.jsonl")], env=env, timeout=120, check=True)
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    flags = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+    ranks = [subprocess.Popen([*cmd, str(tmp_path / f"rank{r}.jsonl"), *flags],
+                              env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    try:
+        assert [p.wait(timeout=150) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert single.returncode == 0 and not (tmp_path / "rank1.jsonl").exists()
+    assert (tmp_path / "rank0.jsonl").read_text() == (tmp_path / "single.jsonl").read_text()
