@@ -89,9 +89,14 @@ class ParallelLLMEngine(LLMEngine):
         self._closed = False
         atexit.register(self.close)
 
+    # What single-rank callers read (the server's metrics, tests): DP rank 0's scheduler and cache.
     @property
-    def scheduler(self) -> Scheduler:  # what single-rank callers read (metrics, tests): DP rank 0's
+    def scheduler(self) -> Scheduler:
         return self.schedulers[0]
+
+    @property
+    def cache(self) -> CacheManager:
+        return self.schedulers[0].cache
 
     def add_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
         if request_id in self.requests:
