@@ -40,6 +40,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dir", default=None, help="directory of the disk cache tier (kept across restarts)")
     g.add_argument("--kv-host-cache-gb", type=float, default=0.0, help="host-memory cache tier in GiB (0 = none)")
     g.add_argument("--kv-disk-cache-gb", type=float, default=None, help="size limit of --kv-cache-dir in GiB")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split attention heads (and, without expert parallelism, experts) over this many devices")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="data-parallel attention: this many groups, each with its own sequences and cache")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="spread the routed experts over all data x tensor parallel devices")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -68,6 +74,8 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
         async_scheduling=a.async_scheduling, enable_prefix_caching=a.enable_prefix_caching,
         kv_cache_dir=a.kv_cache_dir, kv_host_cache_gb=a.kv_host_cache_gb, kv_disk_cache_gb=a.kv_disk_cache_gb,
+        tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
+        enable_expert_parallel=a.enable_expert_parallel,
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from deepinfer.config.model import ModelConfig
+from deepinfer.distributed.config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +47,10 @@ class EngineArgs:
     kv_cache_dir: str | None = None  # local directory of the disk tier (kept across restarts)
     kv_host_cache_gb: float = 0.0  # host-memory tier (pinned on CUDA); 0 = none
     kv_disk_cache_gb: float | None = None  # size limit of kv_cache_dir; required with it
+    # Parallelism (vLLM's names; deepinfer/distributed/config.py): world size = DP x TP worker processes.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -102,6 +107,7 @@ class EngineConfig:
     load_progress: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = False
+    parallel: ParallelConfig = ParallelConfig()
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -123,6 +129,9 @@ class EngineConfig:
             )
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
+        parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size,
+                                  args.enable_expert_parallel).validate(model)
+        _check_parallel(parallel, args, device)
         return cls(
             model_dir=model_dir,
             tokenizer_dir=args.tokenizer or model_dir,
@@ -137,6 +146,7 @@ class EngineConfig:
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
             async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
+            parallel=parallel,
         )
 
 
@@ -152,6 +162,17 @@ def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name}: must be true or false, got {value!r}")
     return value
+
+
+def _check_parallel(parallel: ParallelConfig, args: EngineArgs, device: str) -> None:
+    if parallel.is_single:
+        return
+    if args.async_scheduling:
+        raise ValueError("async_scheduling: not supported with tensor_parallel_size or data_parallel_size > 1; "
+                         "allowed: false")
+    if device == "cuda" and parallel.world_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size x data_parallel_size: {parallel.world_size} devices wanted, "
+                         f"{torch.cuda.device_count()} visible")
 
 
 def _check_positive(args: EngineArgs) -> None:

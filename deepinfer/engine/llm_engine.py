@@ -62,7 +62,15 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> "LLMEngine":
-        return cls(EngineConfig.create(args or EngineArgs.from_kwargs(**kwargs)))
+        config = EngineConfig.create(args or EngineArgs.from_kwargs(**kwargs))
+        if not config.parallel.is_single:  # one worker process per device (deepinfer/executor/)
+            from deepinfer.executor.engine import launch_engine
+
+            return launch_engine(config)
+        return cls(config)
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory (the parallel engine's worker processes)."""
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:

@@ -1,0 +1,68 @@
+"""The collectives the sharded modules use, with the row bookkeeping they need (variable row counts per
+rank, zero rows included: a rank without tokens still joins every call, so nothing waits forever).
+
+gloo has no bfloat16/float16 reductions in every build: there, 16-bit tensors are summed in fp32 and
+rounded once (closer to the exact sum than a 16-bit ring); moved tensors travel as their raw bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` (``None``: a group of one, ``x`` itself)."""
+    if group is None:
+        return x
+    if x.dtype in _HALF and _is_gloo(group):
+        wide = x.float()
+        dist.all_reduce(wide, group=group)
+        return wide.to(x.dtype)
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """16-bit floats as their bytes (gloo moves uint8 but not every 16-bit type), rows kept on dim 0."""
+    return x.unsqueeze(-1).view(torch.uint8) if x.dtype in _HALF else x
+
+
+def exchange_counts(send: list[int], group, device: torch.device) -> list[int]:
+    """Each rank sends ``send[r]`` rows to rank r; returns how many rows each rank sends to this one (a host
+    sync: the row counts size the exchange that follows)."""
+    out = torch.empty(len(send), dtype=torch.int64, device=device)
+    dist.all_to_all_single(out, torch.tensor(send, dtype=torch.int64, device=device), group=group)
+    return out.tolist()
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows ``x[sum(send[:r]) : sum(send[:r+1])]`` go to rank r; returns the received rows by source rank."""
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    if _is_gloo(group):
+        dist.all_to_all_single(_bits(out), _bits(x.contiguous()), recv, send, group=group)
+    else:
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Concatenate every rank's rows (rank r holds ``sizes[r]`` rows, known to all) in rank order."""
+    if group is None:
+        return x
+    width = max(sizes)
+    padded = x.new_zeros(width, *x.shape[1:])
+    padded[: len(x)] = x
+    parts = [torch.empty_like(padded) for _ in sizes]
+    if _is_gloo(group):
+        dist.all_gather([_bits(p) for p in parts], _bits(padded), group=group)
+    else:
+        dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)])

@@ -1,0 +1,129 @@
+"""The process world: torchrun-compatible rendezvous, the process groups, and the frozen context passed to
+every sharded module (no module-level globals: two worlds' models can coexist in one test process tree).
+
+Environment (what ``torchrun`` sets, and what the engine sets for the workers it spawns): ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Read here, not in ``deepinfer/env.py``:
+they are torch.distributed's variables, not deepinfer switches. Backend: NCCL on CUDA, gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.distributed.config import ParallelConfig
+
+_ENV_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+
+
+@dataclass(frozen=True, slots=True)
+class WorldEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorldEnv":
+        environ = os.environ if environ is None else environ
+        missing = [k for k in (*_ENV_INTS, "MASTER_ADDR") if k not in environ and k != "LOCAL_RANK"]
+        if missing:
+            raise ValueError(f"{missing[0]}: not set; a multi-process world needs RANK, WORLD_SIZE, MASTER_ADDR, "
+                             "MASTER_PORT (and LOCAL_RANK on multi-GPU nodes), as torchrun sets them")
+        values = {}
+        for k in _ENV_INTS:
+            raw = environ.get(k, environ["RANK"] if k == "LOCAL_RANK" else None)
+            try:
+                values[k] = int(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"{k}: expected a non-negative integer, got {raw!r}") from None
+        env = cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], environ["MASTER_ADDR"],
+                  values["MASTER_PORT"])
+        if not 0 <= env.rank < env.world_size:
+            raise ValueError(f"RANK: must be in [0, WORLD_SIZE={env.world_size}), got {env.rank}")
+        return env
+
+    def as_environ(self) -> dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelContext:
+    """One rank's place in the world and the groups its collectives run in (``None``: a group of one)."""
+
+    config: ParallelConfig
+    rank: int
+    device: torch.device
+    tp_group: dist.ProcessGroup | None = None  # the TP ranks of this rank's DP group
+    ep_group: dist.ProcessGroup | None = None  # every rank, when expert parallel
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":
+        return cls(ParallelConfig(), 0, torch.device(device))
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.config.expert_parallel_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank if self.ep_size > 1 else 0
+
+
+def init_world(config: ParallelConfig, device: str = "cpu", env: WorldEnv | None = None,
+               timeout_s: float = 600.0) -> ParallelContext:
+    """Join the world described by ``env`` (default: the environment) and build the TP and EP groups.
+
+    ``timeout_s`` bounds every collective: a rank that never arrives fails the others instead of hanging."""
+    env = env or WorldEnv.from_env()
+    if env.world_size != config.world_size:
+        raise ValueError(f"WORLD_SIZE: {env.world_size} processes, but tensor_parallel_size x data_parallel_size = "
+                         f"{config.world_size}")
+    if device == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        dev, backend = torch.device("cuda", env.local_rank), "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
+                                world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    tp = config.tensor_parallel_size
+    tp_group = None
+    for d in range(config.data_parallel_size):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(d * tp, (d + 1) * tp))) if tp > 1 else None
+        if d == env.rank // tp:
+            tp_group = group
+    ep_group = dist.group.WORLD if config.expert_parallel_size > 1 else None
+    return ParallelContext(config, env.rank, dev, tp_group, ep_group)
+
+
+def free_port() -> int:
+    """A free TCP port on this machine (for a world started here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def close_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

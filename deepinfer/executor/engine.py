@@ -1,0 +1,160 @@
+"""The engine over a world of ranks: data-parallel scheduling on rank 0, one plan per DP rank per step.
+
+Each DP rank owns its sequences and its cache: rank 0 keeps one scheduler and cache manager per DP rank
+(the cache sized by that rank's ``Ready`` report) and gives each new request to the least loaded one
+(fewest waiting + running sequences; ties to the lower rank). A step schedules every DP rank, broadcasts
+their plans in one ``RunStep``, runs rank 0's own share, and gathers the results; a DP rank without work
+runs an empty step while any other has work (the MoE collectives need every rank).
+
+Launch: ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each), or, under ``torchrun``
+(``RANK`` etc. set), joins the world it describes: rank 0 returns the engine, every other rank serves
+orders until the engine shuts down and then exits, so the same command runs on every node.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import sys
+from typing import Any
+
+import torch
+
+from deepinfer.config.engine import EngineConfig
+from deepinfer.distributed.world import WorldEnv, close_world, free_port
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.engine.intake import Intake
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.progress import build_output, finish
+from deepinfer.executor.messages import Ready, RunStep, Shutdown
+from deepinfer.executor.rank import RankWorker, rank_main
+from deepinfer.kv.manager import CacheManager
+from deepinfer.kv.spec import HISTORY, build_layout
+from deepinfer.runner.model_runner import StepResult
+from deepinfer.sched.plan import StepPlan
+from deepinfer.sched.scheduler import Scheduler
+from deepinfer.tokenizer import Tokenizer
+
+
+class _Done:
+    """A gathered result in the shape ``LLMEngine._apply`` reads (``StepHandle.result()``)."""
+
+    def __init__(self, result: StepResult) -> None:
+        self._result = result
+
+    def result(self) -> StepResult:
+        return self._result
+
+
+def launch_engine(config: EngineConfig) -> "ParallelLLMEngine":
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
+        env = WorldEnv.from_env()
+        if env.rank != 0:
+            rank_main(env, config)
+            sys.exit(0)
+        return ParallelLLMEngine(config, env, [])
+    world = config.parallel.world_size
+    if config.device == "cpu":  # the ranks share this machine's cores (rank_main divides them likewise)
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in range(1, world):
+        p = ctx.Process(target=rank_main, args=(WorldEnv(rank, world, rank, "127.0.0.1", port), config), daemon=True)
+        p.start()
+        procs.append(p)
+    return ParallelLLMEngine(config, WorldEnv(0, world, 0, "127.0.0.1", port), procs)
+
+
+class ParallelLLMEngine(LLMEngine):
+    def __init__(self, config: EngineConfig, env: WorldEnv, procs: list) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.tokenizer_dir)
+        self._procs = procs
+        self.worker = RankWorker(config, env)
+        self.model = self.worker.model
+        ready = self.worker.channel.gather(Ready(0, self.worker.facts))
+        tp, mc, sc = config.parallel.tensor_parallel_size, config.model, config.scheduler
+        layout = build_layout(mc, config.cache.block_size, include_mtp=False)
+        counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
+        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,)) for c in counts]
+        self.facts = ready[0].facts
+        max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
+        self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
+        self.async_scheduling, self._inflight = False, None
+        self.requests = {}
+        self._pending: list[RequestOutput] = []
+        self._owner: dict[str, int] = {}  # request id -> DP rank
+        self._closed = False
+        atexit.register(self.close)
+
+    # What single-rank callers read (the server's metrics, tests): DP rank 0's scheduler and cache.
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.schedulers[0]
+
+    @property
+    def cache(self) -> CacheManager:
+        return self.schedulers[0].cache
+
+    def add_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        req = self.intake.build(request_id, prompt, sampling_params)
+        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+        dp = loads.index(min(loads))
+        self.requests[request_id] = req
+        self._owner[request_id] = dp
+        for seq in req.seqs:
+            self.schedulers[dp].add(seq)
+
+    def abort_request(self, request_ids) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.finished:
+                    finish(seq, "abort")
+                self.schedulers[self._owner[rid]].remove(seq)
+            del self._owner[rid]
+            self._pending.append(build_output(req))
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        touched: set[str] = set()
+        schedules = [self._with_grammar_masks(s.schedule()) for s in self.schedulers]
+        for schedule in schedules:
+            for seq in schedule.unschedulable:
+                finish(seq, "length")
+                touched.add(seq.request.request_id)
+        if any(s.plan != StepPlan() for s in schedules):  # work or departures somewhere
+            order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules))
+            self.worker.channel.broadcast(order)
+            done = self.worker.channel.gather(self.worker.run(order))
+        tp = self.config.parallel.tensor_parallel_size
+        for d, (scheduler, schedule) in enumerate(zip(self.schedulers, schedules)):
+            scheduler.commit(schedule)
+            if not schedule.empty:
+                touched |= self._apply(schedule, _Done(done[d * tp].result))
+        for rid in [r for r in self.requests if r in touched]:  # arrival order
+            req = self.requests[rid]
+            for seq in req.seqs:
+                if seq.finished:
+                    self.schedulers[self._owner[rid]].remove(seq)
+            outputs.append(build_output(req))
+            if req.finished:
+                del self.requests[rid]
+                del self._owner[rid]
+        return outputs
+
+    def close(self) -> None:
+        """Stop every rank and leave the world (also at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.worker.channel.broadcast(Shutdown())
+        for p in self._procs:
+            p.join(timeout=30)
+        close_world()

@@ -1,0 +1,65 @@
+"""One rank of a parallel engine: its share of the model, its DP group's cache and batch state, its runner.
+
+Rank 0 holds one of these inside the engine; every other rank runs ``rank_main``: join the world, load,
+report ``Ready``, then follow the engine's ``RunStep`` orders until ``Shutdown``. All TP ranks of a DP
+group get the same plan and compute the same logits (the all-reduce gives every rank the same sums), so
+their seeded draws agree; only the group's first rank reports them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.config.engine import EngineConfig
+from deepinfer.distributed.world import WorldEnv, close_world, init_world
+from deepinfer.engine.sizing import build_cache
+from deepinfer.executor.channel import Channel
+from deepinfer.executor.messages import Ready, RunStep, Shutdown, StepDone
+from deepinfer.kv.manager import cdiv
+from deepinfer.model.device import prepare_for_device
+from deepinfer.model.loader import load_model
+from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, shard_model
+from deepinfer.ops.table import select as select_ops
+from deepinfer.runner.input_batch import InputBatch
+from deepinfer.runner.model_runner import ModelRunner
+
+
+class RankWorker:
+    def __init__(self, config: EngineConfig, env: WorldEnv) -> None:
+        self.pctx = init_world(config.parallel, config.device, env)
+        self.channel = Channel()
+        # The whole model is loaded, then cut (until the loader reads only this rank's slices).
+        self.model = load_model(config.model_dir, dtype=config.dtype, device=self.pctx.device, strict_mtp=False,
+                                progress=config.load_progress and env.rank == 0)
+        shard_model(self.model, self.pctx)
+        if config.device == "cuda":
+            prepare_for_device(self.model, select_ops(config.device))
+        _, self.storage, self.facts = build_cache(config, self.model)
+        sc, mc = config.scheduler, config.model
+        batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size), mc.vocab_size,
+                           self.pctx.device)
+        # No decode graphs: the expert dispatch sizes its exchange on the host every step.
+        self.runner = ModelRunner(self.model, self.storage, batch)
+        self.reports = self.pctx.tp_rank == 0
+
+    def run(self, order: RunStep) -> StepDone:
+        plan = order.plans[self.pctx.dp_rank]
+        handle = self.runner.submit(plan)
+        if plan.empty and order.busy and needs_empty_steps(self.model):
+            empty_step(self.model)
+        result = handle.result()
+        return StepDone(self.pctx.rank, result if self.reports else None)
+
+
+@torch.no_grad()
+def rank_main(env: WorldEnv, config: EngineConfig) -> None:
+    """A worker rank (spawned by the engine, or started by torchrun on another node)."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.world_size))
+    worker = RankWorker(config, env)
+    worker.channel.gather(Ready(env.rank, worker.facts))
+    while True:
+        order = worker.channel.broadcast()
+        if isinstance(order, Shutdown):
+            break
+        worker.channel.gather(worker.run(order))
+    close_world()

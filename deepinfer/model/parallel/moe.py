@@ -1,0 +1,108 @@
+"""Sharded MoE layers: tensor parallel (every expert's intermediate dimension split) and expert parallel
+(experts spread whole over all ranks, tokens dispatched to them and combined back).
+
+Expert parallel, one layer:
+  1. every rank routes its own tokens (the router and the hash table are replicated). The TP ranks of one
+     DP group hold the same tokens after attention: each takes a contiguous 1/TP of them, so every token
+     is dispatched once;
+  2. dispatch: the (token, expert) pairs, ordered by (expert, token), go to the rank that owns the expert
+     (experts are owned in contiguous ranges), one all-to-all of rows after one of counts;
+  3. the owner runs each local expert on its rows: source rank after source rank, each in token order,
+     which is exactly the row order the single-process ``ExpertLoop`` gives that expert for the DP ranks'
+     tokens concatenated in rank order;
+  4. combine: the outputs return by the reverse all-to-all; the token's own rank multiplies them by the
+     routing weights and sums them per token with ``index_add_`` in ascending expert order, in the
+     activation dtype, as ``ExpertLoop`` does. Given GEMMs that do not change a row's result with the other
+     rows of the batch, each token's output is bit-identical to the single-process reference;
+  5. the TP ranks all-gather their token slices back, and the replicated shared expert's output is added.
+A rank with no tokens sends and receives zero rows but joins both all-to-alls (``model/parallel/shard.py``
+runs such a rank's layers as an empty step), so the collectives never wait for it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.distributed.collectives import all_gather_rows, all_reduce, all_to_all_rows, exchange_counts
+from deepinfer.distributed.world import ParallelContext
+from deepinfer.model.fused import StackedLinear, projection_sets
+from deepinfer.model.moe import ExpertLoop, MoE
+from deepinfer.model.parallel.slices import ShardSpec
+
+
+class TPMoE(MoE):
+    """Every routed and the shared expert hold ``1/tp`` of their intermediate dimension (w1/w3 rows, w2
+    columns); the layer's output (routed + shared partial sums) is summed over the TP group."""
+
+    pctx: ParallelContext
+
+    @staticmethod
+    def shards(pctx: ParallelContext, n_experts: int, shared: bool) -> dict[str, ShardSpec]:
+        rows, cols = ShardSpec(0, pctx.tp_size, pctx.tp_rank), ShardSpec(1, pctx.tp_size, pctx.tp_rank)
+        owners = [f"experts.{e}" for e in range(n_experts)] + (["shared_experts"] if shared else [])
+        return {f"{o}.{w}.weight": spec for o in owners for w, spec in (("w1", rows), ("w3", rows), ("w2", cols))}
+
+    def became_sharded(self, pctx: ParallelContext) -> None:
+        self.pctx = pctx
+        for attr, parts in projection_sets(self).items():
+            setattr(self, attr, StackedLinear.side_by_side(parts))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(x, input_ids), self.pctx.tp_group)
+
+
+def expert_range(pctx: ParallelContext, n_experts: int) -> range:
+    """The global ids of the experts this rank owns."""
+    per = n_experts // pctx.ep_size
+    return range(pctx.ep_rank * per, (pctx.ep_rank + 1) * per)
+
+
+class EPMoE(MoE):
+    """Holds the experts of ``expert_range`` as ``experts[0..n)`` (local numbering: ``routed``, the
+    ``ExpertLoop`` or, after the device transform, the fused FP4 experts, runs them by local id)."""
+
+    pctx: ParallelContext
+    first_expert: int
+    num_local: int  # ``experts`` is emptied when the device transform fuses them
+
+    def became_sharded(self, pctx: ParallelContext, local: range) -> None:
+        self.pctx, self.first_expert, self.num_local = pctx, local.start, len(local)
+        self.experts = nn.ModuleList(self.experts[e] for e in local)
+        self.routed = ExpertLoop(self.experts)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        p = self.pctx
+        shared = self._shared(x) if self.shared_experts is not None else None
+        weights, indices = self._route(x, input_ids)
+        sizes = [len(c) for c in torch.arange(len(x)).tensor_split(p.tp_size)]
+        start = sum(sizes[: p.tp_rank])
+        mine = slice(start, start + sizes[p.tp_rank])
+        routed = self._dispatch_combine(x[mine], indices[mine], weights[mine])
+        routed = all_gather_rows(routed, sizes, p.tp_group)
+        return routed if shared is None else routed + shared  # ExpertLoop's ``routed + add``
+
+    def _dispatch_combine(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        p, per = self.pctx, self.num_local
+        k = indices.shape[1]
+        expert = indices.reshape(-1)
+        token = torch.arange(len(x), device=x.device).repeat_interleave(k)
+        order = torch.argsort(expert * max(len(x), 1) + token, stable=True)  # by (expert, token)
+        expert, token = expert[order], token[order]
+        pair_weight = weights.reshape(-1)[order]
+        dest = expert // per
+        send = torch.bincount(dest, minlength=p.ep_size).tolist()
+        recv = exchange_counts(send, p.ep_group, x.device)
+        rows = all_to_all_rows(x[token], send, recv, p.ep_group)
+        local_ids = all_to_all_rows(expert - dest * per, send, recv, p.ep_group)
+        # Each received row through its one expert, unweighted (weight 1 is exact); rows of one expert keep
+        # their received order, so each expert's GEMM sees the rows the single-process loop gives it.
+        ones = torch.ones(len(rows), 1, dtype=weights.dtype, device=x.device)
+        out = self.routed(rows, local_ids.view(-1, 1), ones)
+        back = all_to_all_rows(out, recv, send, p.ep_group)
+        back = (back * pair_weight[:, None]).to(x.dtype)  # ExpertLoop: expert(x) * weight, in this order
+        routed = torch.zeros_like(x)
+        bounds = torch.searchsorted(expert, torch.unique(expert)).tolist() + [len(expert)]
+        for a, b in zip(bounds[:-1], bounds[1:]):  # ascending expert ids, as ExpertLoop adds them
+            routed.index_add_(0, token[a:b], back[a:b])
+        return routed

@@ -1,0 +1,96 @@
+"""The engine over a 2-process gloo world (TP2; DP2 with expert parallelism) draws the single-process
+engine's greedy tokens on the demo model, under chunked prefill (a 48-token step budget) and preemption
+(a small history pool), with requests arriving over several steps."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.assets import demo_model_dir
+from deepinfer.distributed.world import free_port
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.executor.engine import ParallelLLMEngine
+from deepinfer.sampling import SamplingParams
+
+MAX_TOKENS = 5
+ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
+            max_num_batched_tokens=48, num_cache_blocks=2, load_progress=False)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(3, 4096) for _ in range(n)] for n in (125, 7, 124, 33)]
+
+
+def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    arrivals = {(i // 3) * 2: [] for i in range(len(_prompts()))}
+    for i, ids in enumerate(_prompts()):
+        arrivals[(i // 3) * 2].append((f"r{i}", ids))
+    done: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
+        for rid, ids in arrivals.pop(step, []):
+            engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    return done
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, list[int]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of the worlds below (tiny GEMMs: threads only contend)
+    try:
+        engine = LLMEngine.from_engine_args(**ARGS)
+        out = _drain(engine)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    return out
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(data_parallel_size=2, enable_expert_parallel=True)], ids=["tp2", "dp2-ep"])
+def test_two_process_engine_equals_single_process(single, parallel) -> None:
+    threads = torch.get_num_threads()  # a CPU world divides the cores among its ranks
+    engine = LLMEngine.from_engine_args(**ARGS, **parallel)
+    try:
+        assert isinstance(engine, ParallelLLMEngine)
+        got = _drain(engine)
+        assert sum(s.num_preemptions for s in engine.schedulers) > 0, "the test must exercise preemption"
+        if parallel.get("data_parallel_size"):
+            assert all(s.cache.num_requests == 0 for s in engine.schedulers)
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    assert got == single
+
+
+def test_torchrun_style_launch_equals_single_process(tmp_path) -> None:
+    """Each rank started on its own with torchrun's variables (as on several nodes): rank 0 generates,
+    rank 1 follows its orders and exits when it is done."""
+    cmd = [sys.executable, "-m", "deepinfer.cli", "generate", "def f(x):", "--max-tokens", "6", "--device", "cpu",
+           "--quiet", "--output"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([*cmd, str(tmp_path / "single.jsonl")], env=env, timeout=120, check=True)
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    flags = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+    ranks = [subprocess.Popen([*cmd, str(tmp_path / f"rank{r}.jsonl"), *flags],
+                              env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    try:
+        assert [p.wait(timeout=150) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert single.returncode == 0 and not (tmp_path / "rank1.jsonl").exists()
+    assert (tmp_path / "rank0.jsonl").read_text() == (tmp_path / "single.jsonl").read_text()
