@@ -6,14 +6,15 @@ per 32 weights for the routed experts, bf16/fp32 for the rest), what the cache n
 activation peak of the largest step, and whether it fits ``gpu_memory_utilization`` of the device; when
 it does not, the smallest data-parallel + expert-parallel world that would.
 
-Parallel layouts follow vLLM's flags: ``tensor_parallel_size`` splits attention heads (``wq_b``, ``wo_a``,
-the sinks, ``wo_b``'s input), the shared expert's and, without expert parallelism, every routed expert's
-intermediate dimension, and the vocabulary of the embedding and the LM head; the single shared K=V latent,
-the compressors and the indexer are replicated. ``data_parallel_size`` replicates what TP does not split
-and gives every DP rank its own cache. ``enable_expert_parallel`` spreads whole routed experts over all
-``tp x dp`` devices.
+Parallel layouts are the engine's (``distributed/config.py``, ``model/parallel/``): ``tensor_parallel_size``
+splits attention heads (``wq_b``, ``wo_a``, the sinks, ``wo_b``'s input) and, without expert parallelism,
+the routed and shared experts' intermediate dimension; the single shared K=V latent, the compressors, the
+indexer, the embedding and the LM head are replicated. ``data_parallel_size`` replicates what TP does not
+split and gives every DP group its own cache. ``enable_expert_parallel`` spreads whole routed experts over
+all ``tp x dp`` devices and replicates the shared expert.
 
-The activation figure is an estimate (the engine measures the real peak with a profiling step at start-up,
+Slices are assumed to fall on whole FP8 scale blocks (they do on V4's shapes; a tiny model whose split does
+not keeps that module dequantized and holds more). The activation figure is an estimate (the engine measures the real peak with a profiling step at start-up,
 ``engine/sizing.py``); the weight and cache figures are exact for the formats above.
 """
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.config.model import ModelConfig
+from deepinfer.distributed.config import ParallelConfig
 from deepinfer.kv.manager import blocks_for_budget
 from deepinfer.kv.spec import HISTORY, build_layout
 from deepinfer.model.quant import FP4_GROUP, fp8_scale_shape, storage_format
@@ -38,7 +40,6 @@ _ROUTED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.")
 _SHARED = re.compile(r"\.ffn\.shared_experts\.")
 _HEAD_SPLIT = re.compile(r"\.attn\.(wq_b\.weight|wo_a\.weight|attn_sink)$")
 _HEAD_INPUT_SPLIT = re.compile(r"\.attn\.wo_b\.weight$")
-_VOCAB = re.compile(r"^(embed|head)\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,10 @@ class Deployment:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,30 +126,29 @@ def device_bytes_of(name: str, shape: tuple[int, ...], dtype: torch.dtype, cfg: 
     return numel * dtype.itemsize
 
 
-def _share(name: str, d: Deployment, cfg: ModelConfig) -> float:
+def _share(name: str, d: Deployment) -> float:
     """The fraction of parameter ``name`` one device holds (experts under EP: see ``weights_per_device``)."""
     tp = d.tensor_parallel_size
-    if _ROUTED.match(name):
+    if _ROUTED.match(name) or _SHARED.search(name):
         return 1.0 if d.enable_expert_parallel else 1.0 / tp
-    if _SHARED.search(name) or _HEAD_SPLIT.search(name) or _HEAD_INPUT_SPLIT.search(name) or _VOCAB.match(name):
+    if _HEAD_SPLIT.search(name) or _HEAD_INPUT_SPLIT.search(name):
         return 1.0 / tp
     return 1.0
 
 
 def weights_per_device(cfg: ModelConfig, d: Deployment, specs: Specs | None = None
                        ) -> tuple[int, int]:
-    """(weight bytes, routed-expert bytes) on the most loaded device. The MTP layer counts (the engine keeps
-    it), its experts spread like the others'."""
+    """(weight bytes, routed-expert bytes) per device. The MTP layer counts (the engine keeps it), its experts
+    spread like the others'. Raises ValueError naming the field when ``cfg`` cannot be split as ``d`` asks."""
+    d.parallel.validate(cfg)
     specs = specs if specs is not None else parameter_specs(cfg)
     total = experts = 0.0
     for name, (shape, dtype) in specs.items():
-        b = device_bytes_of(name, shape, dtype, cfg) * _share(name, d, cfg)
+        b = device_bytes_of(name, shape, dtype, cfg) * _share(name, d)
         total += b
         experts += b if _ROUTED.match(name) else 0.0
-    if d.enable_expert_parallel:
-        # Whole experts per device: ceil(E / world) of them on the most loaded device.
-        per_expert = experts / cfg.n_routed_experts
-        held = -(-cfg.n_routed_experts // d.world_size) * per_expert
+    if d.enable_expert_parallel:  # whole experts, E / world of them per device
+        held = experts / d.world_size
         total += held - experts
         experts = held
     return int(total), int(experts)
@@ -165,7 +169,8 @@ def activation_bytes_estimate(cfg: ModelConfig, d: Deployment) -> int:
 
 def plan(cfg: ModelConfig, d: Deployment, device_bytes: int, cache_dtype: torch.dtype = torch.bfloat16,
          specs: Specs | None = None) -> MemoryPlan:
-    """``specs``: the model's ``parameter_specs`` when already known (building them is the slow part)."""
+    """``specs``: the model's ``parameter_specs`` when already known (building them is the slow part).
+    Raises ValueError naming the field when the model cannot be split as ``d`` asks."""
     weights, experts = weights_per_device(cfg, d, specs)
     acts = activation_bytes_estimate(cfg, d)
     usable = int(device_bytes * d.gpu_memory_utilization)
@@ -189,14 +194,15 @@ def plan(cfg: ModelConfig, d: Deployment, device_bytes: int, cache_dtype: torch.
 
 def smallest_fitting(cfg: ModelConfig, d: Deployment, device_bytes: int, limit: int = 64,
                      specs: Specs | None = None) -> Deployment | None:
-    """The smallest data-parallel + expert-parallel world (same TP) that fits, up to ``limit`` devices."""
+    """The smallest data-parallel + expert-parallel world (same TP) that fits, up to ``limit`` devices (world
+    sizes that divide the experts)."""
     import dataclasses
 
     specs = specs if specs is not None else parameter_specs(cfg)
     dp = 1
     while d.tensor_parallel_size * dp <= limit:
         cand = dataclasses.replace(d, data_parallel_size=dp, enable_expert_parallel=dp * d.tensor_parallel_size > 1)
-        if plan(cfg, cand, device_bytes, specs=specs).fits:
+        if cfg.n_routed_experts % cand.world_size == 0 and plan(cfg, cand, device_bytes, specs=specs).fits:
             return cand
         dp *= 2
     return None

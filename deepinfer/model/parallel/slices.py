@@ -31,9 +31,15 @@ class ShardSpec:
         return self.index * n, n
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A copy with storage of its own: a row slice is already contiguous, and ``.contiguous()`` would return a
+    view that keeps the whole tensor's storage alive on every rank."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def take(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     start, n = spec.bounds(full.shape[spec.dim])
-    return full.narrow(spec.dim, start, n).contiguous()
+    return _own(full.narrow(spec.dim, start, n))
 
 
 def take_quantized(qw: QuantizedWeight, spec: ShardSpec) -> QuantizedWeight | None:
@@ -50,4 +56,4 @@ def take_quantized(qw: QuantizedWeight, spec: ShardSpec) -> QuantizedWeight | No
         per_byte = 2 if qw.format == "fp4" else 1
         data = qw.data.narrow(1, start // per_byte, n // per_byte)
     scale = qw.scale.narrow(spec.dim, start // block, n // block)
-    return QuantizedWeight(qw.format, data.contiguous(), scale.contiguous(), qw.block)
+    return QuantizedWeight(qw.format, _own(data), _own(scale), qw.block)
