@@ -35,6 +35,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="plan step N+1 while step N runs (the same tokens; default: off)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the model's safetensors; dummy: random weights in the native formats from "
+                        "config.json alone (no weights needed)")
+    g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="""config.json fields to change, e.g. '{"num_hidden_layers": 4}' (the first 4 layers)""")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -61,8 +66,18 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-        async_scheduling=a.async_scheduling,
+        async_scheduling=a.async_scheduling, load_format=a.load_format, hf_overrides=a.hf_overrides,
     )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text}")
+    return value
 
 
 def _sampling_params(a: argparse.Namespace):

@@ -15,6 +15,7 @@ import torch
 
 from deepinfer.config.model import ModelConfig
 
+LOAD_FORMATS = ("auto", "dummy")  # how the weights are obtained (EngineArgs.load_format)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,6 +40,10 @@ class EngineArgs:
     # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
     # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
     async_scheduling: bool = False
+    # "auto": the model directory's safetensors; "dummy": random weights in the native formats from
+    # config.json alone, generated on the device (benchmarks of full shapes without the download).
+    load_format: str = "auto"
+    hf_overrides: dict[str, Any] | None = None  # config.json fields to change, e.g. {"num_hidden_layers": 4}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -80,6 +85,7 @@ class EngineConfig:
     load_progress: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = False
+    load_format: str = "auto"
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -88,7 +94,11 @@ class EngineConfig:
         from deepinfer.assets import demo_model_dir
 
         model_dir = args.model or str(demo_model_dir())
-        model = ModelConfig.from_model_dir(model_dir)
+        if args.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: {args.load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
+        if args.hf_overrides is not None and not isinstance(args.hf_overrides, dict):
+            raise ValueError(f"hf_overrides: expected a dict of config.json fields, got {args.hf_overrides!r}")
+        model = ModelConfig.from_model_dir(model_dir, args.hf_overrides)
         device = args.device or env.accelerator()
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: {device!r} is not supported; allowed: cpu, cuda")
@@ -114,6 +124,7 @@ class EngineConfig:
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
             async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
+            load_format=args.load_format,
         )
 
 

@@ -41,7 +41,8 @@ class LLMEngine:
         # CUDA: quantized-first, straight into the Triton kernels' layout; the CPU runs the reference ops.
         ops = select_ops(config.device) if config.device == "cuda" else None
         self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
-                                progress=config.load_progress, ops=ops)
+                                progress=config.load_progress, ops=ops, cfg=config.model,
+                                load_format=config.load_format, seed=config.seed)
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
         self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,))

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from deepinfer.config.engine import LOAD_FORMATS
 from deepinfer.config.model import ModelConfig
 from deepinfer.model.ckpt_files import INDEX_FILE, SINGLE_FILE, CheckpointError, Files, find_sources, listing
 from deepinfer.model.ckpt_plan import FLOATS, TensorPlan, plan_checkpoint
@@ -32,7 +33,6 @@ from deepinfer.model.shard import SKIP, Shard
 from deepinfer.model.weight_loaders import StoredWeight, WeightLoader, build_model, finish_load, weight_loaders
 from deepinfer.ops.table import OpTable
 
-LOAD_FORMATS = ("auto", "dummy")
 __all__ = ["CheckpointError", "LoadedCheckpoint", "read_checkpoint", "load_model", "LOAD_FORMATS", "INDEX_FILE",
            "SINGLE_FILE"]
 
