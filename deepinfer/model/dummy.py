@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -97,11 +98,11 @@ def dummy_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int,
 
 def load_dummy(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, ops: OpTable | None = None,
                seed: int = 0, keep_quantized: bool = False, overlap: bool | None = None,
-               progress: bool = False) -> DeepseekV4:
+               progress: bool = False, shard_model: Callable[[DeepseekV4], None] | None = None) -> DeepseekV4:
     """A model of ``cfg`` with dummy weights, built and filled as ``load_model`` builds and fills it."""
     stored = dummy_stored(cfg)
     expected = expected_tensors(cfg, dtype)
-    model = build_model(cfg, dtype, device, stored, ops, overlap)
+    model = build_model(cfg, dtype, device, stored, ops, overlap, shard_model)
     device = next(model.buffers()).device
     loaders = weight_loaders(model, expected, stored, keep_quantized)
     for name, loader in tqdm(loaders.items(), desc="Dummy weights", unit="tensor", disable=not progress):

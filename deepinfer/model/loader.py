@@ -17,6 +17,7 @@ is ever filled in with random or zero weights: a tensor is either loaded from di
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def _config(model_dir: Path) -> ModelConfig:
 def load_model(model_dir: str | Path | None, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                strict_mtp: bool = True, progress: bool = True, *, ops: OpTable | None = None,
                cfg: ModelConfig | None = None, load_format: str = "auto", seed: int = 0,
-               keep_quantized: bool = False, overlap: bool | None = None) -> DeepseekV4:
+               keep_quantized: bool = False, overlap: bool | None = None,
+               shard_model: Callable[[DeepseekV4], None] | None = None) -> DeepseekV4:
     """Build a DeepseekV4 from ``model_dir`` (config.json + safetensors).
 
     ``ops``: the op table of the accelerated path; the model is then built directly in the device
@@ -170,7 +172,8 @@ def load_model(model_dir: str | Path | None, dtype: torch.dtype = torch.bfloat16
     ``cfg``: the model config to build (default: ``model_dir``'s config.json); one with fewer layers than
     the checkpoint (``hf_overrides``) loads the first layers and skips the rest.
     ``load_format="dummy"``: random weights in the native formats from the config alone, on the device,
-    seeded by ``seed`` (``model/dummy.py``); no safetensors are read (``model_dir`` may lack them)."""
+    seeded by ``seed`` (``model/dummy.py``); no safetensors are read (``model_dir`` may lack them).
+    ``shard_model``: the sharding hook (``build_model``): a rank's modules read only the parts they own."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
     given = cfg is not None
@@ -182,13 +185,13 @@ def load_model(model_dir: str | Path | None, dtype: torch.dtype = torch.bfloat16
         from deepinfer.model.dummy import load_dummy
 
         return load_dummy(cfg, dtype, device, ops=ops, seed=seed, keep_quantized=keep_quantized, overlap=overlap,
-                          progress=progress)
+                          progress=progress, shard_model=shard_model)
     model_dir = Path(model_dir)  # type: ignore[arg-type]
     ck = _open_checkpoint(model_dir, cfg, dtype, strict_mtp, truncate=given)
     if not ck.has_mtp:
         cfg = cfg.replace(num_nextn_predict_layers=0)
     try:
-        model = build_model(cfg, dtype, device, ck.stored, ops, overlap)
+        model = build_model(cfg, dtype, device, ck.stored, ops, overlap, shard_model)
     except ValueError as e:
         raise CheckpointError(f"{model_dir}: {e}") from e
     loaders = weight_loaders(model, ck.plans, ck.stored, keep_quantized)

@@ -20,7 +20,7 @@ for the load-then-transform path ``prepare_for_device`` takes).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +30,7 @@ from torch import nn
 from deepinfer.config.model import ModelConfig
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.device import FP8Linear, FusedFP4Experts, finish_transform
+from deepinfer.model.fused import StackedLinear, projection_sets
 from deepinfer.model.moe import MoE
 from deepinfer.model.quant import QuantizedWeight, dequant_fp4, dequant_fp8_block
 from deepinfer.model.rope import RopeTables
@@ -154,11 +155,20 @@ def _quantized_modules(model: DeepseekV4, stored: dict[str, StoredWeight], ops: 
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, stored: dict[str, StoredWeight],
-                ops: OpTable | None = None, overlap: bool | None = None) -> DeepseekV4:
+                ops: OpTable | None = None, overlap: bool | None = None,
+                shard_model: Callable[[DeepseekV4], None] | None = None) -> DeepseekV4:
     """An unfilled model on ``device``: with ``ops``, the device transform's modules in their final layout;
-    without, the reference model. Every tensor is allocated once, in the form it keeps."""
+    without, the reference model. Every tensor is allocated once, in the form it keeps.
+
+    ``shard_model``: called on the meta model first, to put a rank's modules in place (the sharding hook):
+    a module whose parameter holds a slice sets ``param_shards = {attr: Shard(...)}`` (and has the slice's
+    shape), an MoE that holds experts lo..hi-1 sets ``owned_experts = range(lo, hi)``; the quantized
+    modules are built from those shapes and every loader reads only what its module owns."""
     with torch.device("meta"):
         model = DeepseekV4(cfg, dtype)
+    if shard_model is not None:
+        shard_model(model)
+        _restack_side_by_side(model)
     if ops is not None:
         _quantized_modules(model, stored, ops)
     model.to_empty(device=device)
@@ -169,6 +179,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     if ops is not None:
         finish_transform(model, ops, overlap)
     return model.eval()
+
+
+def _restack_side_by_side(model: nn.Module) -> None:
+    """The reference path's side-by-side stacks reference their parts: point them at the modules in place."""
+    for module in list(model.modules()):
+        for attr, parts in projection_sets(module).items():
+            if not getattr(module, attr).fused:
+                setattr(module, attr, StackedLinear.side_by_side(parts))
 
 
 def weight_loaders(model: DeepseekV4, names: Iterable[str], stored: dict[str, StoredWeight],
