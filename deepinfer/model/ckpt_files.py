@@ -230,4 +230,3 @@ def find_sources(model_dir: Path, files: Files, cfg: ModelConfig, layers_on_disk
                                       f"and as {src.disk_name} in {src.file}")
             sources[key] = src
     return sources, ignored
-
