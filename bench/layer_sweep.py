@@ -1,5 +1,7 @@
 """Per-layer sweep of a V4-Flash-shaped model built directly on the device with random weights in the native
-quantized formats (FP8 e4m3 + UE8M0 128x128 dense, FP4 e2m1 + per-32 UE8M0 experts); no checkpoint needed.
+quantized formats (FP8 e4m3 + UE8M0 128x128 dense, FP4 e2m1 + per-32 UE8M0 experts); no checkpoint needed:
+the engine's ``--load-format dummy`` path (``load_model(..., load_format="dummy")``), so the layers, their
+layout and their kernels are those of a loaded checkpoint.
 
     python bench/layer_sweep.py [--layers 4] [--batches 1 8 32 128] [--contexts 1024 8192] [--prefill 1024 4096]
     python bench/layer_sweep.py --tiny --device cpu      # smoke test of the script on a CPU
@@ -38,8 +40,7 @@ from deepinfer.config import ModelConfig  # noqa: E402
 from deepinfer.kv.spec import build_layout  # noqa: E402
 from deepinfer.model.branches import INLINE  # noqa: E402
 from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
-from deepinfer.model.device import prepare_for_device  # noqa: E402
-from deepinfer.model.quant import QuantizedWeight, storage_format  # noqa: E402
+from deepinfer.model.loader import load_model  # noqa: E402
 from deepinfer.ops.table import select  # noqa: E402
 from deepinfer.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from deepinfer.runner.sequences import SequenceCache  # noqa: E402
@@ -62,41 +63,12 @@ def from_layer(native: dict, first: int) -> dict:
 
 
 def build(native: dict, layers: int, device: str) -> DeepseekV4:
+    """The engine's ``--load-format dummy`` path: FP8/FP4 weights generated on the device straight into the
+    Triton layout (model/dummy.py, the same weight loaders as a checkpoint load)."""
     cfg = ModelConfig.from_dict({**native, "num_hidden_layers": layers})
-    with torch.device("meta"):
-        model = DeepseekV4(cfg, torch.bfloat16 if device == "cuda" else torch.float32)
-    quantized: dict[str, QuantizedWeight] = {}
-    g = torch.Generator(device=device).manual_seed(0)
-    for name, p in model.state_dict(keep_vars=True).items():
-        fmt = storage_format(name, cfg)
-        if fmt == "fp8":
-            n, k = p.shape
-            data = (torch.randn(n, k, device=device, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-            scale = torch.full((-(-n // 128), -(-k // 128)), 127 - 13, dtype=torch.uint8, device=device)
-            quantized[name] = QuantizedWeight("fp8", data, scale, (128, 128))
-        elif fmt == "fp4":
-            n, k = p.shape
-            data = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8, device=device, generator=g)
-            scale = torch.full((n, -(-k // 32)), 127 - 7, dtype=torch.uint8, device=device)
-            quantized[name] = QuantizedWeight("fp4", data, scale, (1, 32))
-    # Materialize only what stays after the device transformation; quantized weights stay quantized.
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in quantized:
-                continue
-            if name.endswith("norm.weight") or "hc_" in name and name.endswith("_scale"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02, generator=g)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape, device=device, generator=g))
-    from deepinfer.model.rope import RopeTables
-
-    model.ropes = RopeTables(cfg).to(device)
-    model.quantized = quantized
-    return prepare_for_device(model, select(device))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return load_model(None, dtype=dtype, device=device, cfg=cfg, load_format="dummy", seed=0, ops=select(device),
+                      progress=False)
 
 
 def random_cache(model: DeepseekV4, seqs: int, context: int, device: str,
@@ -290,7 +262,7 @@ def weight_bytes_per_layer(model: DeepseekV4, active_experts: int) -> float:
                 continue
             seen.add(storage.data_ptr())
             total += storage.nbytes()
-        fused = layer.ffn.routed  # FusedFP4Experts after prepare_for_device
+        fused = layer.ffn.routed  # FusedFP4Experts (the device transform's stacked experts)
         per_expert = sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("w13", "w2"))
         per_expert += sum(getattr(fused, n)[0].numel() * getattr(fused, n).element_size() for n in ("s13", "s2"))
         total += per_expert * active_experts

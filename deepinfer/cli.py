@@ -46,6 +46,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention: this many groups, each with its own sequences and cache")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="spread the routed experts over all data x tensor parallel devices")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the model's safetensors; dummy: random weights in the native formats from "
+                        "config.json alone (no weights needed)")
+    g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="""config.json fields to change, e.g. '{"num_hidden_layers": 4}' (the first 4 layers)""")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -75,8 +80,18 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         async_scheduling=a.async_scheduling, enable_prefix_caching=a.enable_prefix_caching,
         kv_cache_dir=a.kv_cache_dir, kv_host_cache_gb=a.kv_host_cache_gb, kv_disk_cache_gb=a.kv_disk_cache_gb,
         tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
-        enable_expert_parallel=a.enable_expert_parallel,
+        enable_expert_parallel=a.enable_expert_parallel, load_format=a.load_format, hf_overrides=a.hf_overrides,
     )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text}")
+    return value
 
 
 def _sampling_params(a: argparse.Namespace):

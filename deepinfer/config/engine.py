@@ -18,6 +18,7 @@ import torch
 from deepinfer.config.model import ModelConfig
 from deepinfer.distributed.config import ParallelConfig
 
+LOAD_FORMATS = ("auto", "dummy")  # how the weights are obtained (EngineArgs.load_format)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,6 +52,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # "auto": the model directory's safetensors; "dummy": random weights in the native formats from
+    # config.json alone, generated on the device (benchmarks of full shapes without the download).
+    load_format: str = "auto"
+    hf_overrides: dict[str, Any] | None = None  # config.json fields to change, e.g. {"num_hidden_layers": 4}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -108,6 +113,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = False
     parallel: ParallelConfig = ParallelConfig()
+    load_format: str = "auto"
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -116,7 +122,11 @@ class EngineConfig:
         from deepinfer.assets import demo_model_dir
 
         model_dir = args.model or str(demo_model_dir())
-        model = ModelConfig.from_model_dir(model_dir)
+        if args.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: {args.load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
+        if args.hf_overrides is not None and not isinstance(args.hf_overrides, dict):
+            raise ValueError(f"hf_overrides: expected a dict of config.json fields, got {args.hf_overrides!r}")
+        model = ModelConfig.from_model_dir(model_dir, args.hf_overrides)
         device = args.device or env.accelerator()
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: {device!r} is not supported; allowed: cpu, cuda")
@@ -147,6 +157,7 @@ class EngineConfig:
             enforce_eager=bool(args.enforce_eager),
             async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
             parallel=parallel,
+            load_format=args.load_format,
         )
 
 

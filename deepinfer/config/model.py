@@ -185,7 +185,9 @@ class ModelConfig:
         return parse_model_config(d)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_model_dir(cls, model_dir: str | Path, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """``overrides``: config.json fields to change first (``hf_overrides``, e.g. fewer layers); an error
+        about one of them says so."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no config.json in the model directory")
@@ -195,7 +197,17 @@ class ModelConfig:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
         if not isinstance(d, dict):
             raise ValueError(f"{path}: expected a JSON object at the top level")
-        return cls.from_dict(d)
+        if overrides is None:
+            return cls.from_dict(d)
+        from deepinfer.config.parse import apply_overrides
+
+        try:
+            return cls.from_dict(apply_overrides(d, overrides))
+        except ValueError as e:
+            field = str(e).split(":")[0].split(".")[0]
+            if field in overrides:
+                raise ValueError(f"hf_overrides: {e}") from None
+            raise
 
     def replace(self, **changes: Any) -> "ModelConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}

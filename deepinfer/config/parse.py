@@ -59,6 +59,13 @@ _DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 _DEFAULT_HASH_LAYERS = 3
+# Every config.json field the parser reads (an override of any other field would change nothing).
+FIELDS = frozenset(_DEFAULTS) | {
+    "model_type", "compress_ratios", "layer_types", "compress_rates", "compress_rate_csa", "compress_rate_hca",
+    "mlp_layer_types", "num_hash_layers", "qk_rope_head_dim", "partial_rotary_factor", "rope_parameters",
+    "rope_scaling", "quantization_config", "expert_dtype", "torch_dtype", "dtype", "scoring_func",
+}
+_PER_LAYER = ("compress_ratios", "layer_types", "mlp_layer_types")
 _RATIO_KIND = {0: SWA}
 
 
@@ -277,6 +284,25 @@ def _check_shapes(c: ModelConfig) -> None:
         raise _err("n_shared_experts", f"only 0 or 1 shared expert is supported, got {c.n_shared_experts}")
     if c.num_nextn_predict_layers > 1:
         raise _err("num_nextn_predict_layers", f"at most 1 MTP layer is supported, got {c.num_nextn_predict_layers}")
+
+
+def apply_overrides(d: dict[str, Any], overrides: Any) -> dict[str, Any]:
+    """``d`` with ``overrides`` (``hf_overrides``: config.json fields) applied. A key must be a field of
+    ``d`` or one the parser reads. Fewer ``num_hidden_layers`` keep the first layers: each per-layer list
+    (``compress_ratios``, ``layer_types``, ``mlp_layer_types``) keeps its first N entries and the MTP slots
+    that followed the last layer, unless the overrides set that list themselves."""
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+        raise _err("hf_overrides", f"expected a JSON object of config.json fields, got {overrides!r}")
+    for key in overrides:
+        if key not in d and key not in FIELDS:
+            raise _err("hf_overrides", f"{key!r} is neither a field of this config.json nor one deepinfer reads")
+    out = {**d, **overrides}
+    old, new = d.get("num_hidden_layers", _DEFAULTS["num_hidden_layers"]), overrides.get("num_hidden_layers")
+    if isinstance(new, int) and isinstance(old, int) and not isinstance(new, bool) and 0 < new < old:
+        for key in _PER_LAYER:
+            if key not in overrides and isinstance(d.get(key), list):
+                out[key] = d[key][:new] + d[key][old:]
+    return out
 
 
 def parse_model_config(d: dict[str, Any]) -> ModelConfig:

@@ -23,7 +23,6 @@ from deepinfer.engine.progress import append_token, build_output, finish, to_pos
 from deepinfer.engine.sequence import RequestState
 from deepinfer.engine.sizing import build_cache
 from deepinfer.kv.manager import cdiv
-from deepinfer.model.device import prepare_for_device
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
@@ -39,10 +38,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer_dir)
-        self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device,
-                                strict_mtp=False, progress=config.load_progress)
-        if config.device == "cuda":  # quantized weights + Triton kernels; the CPU runs the reference ops
-            prepare_for_device(self.model, select_ops(config.device))
+        # CUDA: quantized-first, straight into the Triton kernels' layout; the CPU runs the reference ops.
+        ops = select_ops(config.device) if config.device == "cuda" else None
+        self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
+                                progress=config.load_progress, ops=ops, cfg=config.model,
+                                load_format=config.load_format, seed=config.seed)
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
         self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,))

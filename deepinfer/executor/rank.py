@@ -28,9 +28,10 @@ class RankWorker:
     def __init__(self, config: EngineConfig, env: WorldEnv) -> None:
         self.pctx = init_world(config.parallel, config.device, env)
         self.channel = Channel()
-        # The whole model is loaded, then cut (until the loader reads only this rank's slices).
+        # The whole model is loaded (its stored FP8/FP4 form kept for the device transform), then cut.
         self.model = load_model(config.model_dir, dtype=config.dtype, device=self.pctx.device, strict_mtp=False,
-                                progress=config.load_progress and env.rank == 0)
+                                progress=config.load_progress and env.rank == 0, cfg=config.model,
+                                load_format=config.load_format, seed=config.seed, keep_quantized=True)
         shard_model(self.model, self.pctx)
         if config.device == "cuda":
             prepare_for_device(self.model, select_ops(config.device))

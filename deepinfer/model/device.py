@@ -16,6 +16,7 @@ With ``ops=REF`` on the CPU this is the specification of what the GPU path compu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -37,7 +38,36 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_fp8", qw.data.contiguous())
         self.register_buffer("weight_scale", scale_to_float(qw.scale).float().contiguous())
         self.ops = ops
-        # UE8M0 scales are powers of two: a kernel may then scale the weight itself exactly (fp8_linear).
+        self.refresh()
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, ops: OpTable, device: torch.device | str = "meta"
+              ) -> "FP8Linear":
+        """Unfilled buffers of the final layout, for a quantized-first load (``load``, then ``refresh``)."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.register_buffer("weight_fp8", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                                      device=device))
+        out.register_buffer("weight_scale", torch.empty(-(-out_features // 128), -(-in_features // 128),
+                                                        dtype=torch.float32, device=device))
+        out.ops, out.pow2_scales = ops, True
+        return out
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_fp8.shape[0]
+
+    def load(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Weight loader: e4m3 codes and their stored 128x128 block scales (of this module's rows, when
+        sharded) into the buffers; the scales are decoded to fp32 multipliers once, here."""
+        if tuple(data.shape) != tuple(self.weight_fp8.shape) or tuple(scale.shape) != tuple(self.weight_scale.shape):
+            raise ValueError(f"FP8Linear.load: codes {tuple(data.shape)} / scales {tuple(scale.shape)} do not fit "
+                             f"{tuple(self.weight_fp8.shape)} / {tuple(self.weight_scale.shape)}")
+        self.weight_fp8.copy_(data)
+        self.weight_scale.copy_(scale_to_float(scale.to(self.weight_scale.device)))
+
+    def refresh(self) -> None:
+        """UE8M0 scales are powers of two: a kernel may then scale the weight itself exactly (fp8_linear)."""
         mantissa, _ = torch.frexp(self.weight_scale)
         self.pow2_scales = bool((mantissa == 0.5).all())
 
@@ -89,9 +119,12 @@ class FP8Linear(nn.Module):
 
 
 class FusedFP4Experts(nn.Module):
+    owned: range  # the expert ids whose weights this module holds, in order (all of them unless sharded)
+
     def __init__(self, prefix: str, n_experts: int, quantized: dict[str, QuantizedWeight], limit: float,
                  ops: OpTable) -> None:
         super().__init__()
+        self.owned = range(n_experts)
         w13, s13, w2, s2 = [], [], [], []
         first = quantized[f"{prefix}.experts.0.w1.weight"].scale
         # UE8M0 scales stay as their bytes (the kernels read the biased exponent): 1 byte per 32 weights
@@ -115,7 +148,59 @@ class FusedFP4Experts(nn.Module):
             parts[scale].clear()
             for name, t in zip((codes, scale), ops.fp4_expert_layout(*stacked)):
                 self.register_buffer(name, t.contiguous())
-        self.limit, self.ops = limit, ops
+        self.limit, self.ops, self.raw_scales = limit, ops, raw
+
+    @classmethod
+    def empty(cls, n_experts: int, hidden: int, inter: int, raw_scales: bool, limit: float, ops: OpTable,
+              device: torch.device | str, owned: range | None = None) -> "FusedFP4Experts":
+        """Unfilled stacked buffers in the op table's layout for experts ``owned`` (default: all), to be filled
+        one checkpoint tensor at a time by ``load``. ``raw_scales``: UE8M0 scale bytes kept as bytes (else
+        fp32 multipliers), as the checkpoint stores them. The buffers are created on ``device`` (``meta``
+        for a model not yet materialized); the layout's shapes come from one zero expert on the CPU."""
+        owned = range(n_experts) if owned is None else owned
+        if owned.step != 1 or not 0 <= owned.start <= owned.stop <= n_experts:
+            raise ValueError(f"owned: expected a range of expert ids within [0, {n_experts}), got {owned}")
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        sdtype = torch.uint8 if raw_scales else torch.float32
+        for codes, scale, rows, cols in (("w13", "s13", 2 * inter, hidden), ("w2", "s2", hidden, inter)):
+            for name, (shape, dtype) in zip((codes, scale), _expert_layout(ops, rows, cols, sdtype)):
+                out.register_buffer(name, torch.empty(len(owned), *shape, dtype=dtype, device=device))
+        out.limit, out.ops, out.owned, out.raw_scales = limit, ops, owned, raw_scales
+        out._staged = {}
+        return out
+
+    def load(self, expert: int, which: str, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Weight loader: expert ``expert``'s ``which`` (w1 / w3 / w2) packed codes and scales as stored.
+        w1 and w3 share the stacked w13 rows of their expert, and the layout transform is applied per
+        expert (it is separable over experts), so w1 waits for w3 (or the reverse): one expert's codes."""
+        if expert not in self.owned:
+            raise ValueError(f"expert {expert} is not among this module's experts {self.owned}")
+        if (scale.dtype in (torch.uint8, torch.float8_e8m0fnu)) != self.raw_scales:
+            raise ValueError(f"expert {expert} {which}: scale dtype {scale.dtype} differs from the other experts' "
+                             "(mixed scale formats)")
+        device = self.w13.device
+        data = data.to(device)
+        scale = scale.to(device).view(torch.uint8) if self.raw_scales else scale_to_float(scale.to(device)).float()
+        local = expert - self.owned.start
+        if which == "w2":
+            self._place("w2", "s2", local, data, scale)
+            return
+        staged = self._staged.setdefault(local, {})
+        staged[which] = (data, scale)
+        if len(staged) == 2:
+            del self._staged[local]
+            (c1, s1), (c3, s3) = staged["w1"], staged["w3"]
+            self._place("w13", "s13", local, torch.cat([c1, c3]), torch.cat([s1, s3]))
+
+    def _place(self, codes: str, scales: str, local: int, data: torch.Tensor, scale: torch.Tensor) -> None:
+        laid = self.ops.fp4_expert_layout(data.unsqueeze(0), scale.unsqueeze(0))
+        for name, t in zip((codes, scales), laid):
+            getattr(self, name)[local].copy_(t[0])
+
+    def pending(self) -> list[int]:
+        """Experts whose w1 or w3 arrived without the other (a complete load leaves none)."""
+        return sorted(self.owned.start + e for e in getattr(self, "_staged", {}))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 add: torch.Tensor | None = None, before_add: Callable[[], None] | None = None) -> torch.Tensor:
@@ -123,6 +208,15 @@ class FusedFP4Experts(nn.Module):
         right before ``add`` is read (a stream join when the shared expert runs beside the routed ones)."""
         return self.ops.moe_experts_fp4(x.contiguous(), ids.long(), weights, self.w13, self.s13, self.w2,
                                         self.s2, self.limit, add=add, before_add=before_add)
+
+
+@functools.lru_cache(maxsize=16)
+def _expert_layout(ops: OpTable, rows: int, cols: int, scale_dtype: torch.dtype
+                   ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """(shape, dtype) of one expert's codes and scales in ``ops``' layout: the layout of a zero expert."""
+    laid = ops.fp4_expert_layout(torch.zeros(1, rows, cols // 2, dtype=torch.int8),
+                                 torch.zeros(1, rows, -(-cols // 32), dtype=scale_dtype))
+    return tuple((tuple(t.shape[1:]), t.dtype) for t in laid)
 
 
 def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -134,15 +228,16 @@ def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
 
 
 def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = None) -> DeepseekV4:
-    """``overlap``: run each layer's independent chains on two streams (``model/branches.py``); default: on
+    """Transform a model loaded with its quantized weights kept (``load_model(..., keep_quantized=True)``).
+    The engine loads quantized-first instead (``load_model(..., ops=ops)``: the same modules, built empty and
+    filled from the checkpoint); this is the transform that path is checked against.
+    ``overlap``: run each layer's independent chains on two streams (``model/branches.py``); default: on
     when the model lives on a CUDA device."""
+    branches = _branches(next(model.buffers()).device, overlap)
     quantized: dict[str, QuantizedWeight] = getattr(model, "quantized", {}) or {}
-    device = next(model.buffers()).device
-    if overlap is None:
-        overlap = device.type == "cuda"
-    if overlap and device.type != "cuda":
-        raise ValueError(f"overlap needs a CUDA device, the model is on {device}")
-    branches = Branches(device) if overlap else INLINE
+    if model.cfg.quant is not None and not quantized:
+        raise ValueError("prepare_for_device: the model holds no quantized weights; load it with "
+                         "load_model(..., ops=ops) (quantized-first) or load_model(..., keep_quantized=True)")
     for name, qw in quantized.items():
         if qw.format == "fp8" and ".experts." not in name and name.endswith(".weight"):
             parent, leaf = _parent(model, name[: -len(".weight")])
@@ -153,6 +248,21 @@ def prepare_for_device(model: DeepseekV4, ops: OpTable, overlap: bool | None = N
                 module.routed = FusedFP4Experts(name, len(module.experts), quantized, module.cfg.swiglu_limit, ops)
                 module.experts = nn.ModuleList()  # the dequantized copies are no longer read
     model.quantized = {}
+    return finish_transform(model, ops, branches)
+
+
+def _branches(device: torch.device, overlap: bool | None) -> Branches:
+    if overlap is None:
+        overlap = device.type == "cuda"
+    if overlap and device.type != "cuda":
+        raise ValueError(f"overlap needs a CUDA device, the model is on {device}")
+    return Branches(device) if overlap else INLINE
+
+
+def finish_transform(model: DeepseekV4, ops: OpTable, overlap: bool | None | Branches = None) -> DeepseekV4:
+    """The part of the transform after the quantized modules are in place: stacked projections, the op table
+    and the streams (``overlap``, or the ``Branches`` to use) on every module."""
+    branches = overlap if isinstance(overlap, Branches) else _branches(next(model.buffers()).device, overlap)
     fuse_projections(model)
     for module in model.modules():  # after stacking: the stacks take the op table too
         if hasattr(module, "ops"):

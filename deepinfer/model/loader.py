@@ -1,51 +1,41 @@
 """Checkpoint loader: safetensors (sharded or single file, native or Hugging Face names) -> DeepseekV4.
 
+Quantized-first: the model is built empty in its final form (``model/weight_loaders.py``: with an op
+table, the device transform's FP8/FP4 modules in their kernel layout; without, the reference model), then
+the safetensors files are streamed one shard at a time, tensor by tensor in file order, each tensor going
+straight into its final buffer through its weight loader. Only the part a rank owns is read
+(``model/shard.py``). FP8/FP4 tensors stay as stored on the accelerated path; the reference path
+dequantizes each one as it arrives. Host memory holds one shard's mapped pages and one tensor at a time.
+
 Every tensor is checked against the meta-device model (names, shapes, allowed dtypes, scale companions)
-before it is used; any problem raises ``CheckpointError`` naming the file and the tensor. Nothing is ever
-filled in with random or zero weights: a tensor is either loaded from disk or the load fails.
+from the headers before any data is read, and its values (NaN/Inf, scale bytes, expert ids) as it is read
+(``model/ckpt_plan.py``); any problem raises ``CheckpointError`` naming the file and the tensor. Nothing
+is ever filled in with random or zero weights: a tensor is either loaded from disk or the load fails, unless
+``load_format="dummy"`` asks for random weights (``model/dummy.py``) and no checkpoint is read at all.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from torch import nn
 from tqdm import tqdm
 
+from deepinfer.config.engine import LOAD_FORMATS
 from deepinfer.config.model import ModelConfig
+from deepinfer.model.ckpt_files import INDEX_FILE, SINGLE_FILE, CheckpointError, Files, find_sources, listing
+from deepinfer.model.ckpt_plan import FLOATS, TensorPlan, plan_checkpoint
 from deepinfer.model.deepseek_v4 import DeepseekV4
-from deepinfer.model.names import MERGED_EXPERTS, split_merged_experts, to_native
-from deepinfer.model.quant import (
-    FP4_GROUP,
-    QuantizedWeight,
-    dequant_fp4,
-    dequant_fp8_block,
-    fp4_scale_shape,
-    fp8_scale_shape,
-    scale_name,
-    storage_format,
-)
-from deepinfer.model.rope import RopeTables
+from deepinfer.model.quant import QuantizedWeight, dequant_fp4, dequant_fp8_block
+from deepinfer.model.shard import SKIP, Shard
+from deepinfer.model.weight_loaders import StoredWeight, WeightLoader, build_model, finish_load, weight_loaders
+from deepinfer.ops.table import OpTable
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-# Extras that real or HF-written checkpoints may carry and that are safe to skip (listed in ``ignored``).
-_HARMLESS = (re.compile(r"(^|\.)inv_freq$"),)  # RoPE tables some writers persist; the model recomputes them
-_MERGED_SCALE = re.compile(r"^(layers\.\d+|mtp\.\d+)\.ffn\.experts\.(gate_up_proj|down_proj)\.scale$")
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32)
-_MAX_LISTED = 8
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and the tensor."""
+__all__ = ["CheckpointError", "LoadedCheckpoint", "read_checkpoint", "load_model", "LOAD_FORMATS", "INDEX_FILE",
+           "SINGLE_FILE"]
 
 
 @dataclass(frozen=True)
@@ -58,257 +48,106 @@ class LoadedCheckpoint:
 
 
 @dataclass(frozen=True)
-class _Source:
-    """Where one native tensor comes from: its file, its on-disk name and how to read it."""
+class _Checkpoint:
+    """A checkpoint whose headers have been checked against the model: what to read, nothing read yet."""
 
-    file: str  # path relative to the model directory
-    disk_name: str
-    read: Callable[[], torch.Tensor]
+    files: Files
+    plans: dict[str, TensorPlan]  # native name -> plan, in the model's order
+    order: dict[str, int]  # native name -> position of its data in the checkpoint (file order, then offset)
+    ignored: tuple[str, ...]
+    has_mtp: bool
 
-    def where(self, native: str) -> str:
-        alias = "" if self.disk_name == native else f" ({self.disk_name})"
-        return f"{native}{alias} in {self.file}"
+    @property
+    def file_names(self) -> tuple[str, ...]:
+        refs = [r for p in self.plans.values() for r in (p.src, p.scale) if r is not None]
+        return tuple(sorted({r.file for r in refs}))
 
-
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_LISTED])
-    return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
-
-
-class _Files:
-    """Open safetensors handles of one checkpoint; header errors are re-raised naming the file."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.dir = model_dir
-        self.handles: dict[str, Any] = {}
-
-    def keys(self, rel: str) -> list[str]:
-        return list(self._open(rel).keys())
-
-    def _open(self, rel: str) -> Any:
-        if rel not in self.handles:
-            path = self.dir / rel
-            if not path.is_file():
-                raise CheckpointError(f"{path}: safetensors file not found")
-            try:
-                self.handles[rel] = safe_open(str(path), framework="pt", device="cpu")
-            except (SafetensorError, OSError, ValueError) as e:
-                raise CheckpointError(f"{path}: cannot read the safetensors header (truncated or corrupt?): {e}") from e
-        return self.handles[rel]
-
-    def reader(self, rel: str, name: str) -> Callable[[], torch.Tensor]:
-        def read() -> torch.Tensor:
-            try:
-                return self._open(rel).get_tensor(name)
-            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-                raise CheckpointError(f"{name} in {rel}: cannot read tensor data (truncated or corrupt?): {e}") from e
-
-        return read
+    @property
+    def stored(self) -> dict[str, StoredWeight]:
+        return {n: StoredWeight(p.fmt, p.block, p.scale.dtype)  # type: ignore[arg-type, union-attr]
+                for n, p in self.plans.items() if p.quantized}
 
 
-def _discover(model_dir: Path, files: _Files) -> dict[str, tuple[str, str]]:
-    """On-disk tensor name -> (file, name), from the index when there is one, else from the files."""
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError("weight_map must map tensor names to file names")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map'): {e}") from e
-        by_file: dict[str, list[str]] = {}
-        for name, rel in weight_map.items():
-            by_file.setdefault(rel, []).append(name)
-        for rel, names in by_file.items():
-            if not (model_dir / rel).is_file():
-                raise CheckpointError(f"{index}: shard {rel} (holding {_listing(names)}) is missing from {model_dir}")
-        for rel, names in by_file.items():
-            present = set(files.keys(rel))
-            absent = [n for n in names if n not in present]
-            if absent:
-                raise CheckpointError(f"{rel}: tensors listed for it in {INDEX_FILE} are absent: {_listing(absent)}")
-        return {name: (rel, name) for name, rel in weight_map.items()}
-    if (model_dir / SINGLE_FILE).is_file():
-        rels = [SINGLE_FILE]
-    else:
-        rels = sorted(p.name for p in model_dir.glob("*.safetensors"))
-        if not rels:
-            raise CheckpointError(f"{model_dir}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files")
-    out: dict[str, tuple[str, str]] = {}
-    for rel in rels:
-        for name in files.keys(rel):
-            if name in out:
-                raise CheckpointError(f"{name}: present in both {out[name][0]} and {rel}")
-            out[name] = (rel, name)
-    return out
-
-
-def _split_merged(native: str, src_rel: str, disk: str, read: Callable[[], torch.Tensor], n_experts: int,
-                  is_scale: bool) -> dict[str, _Source]:
-    """HF merged experts ([E, 2I, ...] gate_up / [E, H, ...] down, and their ``_scale_inv``) -> per expert."""
-    weight_native = native.removesuffix(".scale") if is_scale else native
-    cache: dict[str, torch.Tensor] = {}
-
-    def part(key: str) -> Callable[[], torch.Tensor]:
-        def get() -> torch.Tensor:
-            if not cache:
-                merged = read()
-                if merged.dim() < 2 or merged.shape[0] != n_experts:
-                    raise CheckpointError(f"{disk} in {src_rel}: expected a merged expert tensor with "
-                                          f"{n_experts} experts in dim 0, got shape {tuple(merged.shape)}")
-                if merged.shape[1] % 2 and weight_native.endswith("gate_up_proj"):
-                    raise CheckpointError(f"{disk} in {src_rel}: gate_up rows {merged.shape[1]} are odd; cannot "
-                                          "split into w1 (gate) and w3 (up)")
-                for k, t in split_merged_experts(weight_native, merged).items():
-                    cache[scale_name(k) if is_scale else k] = t
-            return cache[key]
-
-        return get
-
-    prefix, kind = MERGED_EXPERTS.match(weight_native).groups()  # type: ignore[union-attr]
-    parts = ("w1", "w3") if kind == "gate_up_proj" else ("w2",)
-    out = {}
-    for e in range(n_experts):
-        for w in parts:
-            key = f"{prefix}.ffn.experts.{e}.{w}." + ("scale" if is_scale else "weight")
-            out[key] = _Source(src_rel, disk, part(key))
-    return out
-
-
-def _sources(model_dir: Path, files: _Files, cfg: ModelConfig) -> tuple[dict[str, _Source], list[str]]:
-    """Native name -> source, merged experts split, harmless extras set aside."""
-    sources: dict[str, _Source] = {}
-    ignored: list[str] = []
-    for disk, (rel, name) in _discover(model_dir, files).items():
-        native = to_native(disk)
-        if any(p.search(native) for p in _HARMLESS) or (native.startswith("mtp.") and not cfg.num_nextn_predict_layers):
-            ignored.append(disk)
-            continue
-        is_scale = bool(_MERGED_SCALE.match(native))
-        if is_scale or MERGED_EXPERTS.match(native):
-            new = _split_merged(native, rel, disk, files.reader(rel, name), cfg.n_routed_experts, is_scale)
-        else:
-            new = {native: _Source(rel, disk, files.reader(rel, name))}
-        for key, src in new.items():
-            if key in sources:
-                raise CheckpointError(f"{key}: given twice, as {sources[key].disk_name} in {sources[key].file} "
-                                      f"and as {src.disk_name} in {src.file}")
-            sources[key] = src
-    return sources, ignored
-
-
-def _expected(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    with torch.device("meta"):
-        model = DeepseekV4(cfg, dtype)
-    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
-
-
-def _check_names(expected: dict, sources: dict[str, _Source], cfg: ModelConfig, model_dir: Path) -> None:
-    missing = [n for n in expected if n not in sources]
-    if missing:
-        files = sorted({s.file for s in sources.values()})
-        raise CheckpointError(f"{model_dir} ({', '.join(files) or 'no tensors'}): missing {len(missing)} "
-                              f"tensor(s): {_listing(missing)}")
-    quantized = {scale_name(n) for n in expected if storage_format(n, cfg) in ("fp8", "fp4")}
-    unexpected = [n for n in sources if n not in expected and n not in quantized]
-    if unexpected:
-        hint = ""
-        if any(n.endswith(".scale") for n in unexpected):
-            hint = " (a .scale for a tensor the config does not quantize: check quantization_config / expert_dtype)"
-        raise CheckpointError("unexpected tensor(s)" + hint + ": " +
-                              _listing([sources[n].where(n) for n in unexpected]))
-
-
-def _shape_error(where: str, want: tuple[int, ...], got: tuple[int, ...], what: str = "") -> CheckpointError:
-    return CheckpointError(f"{where}: {what}expected {want}, got {got}")
-
-
-def _load_quantized(name: str, fmt: str, src: _Source, scale_src: _Source | None, shape: tuple[int, ...],
-                    cfg: ModelConfig) -> tuple[torch.Tensor, QuantizedWeight]:
-    where = src.where(name)
-    data = src.read()
-    if fmt == "fp8" and data.dtype != torch.float8_e4m3fn:
-        raise CheckpointError(f"{where}: dtype {data.dtype} not allowed; this config stores it as FP8 "
-                              "(float8_e4m3fn + .scale)")
-    if fmt == "fp4" and data.dtype not in (torch.int8, torch.uint8):
-        raise CheckpointError(f"{where}: dtype {data.dtype} not allowed; this config stores it as packed FP4 "
-                              "(int8, two e2m1 per byte, + .scale)")
-    if scale_src is None:
-        raise CheckpointError(f"{where}: {fmt.upper()} weight without its scale tensor {scale_name(name)}")
-    if fmt == "fp8":
-        block = cfg.quant.weight_block_size  # type: ignore[union-attr]
-        want_data, want_scale = shape, fp8_scale_shape(shape, block)
-    else:
-        block = (1, FP4_GROUP)
-        if shape[1] % 2:
-            raise CheckpointError(f"{where}: FP4 needs an even input dimension, the model has {shape}")
-        want_data, want_scale = (shape[0], shape[1] // 2), fp4_scale_shape(shape)
-    if tuple(data.shape) != want_data:
-        raise _shape_error(where, want_data, tuple(data.shape), "packed shape " if fmt == "fp4" else "")
-    scale = scale_src.read()
-    swhere = scale_src.where(scale_name(name))
-    if scale.dtype not in _SCALE_DTYPES:
-        raise CheckpointError(f"{swhere}: scale dtype {scale.dtype} not allowed (float8_e8m0fnu, uint8 or float32)")
-    if tuple(scale.shape) != want_scale:
-        raise _shape_error(swhere, want_scale, tuple(scale.shape), f"scale shape for {shape} weight ")
+def _layers_on_disk(model_dir: Path) -> int | None:
     try:
-        w = dequant_fp8_block(data, scale, block) if fmt == "fp8" else dequant_fp4(data, scale)
-    except ValueError as e:
-        raise CheckpointError(f"{swhere}: {e}") from e
-    return w, QuantizedWeight(fmt, data, scale, block)  # type: ignore[arg-type]
+        n = json.loads((model_dir / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) else None
 
 
-def _load_plain(name: str, fmt: str, src: _Source, shape: tuple[int, ...], cfg: ModelConfig) -> torch.Tensor:
-    where = src.where(name)
-    t = src.read()
-    if fmt == "int64":
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise CheckpointError(f"{where}: dtype {t.dtype} not allowed; expected an integer tensor (int64)")
-    elif t.dtype not in _FLOATS:
-        raise CheckpointError(f"{where}: dtype {t.dtype} not allowed; expected one of bf16/fp16/fp32 "
-                              f"(this config stores it as {fmt})")
-    if tuple(t.shape) != shape:
-        raise _shape_error(where, shape, tuple(t.shape))
-    if fmt == "int64":
-        t = t.to(torch.int64)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.n_routed_experts):
-            raise CheckpointError(f"{where}: expert ids must lie in [0, {cfg.n_routed_experts}), "
-                                  f"got [{int(t.min())}, {int(t.max())}]")
-    return t
+def _open_checkpoint(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, strict_mtp: bool,
+                     truncate: bool = False) -> _Checkpoint:
+    if dtype not in FLOATS:
+        raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    files = Files(model_dir)
+    sources, ignored = find_sources(model_dir, files, cfg, _layers_on_disk(model_dir) if truncate else None)
+    files.release()  # the headers are read; the data is mapped again one shard at a time
+    has_mtp = cfg.num_nextn_predict_layers > 0
+    if has_mtp and not strict_mtp and not any(n.startswith("mtp.") for n in sources):
+        has_mtp = False
+    plans = plan_checkpoint(sources, cfg if has_mtp else cfg.replace(num_nextn_predict_layers=0), dtype, model_dir)
+    file_rank: dict[str, int] = {}
+    for ref in sources.values():
+        file_rank.setdefault(ref.file, len(file_rank))
+    position = {name: i for i, name in enumerate(sources)}
+    order = {n: file_rank[p.src.file] * len(position) + position[n] for n, p in plans.items()}
+    return _Checkpoint(files, plans, order, tuple(ignored), has_mtp)
+
+
+def _stream(ck: _Checkpoint, loaders: dict[str, WeightLoader], progress: bool) -> None:
+    """Each tensor a loader wants, read in file order (one shard mapped at a time) and handed to it."""
+    jobs = [(ck.plans[n], loader, loader.selection) for n, loader in loaders.items()]
+    jobs = [j for j in jobs if j[2] is not SKIP]
+    jobs.sort(key=lambda j: ck.order[j[0].name])
+    total = sum(plan.nbytes(sel if isinstance(sel, Shard) else None) for plan, _, sel in jobs)
+    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=not progress) as bar:
+        for plan, loader, sel in jobs:
+            shard = sel if isinstance(sel, Shard) else None
+            data, scale = plan.read(ck.files, shard)
+            try:
+                loader.load(data, scale)
+            except ValueError as e:
+                raise CheckpointError(f"{plan.src.where(plan.name)}: {e}") from e
+            del data, scale
+            ck.files.release(keep=plan.src.file)  # a scale read from another shard: unmapped at once
+            bar.update(plan.nbytes(shard))
+    ck.files.release()
+
+
+@dataclass
+class _Collect:
+    """read_checkpoint's loader: the dequantized tensor in the model dtype, and the stored form."""
+
+    plan: TensorPlan
+    tensors: dict[str, torch.Tensor]
+    quantized: dict[str, QuantizedWeight]
+    selection: None = None
+
+    def load(self, data: torch.Tensor, scale: torch.Tensor | None) -> None:
+        p = self.plan
+        if scale is not None:
+            w = dequant_fp8_block(data, scale, p.block) if p.fmt == "fp8" else dequant_fp4(data, scale)
+            self.quantized[p.name] = QuantizedWeight(p.fmt, data, scale, p.block)  # type: ignore[arg-type]
+            data = w
+        self.tensors[p.name] = data.to(p.target)
 
 
 def read_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, *,
                     strict_mtp: bool = True, progress: bool = False) -> LoadedCheckpoint:
-    """Read, validate and dequantize every tensor of the checkpoint in ``model_dir``.
+    """Read, validate and dequantize every tensor of the checkpoint in ``model_dir`` into host memory (for
+    tests and tools; models load with ``load_model``, which never holds the whole checkpoint).
 
     ``tensors`` hold exactly the model's state_dict names, in each parameter's dtype (``dtype`` for
     model-dtype parameters, fp32 for norms / mHC / ape / sinks / router bias, int64 for tid2eid). With
     ``strict_mtp=False`` a checkpoint without any ``mtp.*`` tensors loads with ``has_mtp=False``.
     """
-    if dtype not in _FLOATS:
-        raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
-    model_dir = Path(model_dir)
-    files = _Files(model_dir)
-    sources, ignored = _sources(model_dir, files, cfg)
-    has_mtp = cfg.num_nextn_predict_layers > 0
-    if has_mtp and not strict_mtp and not any(n.startswith("mtp.") for n in sources):
-        has_mtp = False
-    expected = _expected(cfg if has_mtp else cfg.replace(num_nextn_predict_layers=0), dtype)
-    _check_names(expected, sources, cfg, model_dir)
-
+    ck = _open_checkpoint(Path(model_dir), cfg, dtype, strict_mtp)
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
-    for name, (shape, target) in tqdm(expected.items(), desc="Loading weights", unit="tensor", disable=not progress):
-        src, fmt = sources[name], storage_format(name, cfg)
-        if fmt in ("fp8", "fp4"):
-            t, quantized[name] = _load_quantized(name, fmt, src, sources.get(scale_name(name)), shape, cfg)
-        else:
-            t = _load_plain(name, fmt, src, shape, cfg)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{src.where(name)}: contains NaN or infinite values")
-        tensors[name] = t.to(target)
-    return LoadedCheckpoint(tensors, quantized, tuple(ignored), has_mtp,
-                            tuple(sorted({s.file for s in sources.values()})))
+    _stream(ck, {n: _Collect(p, tensors, quantized) for n, p in ck.plans.items()}, progress)
+    return LoadedCheckpoint({n: tensors[n] for n in ck.plans}, {n: quantized[n] for n in ck.plans if n in quantized},
+                            ck.ignored, ck.has_mtp, ck.file_names)
 
 
 def _config(model_dir: Path) -> ModelConfig:
@@ -319,29 +158,46 @@ def _config(model_dir: Path) -> ModelConfig:
         raise CheckpointError(str(e) if str(path) in str(e) else f"{path}: {e}") from e
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-               strict_mtp: bool = True, progress: bool = True) -> DeepseekV4:
-    """Build a DeepseekV4 from ``model_dir`` (config.json + safetensors). The model is built on the meta
-    device and its parameters are replaced by the loaded tensors, so no weight is ever allocated twice or
-    left at an initial value. ``model.quantized`` holds the on-disk FP8/FP4 weights for the GPU path."""
-    model_dir = Path(model_dir)
-    cfg = _config(model_dir)
-    ck = read_checkpoint(model_dir, cfg, dtype, strict_mtp=strict_mtp, progress=progress)
+def load_model(model_dir: str | Path | None, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+               strict_mtp: bool = True, progress: bool = True, *, ops: OpTable | None = None,
+               cfg: ModelConfig | None = None, load_format: str = "auto", seed: int = 0,
+               keep_quantized: bool = False, overlap: bool | None = None,
+               shard_model: Callable[[DeepseekV4], None] | None = None) -> DeepseekV4:
+    """Build a DeepseekV4 from ``model_dir`` (config.json + safetensors).
+
+    ``ops``: the op table of the accelerated path; the model is then built directly in the device
+    transform's form (``FP8Linear``, ``FusedFP4Experts`` in ``ops``' layout, stacked projections) and the
+    FP8/FP4 tensors go into it as stored. Without ``ops``: the reference model, FP8/FP4 dequantized as read;
+    ``keep_quantized`` keeps the stored form in ``model.quantized`` too (what ``prepare_for_device`` takes).
+    ``cfg``: the model config to build (default: ``model_dir``'s config.json); one with fewer layers than
+    the checkpoint (``hf_overrides``) loads the first layers and skips the rest.
+    ``load_format="dummy"``: random weights in the native formats from the config alone, on the device,
+    seeded by ``seed`` (``model/dummy.py``); no safetensors are read (``model_dir`` may lack them).
+    ``shard_model``: the sharding hook (``build_model``): a rank's modules read only the parts they own."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
+    given = cfg is not None
+    if cfg is None:
+        if model_dir is None:
+            raise ValueError("model_dir: needed when no cfg is given")
+        cfg = _config(Path(model_dir))
+    if load_format == "dummy":
+        from deepinfer.model.dummy import load_dummy
+
+        return load_dummy(cfg, dtype, device, ops=ops, seed=seed, keep_quantized=keep_quantized, overlap=overlap,
+                          progress=progress, shard_model=shard_model)
+    model_dir = Path(model_dir)  # type: ignore[arg-type]
+    ck = _open_checkpoint(model_dir, cfg, dtype, strict_mtp, truncate=given)
     if not ck.has_mtp:
         cfg = cfg.replace(num_nextn_predict_layers=0)
-    with torch.device("meta"):
-        model = DeepseekV4(cfg, dtype)
-    for name, t in ck.tensors.items():
-        owner, _, attr = name.rpartition(".")
-        module = model.get_submodule(owner)
-        if attr in module._parameters:
-            module._parameters[attr] = nn.Parameter(t.to(device), requires_grad=False)
-        else:
-            module._buffers[attr] = t.to(device)
-    model.ropes = RopeTables(cfg).to(device)  # non-persistent buffers: recomputed, never read from disk
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise CheckpointError(f"{model_dir}: no weights were loaded for {_listing(left)}")
-    model.quantized = {k: QuantizedWeight(q.format, q.data.to(device), q.scale.to(device), q.block)
-                       for k, q in ck.quantized.items()}
-    return model.eval()
+    try:
+        model = build_model(cfg, dtype, device, ck.stored, ops, overlap, shard_model)
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from e
+    loaders = weight_loaders(model, ck.plans, ck.stored, keep_quantized)
+    _stream(ck, loaders, progress)
+    try:
+        finish_load(model)
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from e
+    return model

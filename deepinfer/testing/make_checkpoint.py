@@ -166,6 +166,55 @@ def write_random_checkpoint(out_dir: str | Path, native_config: dict[str, Any], 
     return expected
 
 
+def write_dummy_checkpoint(out_dir: str | Path, native_config: dict[str, Any], seed: int,
+                           shard_max_bytes: int | None = None, device: str = "cpu") -> int:
+    """Write ``config.json`` + safetensors holding ``load_format="dummy"``'s weights (``model/dummy.py``:
+    native formats, generated on ``device``), one shard in memory at a time; fast enough for full-size
+    shapes, unlike ``write_random_checkpoint``'s quantizer. Returns the bytes written."""
+    from deepinfer.model.ckpt_plan import expected_tensors
+    from deepinfer.model.dummy import dummy_tensor
+
+    if shard_max_bytes is not None and shard_max_bytes <= 0:
+        raise ValueError(f"shard_max_bytes: must be positive, got {shard_max_bytes}")
+    cfg = ModelConfig.from_dict(native_config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(native_config, indent=2))
+    shards: list[list[str]] = [[]]
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        save_file(shard, str(out / f"shard-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+        shard.clear()
+
+    for name, (shape, _) in expected_tensors(cfg, torch.float32).items():
+        data, scale = dummy_tensor(name, shape, cfg, seed, device)
+        for key, t in ((name, data), (scale_name(name), scale)):
+            if t is None:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if shard_max_bytes is not None and shard and size + nbytes > shard_max_bytes:
+                flush()
+                shards.append([])
+                size = 0
+            shard[key] = t.cpu().contiguous()
+            shards[-1].append(key)
+            size += nbytes
+            total += nbytes
+    flush()
+    names = {i + 1: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))}
+    for i, rel in names.items():
+        (out / f"shard-{i:05d}.safetensors").rename(out / rel)
+    if len(shards) == 1:
+        (out / names[1]).rename(out / "model.safetensors")
+    else:
+        weight_map = {key: names[i + 1] for i, keys in enumerate(shards) for key in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return total
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m deepinfer.testing.make_checkpoint",
@@ -182,10 +231,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="tensor names: DeepSeek-native (released files) or HF save_pretrained spelling")
     p.add_argument("--expert-dtype", choices=("fp4", "fp8", "bf16"), default=None,
                    help="override the preset's routed-expert format")
+    p.add_argument("--dummy", action="store_true",
+                   help="the values of --load-format dummy, generated fast (full-size shapes); native names")
+    p.add_argument("--config", default=None, help="a config.json to write instead of a preset's")
+    p.add_argument("--hf-overrides", default=None, help="JSON object of config.json fields to change")
+    p.add_argument("--device", default="cpu", help="where --dummy generates the tensors (cpu, cuda)")
     args = p.parse_args(argv)
-    config = copy.deepcopy(PRESETS[args.preset])
+    config = json.loads(Path(args.config).read_text()) if args.config else copy.deepcopy(PRESETS[args.preset])
+    config.update(json.loads(args.hf_overrides) if args.hf_overrides else {})
     if args.expert_dtype is not None:
         config["expert_dtype"] = args.expert_dtype
+    if args.dummy:
+        total = write_dummy_checkpoint(args.out, config, args.seed, args.shard_max_bytes, args.device)
+        print(f"wrote {args.out}: {total / 1e9:.2f} GB of dummy weights in the native format")
+        return
     weights = write_random_checkpoint(args.out, config, args.seed, args.shard_max_bytes, args.names)
     n = sum(t.numel() for t in weights.values())
     print(f"wrote {args.out}: preset {args.preset}, {len(weights)} tensors, {n / 1e6:.1f}M parameters")

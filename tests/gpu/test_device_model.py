@@ -58,14 +58,13 @@ def _teacher_forced(model, ids: torch.Tensor, dtype, device) -> torch.Tensor:
 def test_gpu_model_matches_cpu_reference(ckpt, device) -> None:
     if device != "cuda":
         pytest.skip("needs CUDA")
-    from deepinfer.model.device import prepare_for_device
     from deepinfer.model.loader import load_model
     from deepinfer.ops.table import triton_ops
 
     ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(1))
     ref = _teacher_forced(load_model(ckpt, dtype=torch.float32, progress=False), ids, torch.float32, "cpu")
     bf16 = _teacher_forced(load_model(ckpt, dtype=torch.bfloat16, progress=False), ids, torch.bfloat16, "cpu")
-    gpu = prepare_for_device(load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False), triton_ops())
+    gpu = load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False, ops=triton_ops())
     got = _teacher_forced(gpu, ids, torch.bfloat16, "cuda")
     assert torch.isfinite(got).all()
 
@@ -117,12 +116,11 @@ def test_decode_graphs_replay_the_eager_step_bit_for_bit(ckpt, device, q) -> Non
     each (q > 1: what verifying q - 1 drafts runs)."""
     if device != "cuda":
         pytest.skip("needs CUDA")
-    from deepinfer.model.device import prepare_for_device
     from deepinfer.model.loader import load_model
     from deepinfer.ops.table import triton_ops
     from deepinfer.runner.cuda_graphs import DecodeGraphs
 
-    model = prepare_for_device(load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False), triton_ops())
+    model = load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False, ops=triton_ops())
     cache = SequenceCache(build_layout(model.cfg, 128), 12, torch.bfloat16, "cuda")
     graphs = DecodeGraphs(model, cache.storage, max_model_len=1024, sizes=[1, 2, 4], tokens_per_seq=q)
     graphs.capture()
@@ -174,15 +172,14 @@ def test_overlapped_branches_give_the_serial_bits(ckpt, device) -> None:
     chunks and in decode steps."""
     if device != "cuda":
         pytest.skip("needs CUDA")
-    from deepinfer.model.device import prepare_for_device
     from deepinfer.model.loader import load_model
     from deepinfer.ops.table import triton_ops
 
     ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(2))
     out = {}
     for overlap in (False, True):
-        model = prepare_for_device(load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False),
-                                   triton_ops(), overlap=overlap)
+        model = load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False, ops=triton_ops(),
+                           overlap=overlap)
         assert model.layers[1].attn.branches.enabled == overlap and model.layers[1].ffn.branches.enabled == overlap
         out[overlap] = _teacher_forced(model, ids, torch.bfloat16, "cuda")
         del model
@@ -212,3 +209,26 @@ def test_fp8_split_k_on_two_streams_at_once(device) -> None:
         got_main = fp8_linear(xs[0], w, sc)
         torch.cuda.current_stream().wait_stream(side)
         assert torch.equal(got_main, want[0]) and torch.equal(got_side, want[1])
+
+
+def test_quantized_first_load_equals_load_then_transform(ckpt, device) -> None:
+    """The engine's load (empty FP8/FP4 modules in the Triton layout, filled tensor by tensor, each expert laid
+    out on its own) holds the same bits as transforming a model loaded with its quantized weights kept."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from deepinfer.model.device import prepare_for_device
+    from deepinfer.model.loader import load_model
+    from deepinfer.ops.table import triton_ops
+
+    ops = triton_ops()
+    old = prepare_for_device(load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False,
+                                        keep_quantized=True), ops)
+    new = load_model(ckpt, dtype=torch.bfloat16, device="cuda", progress=False, ops=ops)
+    want = {**dict(old.named_parameters()), **dict(old.named_buffers())}
+    got = {**dict(new.named_parameters()), **dict(new.named_buffers())}
+    assert want.keys() == got.keys()
+    for name, t in want.items():
+        assert t.dtype == got[name].dtype and t.shape == got[name].shape, name
+        assert torch.equal(t.contiguous().view(torch.uint8), got[name].contiguous().view(torch.uint8)), name
+    ids = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_teacher_forced(old, ids, torch.bfloat16, "cuda"), _teacher_forced(new, ids, torch.bfloat16, "cuda"))

@@ -36,7 +36,9 @@ def test_overlap_needs_cuda() -> None:
     from deepinfer.model.loader import load_model
     from deepinfer.ops.table import REF
 
-    model = load_model(demo_model_dir(), dtype=torch.float32, progress=False)
+    model = load_model(demo_model_dir(), dtype=torch.float32, progress=False, keep_quantized=True)
     with pytest.raises(ValueError, match="overlap needs a CUDA device"):
         prepare_for_device(model, REF, overlap=True)
     assert prepare_for_device(model, REF).layers[0].ffn.branches is INLINE
+    with pytest.raises(ValueError, match="overlap needs a CUDA device"):  # the quantized-first build too
+        load_model(demo_model_dir(), dtype=torch.float32, progress=False, ops=REF, overlap=True)

@@ -21,7 +21,7 @@ from deepinfer.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model(demo_model_dir(), dtype=torch.float32, progress=False)
+    return load_model(demo_model_dir(), dtype=torch.float32, progress=False, keep_quantized=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 from deepinfer.assets import demo_model_dir
 from deepinfer.kv.spec import build_layout
-from deepinfer.model.device import FP8Linear, FusedFP4Experts, prepare_for_device
+from deepinfer.model.device import FP8Linear, FusedFP4Experts
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import REF
 from deepinfer.runner.sequences import SequenceCache
@@ -26,7 +26,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 def test_transformed_model_matches_reference_on_cpu() -> None:
     ids = torch.randint(3, 4096, (150,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = _logits(load_model(demo_model_dir(), dtype=torch.float32, progress=False), ids)
-    model = prepare_for_device(load_model(demo_model_dir(), dtype=torch.float32, progress=False), REF)
+    model = load_model(demo_model_dir(), dtype=torch.float32, progress=False, ops=REF)  # quantized-first
     kinds = {type(m) for m in model.modules()}
     assert FP8Linear in kinds and FusedFP4Experts in kinds
     assert all(len(layer.ffn.experts) == 0 for layer in model.layers)  # dequantized copies released

@@ -8,7 +8,6 @@ import torch
 
 from deepinfer.assets import demo_model_dir
 from deepinfer.model.attention import Attention
-from deepinfer.model.device import prepare_for_device
 from deepinfer.model.fused import StackedLinear, fuse_projections
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import REF
@@ -36,7 +35,7 @@ def _stacks(model) -> list[tuple[StackedLinear, list]]:
 
 
 def test_stacks_equal_their_parts_and_share_storage() -> None:
-    model = prepare_for_device(load_model(demo_model_dir(), dtype=torch.float32, progress=False), REF)
+    model = load_model(demo_model_dir(), dtype=torch.float32, progress=False, ops=REF)
     stacks = _stacks(model)
     assert any(hasattr(m, "side_proj") for m in model.modules() if isinstance(m, Attention))
     x = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))

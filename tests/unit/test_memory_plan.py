@@ -29,11 +29,10 @@ def _device_tensor_bytes(model: torch.nn.Module) -> int:
 def test_weight_bytes_equal_what_the_device_transform_holds() -> None:
     """Oracle: the demo model loaded and transformed for the device path (FP8Linear with fp32 block scales,
     stacked FP4 experts with byte scales) holds exactly the planned bytes."""
-    from deepinfer.model.device import prepare_for_device
     from deepinfer.model.loader import load_model
     from deepinfer.ops.table import REF
 
-    model = prepare_for_device(load_model(demo_model_dir(), dtype=torch.bfloat16, progress=False), REF)
+    model = load_model(demo_model_dir(), dtype=torch.bfloat16, progress=False, ops=REF)  # quantized-first
     planned, experts = weights_per_device(model.cfg, Deployment())
     assert planned == _device_tensor_bytes(model)
     assert experts == sum(_device_tensor_bytes(m.ffn.routed) for m in [*model.layers, *model.mtp])
@@ -66,7 +65,7 @@ def _held_bytes(env, configs: list) -> list[int]:
     out = []
     for config in configs:
         pctx = init_world(config, "cpu", env, timeout_s=60)
-        model = load_model(demo_model_dir(), dtype=torch.bfloat16, progress=False)
+        model = load_model(demo_model_dir(), dtype=torch.bfloat16, progress=False, keep_quantized=True)
         out.append(_device_tensor_bytes(prepare_for_device(shard_model(model, pctx), REF)))
     return out
 

@@ -74,7 +74,7 @@ def _rank(env: WorldEnv, jobs: list[tuple[str, torch.dtype, bool, ParallelConfig
     results = []
     for model_dir, dtype, device_path, config in jobs:
         pctx = init_world(config, "cpu", env, timeout_s=60)
-        model = load_model(model_dir, dtype=dtype, progress=False)
+        model = load_model(model_dir, dtype=dtype, progress=False, keep_quantized=True)
         shard_model(model, pctx)
         if device_path:
             prepare_for_device(model, REF)
@@ -87,7 +87,7 @@ def _rank(env: WorldEnv, jobs: list[tuple[str, torch.dtype, bool, ParallelConfig
 
 def _reference(model_dir: str, dtype: torch.dtype, device_path: bool) -> list[list[torch.Tensor]]:
     """Per step, per DP rank (of two): the single-process model's logits of that rank's rows."""
-    model = load_model(model_dir, dtype=dtype, progress=False)
+    model = load_model(model_dir, dtype=dtype, progress=False, keep_quantized=True)
     if device_path:
         prepare_for_device(model, REF)
     script = _script(model.cfg.vocab_size)

@@ -22,7 +22,7 @@ from deepinfer.distributed.world import ParallelContext
 from deepinfer.model.attention import Attention
 from deepinfer.model.context import StepContext
 from deepinfer.model.fused import StackedLinear, projection_sets
-from deepinfer.model.parallel.slices import ShardSpec
+from deepinfer.model.shard import Shard
 from deepinfer.model.rope import RopeTables
 
 
@@ -32,8 +32,8 @@ class TPAttention(Attention):
     pctx: ParallelContext
 
     @staticmethod
-    def shards(pctx: ParallelContext) -> dict[str, ShardSpec]:
-        rows, cols = ShardSpec(0, pctx.tp_size, pctx.tp_rank), ShardSpec(1, pctx.tp_size, pctx.tp_rank)
+    def shards(pctx: ParallelContext) -> dict[str, Shard]:
+        rows, cols = Shard(0, pctx.tp_rank, pctx.tp_size), Shard(1, pctx.tp_rank, pctx.tp_size)
         return {"wq_b.weight": rows, "attn_sink": rows, "wo_a.weight": rows, "wo_b.weight": cols}
 
     def became_sharded(self, pctx: ParallelContext) -> None:

@@ -28,7 +28,7 @@ from deepinfer.distributed.collectives import all_gather_rows, all_reduce, all_t
 from deepinfer.distributed.world import ParallelContext
 from deepinfer.model.fused import StackedLinear, projection_sets
 from deepinfer.model.moe import ExpertLoop, MoE
-from deepinfer.model.parallel.slices import ShardSpec
+from deepinfer.model.shard import Shard
 
 
 class TPMoE(MoE):
@@ -38,8 +38,8 @@ class TPMoE(MoE):
     pctx: ParallelContext
 
     @staticmethod
-    def shards(pctx: ParallelContext, n_experts: int, shared: bool) -> dict[str, ShardSpec]:
-        rows, cols = ShardSpec(0, pctx.tp_size, pctx.tp_rank), ShardSpec(1, pctx.tp_size, pctx.tp_rank)
+    def shards(pctx: ParallelContext, n_experts: int, shared: bool) -> dict[str, Shard]:
+        rows, cols = Shard(0, pctx.tp_rank, pctx.tp_size), Shard(1, pctx.tp_rank, pctx.tp_size)
         owners = [f"experts.{e}" for e in range(n_experts)] + (["shared_experts"] if shared else [])
         return {f"{o}.{w}.weight": spec for o in owners for w, spec in (("w1", rows), ("w3", rows), ("w2", cols))}
 

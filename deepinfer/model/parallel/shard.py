@@ -21,7 +21,8 @@ from deepinfer.model.linear import Linear
 from deepinfer.model.moe import MoE
 from deepinfer.model.parallel.attention import TPAttention
 from deepinfer.model.parallel.moe import EPMoE, TPMoE, expert_range
-from deepinfer.model.parallel.slices import ShardSpec, take, take_quantized
+from deepinfer.model.parallel.slices import take, take_quantized
+from deepinfer.model.shard import Shard
 from deepinfer.model.quant import QuantizedWeight
 
 
@@ -56,19 +57,19 @@ def shard_model(model: DeepseekV4, pctx: ParallelContext) -> DeepseekV4:
     return model
 
 
-def _cut(module: nn.Module, prefix: str, specs: dict[str, ShardSpec], quantized: dict[str, QuantizedWeight]) -> bool:
+def _cut(module: nn.Module, prefix: str, specs: dict[str, Shard], quantized: dict[str, QuantizedWeight]) -> bool:
     """Replace each named weight by its slice (and its quantized form, dropped when not block-aligned);
     False when some quantized form was dropped."""
     whole = True
     for rel, spec in specs.items():
         owner_name, _, attr = rel.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        owner._parameters[attr] = nn.Parameter(take(getattr(owner, attr).detach(), spec), requires_grad=False)
+        owner._parameters[attr] = nn.Parameter(take(getattr(owner, attr).detach(), spec, f"{prefix}.{rel}"), requires_grad=False)
         if isinstance(owner, Linear):
             owner.out_features, owner.in_features = owner.weight.shape
         key = f"{prefix}.{rel}"
         if key in quantized:
-            piece = take_quantized(quantized[key], spec)
+            piece = take_quantized(quantized[key], spec, key)
             if piece is None:
                 del quantized[key]
                 whole = False
