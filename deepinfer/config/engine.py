@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from deepinfer.config.model import ModelConfig
+from deepinfer.config.speculative import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +40,9 @@ class EngineArgs:
     # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
     # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
     async_scheduling: bool = False
+    # Speculative decoding with the checkpoint's MTP layer: {"method": "mtp", "num_speculative_tokens": k}
+    # (or its JSON text); None: off.
+    speculative_config: dict | str | None = None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -80,6 +84,7 @@ class EngineConfig:
     load_progress: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = False
+    speculative: SpeculativeConfig | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -99,6 +104,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len: {max_len} exceeds the model's max_position_embeddings {model.max_position_embeddings}"
             )
+        speculative = SpeculativeConfig.parse(args.speculative_config, env.enable_mtp_varlen())
+        if speculative is not None:
+            _check_speculative(speculative, model, args)
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         return cls(
@@ -114,6 +122,7 @@ class EngineConfig:
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
             async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
+            speculative=speculative,
         )
 
 
@@ -129,6 +138,16 @@ def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name}: must be true or false, got {value!r}")
     return value
+
+
+def _check_speculative(spec: SpeculativeConfig, model: ModelConfig, args: EngineArgs) -> None:
+    if model.num_nextn_predict_layers < 1:
+        raise ValueError("speculative_config.method: 'mtp' needs a checkpoint with an MTP layer "
+                         "(num_nextn_predict_layers >= 1); this model has none")
+    if args.async_scheduling:
+        # A step's drafts and its accepted count decide the next step's inputs and cache length; async
+        # scheduling plans that next step before they reach the host.
+        raise ValueError("speculative_config: cannot be combined with async_scheduling=True; turn one off")
 
 
 def _check_positive(args: EngineArgs) -> None:
