@@ -35,6 +35,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="plan step N+1 while step N runs (the same tokens; default: off)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (k 1..4)')
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -61,7 +63,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-        async_scheduling=a.async_scheduling,
+        async_scheduling=a.async_scheduling, speculative_config=a.speculative_config,
     )
 
 
