@@ -195,3 +195,21 @@ def test_max_tokens_mid_draft_and_abort_free_the_cache() -> None:
     assert len(outs["a"].outputs[0].token_ids) == 7 and outs["a"].outputs[0].finish_reason == "length"
     assert outs["b"].outputs[0].finish_reason == "abort"
     assert engine.cache.num_requests == 0
+
+
+def test_variable_draft_length_follows_acceptance(tiny_dir, tiny_reference, monkeypatch) -> None:
+    """DEEPINFER_ENABLE_MTP_VARLEN=1: a request whose drafts keep failing stops drafting (and probes again
+    later); the outputs stay the same."""
+    from deepinfer.sched.draft_length import draft_length, update_rate
+
+    assert draft_length(1.0, 4) == 4 and draft_length(0.6, 4) == 2 and draft_length(0.1, 4) == 0
+    rate = 0.0
+    assert update_rate(rate, 0, 0) > rate  # a step without drafts recovers towards probing
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    prompts, params, ref = tiny_reference
+    engine = _engine(tiny_dir, 4, num_cache_blocks=2)
+    assert engine.config.speculative.varlen
+    assert _tokens(_drain(engine, prompts, params)) == ref
+    st = engine.spec_stats
+    # The random MTP layer is nearly always wrong: fewer than k = 4 drafts per verify step on average.
+    assert st.num_drafts > 0 and st.num_draft_tokens < 3 * st.num_drafts
