@@ -46,6 +46,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "config.json alone (no weights needed)")
     g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
                    help="""config.json fields to change, e.g. '{"num_hidden_layers": 4}' (the first 4 layers)""")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (k 1..4)')
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -72,8 +74,9 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-        async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
-        enable_expert_parallel=a.enable_expert_parallel, load_format=a.load_format, hf_overrides=a.hf_overrides,
+        async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size,
+        data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
+        load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
     )
 
 

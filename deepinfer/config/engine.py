@@ -17,6 +17,7 @@ import torch
 
 from deepinfer.config.model import ModelConfig
 from deepinfer.distributed.config import ParallelConfig
+from deepinfer.config.speculative import SpeculativeConfig
 
 LOAD_FORMATS = ("auto", "dummy")  # how the weights are obtained (EngineArgs.load_format)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,6 +58,9 @@ class EngineArgs:
     # config.json alone, generated on the device (benchmarks of full shapes without the download).
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | None = None  # config.json fields to change, e.g. {"num_hidden_layers": 4}
+    # Speculative decoding with the checkpoint's MTP layer: {"method": "mtp", "num_speculative_tokens": k}
+    # (or its JSON text); None: off.
+    speculative_config: dict | str | None = None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -115,6 +119,7 @@ class EngineConfig:
     async_scheduling: bool = False
     parallel: ParallelConfig = ParallelConfig()
     load_format: str = "auto"
+    speculative: SpeculativeConfig | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -138,6 +143,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len: {max_len} exceeds the model's max_position_embeddings {model.max_position_embeddings}"
             )
+        speculative = SpeculativeConfig.parse(args.speculative_config, env.enable_mtp_varlen())
+        if speculative is not None:
+            _check_speculative(speculative, model, args)
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size,
@@ -159,6 +167,7 @@ class EngineConfig:
             async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
             parallel=parallel,
             load_format=args.load_format,
+            speculative=speculative,
         )
 
 
@@ -185,6 +194,19 @@ def _check_parallel(parallel: ParallelConfig, args: EngineArgs, device: str) -> 
     if device == "cuda" and parallel.world_size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size x data_parallel_size: {parallel.world_size} devices wanted, "
                          f"{torch.cuda.device_count()} visible")
+    if args.speculative_config is not None:
+        raise ValueError("speculative_config: not supported with tensor_parallel_size or data_parallel_size > 1 "
+                         "yet; allowed: None")
+
+
+def _check_speculative(spec: SpeculativeConfig, model: ModelConfig, args: EngineArgs) -> None:
+    if model.num_nextn_predict_layers < 1:
+        raise ValueError("speculative_config.method: 'mtp' needs a checkpoint with an MTP layer "
+                         "(num_nextn_predict_layers >= 1); this model has none")
+    if args.async_scheduling:
+        # A step's drafts and its accepted count decide the next step's inputs and cache length; async
+        # scheduling plans that next step before they reach the host.
+        raise ValueError("speculative_config: cannot be combined with async_scheduling=True; turn one off")
 
 
 def _check_positive(args: EngineArgs) -> None:

@@ -7,6 +7,11 @@ the device never waits for detokenization, stop checks or streaming: a sequence'
 placeholder in step N+1 that the device fills itself. Draws are keyed by (seed, position), so the tokens
 are those of the synchronous loop; a stop found one step late costs one discarded token of that sequence
 (it is freed, and the extra draw's result is ignored).
+
+With speculative decoding (``speculative_config``) a step verifies each decoding sequence's drafts and
+returns its accepted tokens plus the next drafts; applying it rolls the rejected drafts back
+(``Scheduler.rollback``) before the tokens go through the usual stop checks one by one, so a stop or
+``max_tokens`` reached mid-draft ends the sequence there and the rest is dropped.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import append_token, build_output, finish, to_position_logprobs
 from deepinfer.engine.sequence import RequestState
 from deepinfer.engine.sizing import build_cache
+from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.manager import cdiv
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.model_runner import ModelRunner, StepHandle
+from deepinfer.sched.draft_length import update_rate
 from deepinfer.sched.scheduler import Schedule, Scheduler
 from deepinfer.tokenizer import Tokenizer
 
@@ -45,14 +52,17 @@ class LLMEngine:
                                 load_format=config.load_format, seed=config.seed)
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
-        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,))
+        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative)
         graphs = None
-        if config.device == "cuda" and not config.enforce_eager:
+        # Verify steps run eagerly: the MTP layer needs the target's streams, which the graphs do not return.
+        if config.device == "cuda" and not config.enforce_eager and config.speculative is None:
             graphs = DecodeGraphs(self.model, self.storage, sc.max_model_len, default_sizes(sc.max_num_seqs))
             graphs.capture()
         self.input_batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size),
                                       mc.vocab_size, config.device)
-        self.runner = ModelRunner(self.model, self.storage, self.input_batch, graphs)
+        self.runner = ModelRunner(self.model, self.storage, self.input_batch, graphs,
+                                  speculative=config.speculative is not None)
+        self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens if config.speculative else 0)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[Schedule, StepHandle] | None = None  # async: submitted, results not applied
         max_cached = self.facts.num_blocks["history"] * config.cache.block_size
@@ -152,9 +162,19 @@ class LLMEngine:
             req = by_id[chunk.seq_id].request
             if req.request_id in self.requests:
                 req.prompt_logprobs.extend(self._position_logprobs(chunk.values))
+        work = {w.seq_id: w for w in schedule.plan.work}
         for s in result.sampled:
-            seq = by_id[s.seq_id]
-            seq.num_pending -= len(s.token_ids)
+            seq, w = by_id[s.seq_id], work[s.seq_id]
+            seq.num_pending -= w.num_samples
+            if w.num_drafts:
+                accepted = len(s.token_ids) - 1
+                self.spec_stats.observe(w.num_drafts, accepted)
+                seq.draft_acceptance = update_rate(seq.draft_acceptance, w.num_drafts, accepted)
+                if not seq.finished:  # rejected drafts leave the cache (a finished one is freed whole)
+                    self.scheduler.rollback(seq, w.num_drafts - accepted)
+            elif self.config.speculative is not None and w.num_samples:
+                seq.draft_acceptance = update_rate(seq.draft_acceptance, 0, 0)
+            seq.drafts = s.drafts
             for token, lp in zip(s.token_ids, s.logprobs):
                 if seq.finished:  # a stop found after later draws were planned: those are dropped
                     break

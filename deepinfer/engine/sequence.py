@@ -38,6 +38,10 @@ class Sequence:
     # The prompt opened a thinking block: the constraint starts after the model closes it (the reasoning
     # is free text; only the answer is constrained).
     grammar_after: int | None = None  # the token that starts the constraint (``</think>``), None: from the start
+    # Speculative decoding: the MTP layer's drafts for the tokens after the last one (verified next step),
+    # and the running estimate of how often a draft is accepted (for variable draft lengths).
+    drafts: tuple[int, ...] = ()
+    draft_acceptance: float = 1.0
     status: Status = Status.WAITING
     text: str = ""
     finish_reason: str | None = None

@@ -63,10 +63,18 @@ def _cuda_budget(config: EngineConfig, model, layout) -> int:
     return budget
 
 
+def spec_slack(config: EngineConfig) -> tuple[int, int]:
+    """(rollback depth, extra resident positions) of speculative decoding: a verify step of k drafts may be
+    rolled back by k; its MTP chain writes up to k - 1 positions past the step."""
+    k = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    return k, 2 * k
+
+
 def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> dict[str, int]:
     sc, cc = config.scheduler, config.cache
+    slack = spec_slack(config)[1]
     if cc.num_cache_blocks is not None:
-        tail = {p: sc.max_num_seqs * tail_blocks_per_seq(layout, p) + cdiv(sc.max_num_batched_tokens, cc.block_size)
+        tail = {p: sc.max_num_seqs * tail_blocks_per_seq(layout, p, slack) + cdiv(sc.max_num_batched_tokens, cc.block_size)
                 for p in POOLS if p != HISTORY}
         return {HISTORY: cc.num_cache_blocks, **tail}
     if cc.cache_memory_gb is not None:
@@ -77,13 +85,14 @@ def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> d
         # Enough for every sequence at full length, capped: small models need far less than the cap.
         full = sum(layout.bytes_per_block(p, dtype_bytes) for p in POOLS)
         budget = min(_CPU_DEFAULT_BUDGET, full * sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size))
-    return blocks_for_budget(layout, budget, dtype_bytes, sc.max_num_seqs, sc.max_model_len,
+    return blocks_for_budget(layout, budget, dtype_bytes, sc.max_num_seqs, sc.max_model_len, spec_slack=slack,
                              max_num_batched_tokens=sc.max_num_batched_tokens)
 
 
 def build_cache(config: EngineConfig, model=None) -> tuple[CacheManager, KVStorage, RuntimeFacts]:
     """``model`` (optional): profiled on CUDA to size the cache from ``gpu_memory_utilization``."""
-    layout = build_layout(config.model, config.cache.block_size, include_mtp=False)
+    # The MTP layer's window rows live in the window pool beside the target's (speculative decoding only).
+    layout = build_layout(config.model, config.cache.block_size, include_mtp=config.speculative is not None)
     dtype_bytes = torch.empty(0, dtype=config.dtype).element_size()
     counts = _num_blocks(config, layout, dtype_bytes, model)
     storage = KVStorage(layout, counts, config.dtype, config.device)
@@ -92,4 +101,4 @@ def build_cache(config: EngineConfig, model=None) -> tuple[CacheManager, KVStora
         bytes_per_block={p: layout.bytes_per_block(p, dtype_bytes) for p in POOLS},
         device_name=torch.cuda.get_device_name() if config.device == "cuda" else "cpu",
     )
-    return CacheManager(layout, counts), storage, facts
+    return CacheManager(layout, counts, spec_slack=spec_slack(config)[0]), storage, facts

@@ -105,6 +105,12 @@ def format_result(r: EvalResult) -> str:
     for name, s in rows:
         lines.append(f"{name:14}{s['ppl']:10.4f}{pct(s['top1_accuracy']):>10}{pct(s['mtp_acceptance']):>12}"
                      f"{pct(s['mtp_top1']):>10}{s['seconds']:9.1f}")
+    p = r.deepinfer.get("mtp_acceptance")
+    if p is not None:
+        # Tokens per verify step with k chained drafts, from the measured one-draft rate assuming each
+        # further draft is accepted at the same rate (the engine's spec_decode counters give the real value).
+        est = "  ".join(f"k={k}: {sum(p ** i for i in range(k + 1)):.2f}" for k in range(1, 5))
+        lines.append(f"mean acceptance length (tokens per verify step; k=1 measured, k>1 estimated): {est}")
     if r.ppl_rel_diff is not None:
         lines.append(f"perplexity relative difference deepinfer vs transformers: {r.ppl_rel_diff:.2e}")
     lines += [f"note: {n}" for n in r.notes]

@@ -8,10 +8,16 @@ placeholder inputs the device takes from this step's draws (async scheduling).
 Rows needing logits: the last ``num_samples`` new tokens of every sequence that draws this step, plus the
 prompt positions of ``prompt_logprobs`` jobs. Every step runs the batched path (``model/attention_indexed``,
 the reference ops on the CPU); decode steps replay a CUDA graph when one is captured.
+
+With speculative decoding (``drafter``) a verifying sequence draws at every one of its inputs, the draws
+are compared with its drafts (``runner/speculative.py``), only the accepted prefix plus the target's next
+token reach the host, and the MTP layer then proposes the next drafts; those steps run eagerly (the
+graphs return logits, not the streams the MTP layer reads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 
@@ -23,6 +29,7 @@ from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.step_index import build_slot_index
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
+from deepinfer.runner.speculative import MTPDrafter, verify
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling import TokenLogprobs
 from deepinfer.sampling.logprobs import LogprobTensors
@@ -34,8 +41,9 @@ from deepinfer.structured.backend import apply_masks, words_of
 @dataclass(frozen=True, slots=True)
 class SeqSamples:
     seq_id: str
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # the emitted tokens (with drafts: the accepted ones plus the target's next)
     logprobs: tuple[TokenLogprobs | None, ...]
+    drafts: tuple[int, ...] = ()  # the MTP layer's drafts for the tokens after these
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,7 @@ class _Draws:
     seq_ids: tuple[str, ...]
     counts: tuple[int, ...]
     num_logprobs: tuple[int | None, ...]  # per drawn row
+    proposers: tuple[int, ...] = ()  # indices into seq_ids of the sequences that got drafts
 
 
 class StepHandle:
@@ -66,8 +75,10 @@ class StepHandle:
 
     def __init__(self, draws: _Draws | None = None, tokens: torch.Tensor | None = None,
                  logprobs: LogprobTensors | None = None, prompt: list | None = None,
-                 done: torch.cuda.Event | None = None) -> None:
+                 done: torch.cuda.Event | None = None, accepted: torch.Tensor | None = None,
+                 drafts: torch.Tensor | None = None) -> None:
         self._draws, self._tokens, self._logprobs, self._prompt, self._done = draws, tokens, logprobs, prompt, done
+        self._accepted, self._drafts = accepted, drafts
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
@@ -87,9 +98,13 @@ class StepHandle:
             want = [b for b, n in enumerate(d.num_logprobs) if n is not None]
             for b, lp in zip(want, self._logprobs.resolve([d.num_logprobs[b] for b in want])):
                 lps[b] = lp
+        accepted = self._accepted.tolist() if self._accepted is not None else [k - 1 for k in d.counts]
+        drafts = dict(zip(d.proposers, self._drafts.tolist())) if self._drafts is not None else {}
         out, row = [], 0
-        for seq_id, k in zip(d.seq_ids, d.counts):
-            out.append(SeqSamples(seq_id, tuple(tokens[row : row + k]), tuple(lps[row : row + k])))
+        for s, (seq_id, k) in enumerate(zip(d.seq_ids, d.counts)):
+            end = row + accepted[s] + 1  # verified: the accepted drafts' draws and the one after them
+            mine = tuple(t for t in drafts.get(s, ()) if t >= 0)
+            out.append(SeqSamples(seq_id, tuple(tokens[row:end]), tuple(lps[row:end]), mine))
             row += k
         return tuple(out)
 
@@ -112,8 +127,10 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4, storage: KVStorage, batch: InputBatch,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, speculative: bool = False) -> None:
         self.model, self.storage, self.batch, self.graphs = model, storage, batch, graphs
+        # Speculative decoding: the MTP layer runs after every step (its cache needs every position).
+        self.drafter = MTPDrafter(model, storage, batch) if speculative else None
         self.device = next(model.parameters()).device
         self.window = model.cfg.sliding_window
 
@@ -129,11 +146,11 @@ class ModelRunner:
         ids = np.fromiter(chain.from_iterable(w.token_ids + (-1,) * w.num_placeholders for w in work),
                           dtype=np.int64, count=int(lens.sum()))
         placeholders = self._placeholders(work, slots, starts)
-        draw_rows, draw_slots, draw_pos, last_rows, counts = [], [], [], [], []
+        draw_rows, draw_slots, draw_pos, last_rows, counts, history = [], [], [], [], [], []
         for w, slot, start in zip(work, slots.tolist(), starts.tolist()):
             k = w.num_samples
             if k:
-                if k > 1 and batch.sampling[slot].has_penalty:
+                if k > 1 and batch.sampling[slot].has_penalty and w.num_drafts != k - 1:
                     raise ValueError(f"{w.seq_id}: several draws in one step are not supported with penalties")
                 end = start + w.num_tokens
                 draw_rows.extend(range(end - k, end))
@@ -142,20 +159,48 @@ class ModelRunner:
                 draw_pos.extend(range(w.first_pos + w.num_tokens - k + 1, w.first_pos + w.num_tokens + 1))
                 last_rows.append(len(draw_rows) - 1)
                 counts.append(k)
+                # Verifying draws see the drafts before them as generated tokens (penalty counts): a draw
+                # only counts when those drafts are accepted, i.e. equal to the tokens drawn there.
+                drafts = w.token_ids[len(w.token_ids) - w.num_drafts :] if w.num_drafts else ()
+                history.extend(drafts[: max(0, i - (k - 1 - w.num_drafts))] for i in range(k))
         jobs = [(w, start) for w, start in zip(work, starts.tolist()) if w.prompt_logprobs is not None]
         prompt_rows = [start + w.prompt_logprobs.offset + i for w, start in jobs
                        for i in range(len(w.prompt_logprobs.targets))]
         q = self.graphs.tokens_per_seq if self.graphs is not None else 0
-        graph_ok = (self.graphs is not None and not jobs and self.graphs.fits_slots(len(work), len(ids))
-                    and all(w.num_tokens == q == w.num_samples for w in work))
+        graph_ok = (self.graphs is not None and self.drafter is None and not jobs
+                    and self.graphs.fits_slots(len(work), len(ids)) and all(w.num_tokens == q == w.num_samples for w in work))
+        streams = index = input_ids = None
         if graph_ok:
             logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders)
         else:
-            logits = self._forward(ids, slots, first, lens, placeholders, draw_rows + prompt_rows)
+            streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders)
+            rows = draw_rows + prompt_rows
+            logits = (self.model.logits(streams[to_device(rows, torch.int64, self.device)]) if rows
+                      else streams.new_zeros(0, self.model.cfg.vocab_size))
         nd = len(draw_rows)
         handle_args: dict = {}
+        tokens = accepted = None
         if nd:
-            handle_args.update(self._draw(logits[:nd], work, draw_slots, draw_pos, last_rows, counts))
+            drawing = [w for w in work if w.num_samples]
+            tokens, extra = self._draw(logits[:nd], drawing, draw_slots, draw_pos, last_rows, counts,
+                                       history if any(w.num_drafts for w in drawing) else None)
+            handle_args.update(extra)
+            if any(w.num_drafts for w in drawing):
+                v = verify(tokens, drawing, self.device)
+                accepted = v.accepted
+                batch.record([slot for w, slot in zip(work, slots.tolist()) if w.num_samples], tokens, v.last, v.keep,
+                             draw_slots)
+                handle_args["accepted"] = _to_host(accepted)
+            else:
+                batch.record([draw_slots[i] for i in last_rows], tokens, last_rows, None, draw_slots)
+        if self.drafter is not None:
+            drafts = self.drafter.propose(streams, input_ids, index, work, starts.tolist(), slots.tolist(),
+                                          draw_rows, tokens, accepted)
+            if drafts is not None:
+                handle_args["drafts"] = _to_host(drafts)
+                drawing_ids = [w for w in work if w.num_samples]
+                props = tuple(i for i, w in enumerate(drawing_ids) if w.num_proposals)
+                handle_args["draws"] = dataclasses.replace(handle_args["draws"], proposers=props)
         if jobs:
             handle_args["prompt"] = self._prompt_logprobs(logits[nd:].float(), [w for w, _ in jobs])
         done = None
@@ -165,23 +210,22 @@ class ModelRunner:
         return StepHandle(**handle_args, done=done)
 
     def _draw(self, logits: torch.Tensor, work, slots: list[int], positions: list[int], last_rows: list[int],
-              counts: list[int]) -> dict:
-        """Draw a token from each row of ``logits``; the StepHandle fields that carry them to the host."""
+              counts: list[int], history: list[tuple[int, ...]] | None) -> tuple[torch.Tensor, dict]:
+        """Draw a token from each row of ``logits`` (``work``: the drawing works, in order); the tokens and
+        the StepHandle fields that carry them to the host. ``history``: per row, drafts that precede it."""
         batch = self.batch
-        seq_ids = tuple(w.seq_id for w in work if w.num_samples)
-        masks = [w.grammar_mask for w in work if w.num_samples]
+        seq_ids = tuple(w.seq_id for w in work)
+        masks = [w.grammar_mask for w in work]
         if any(m is not None for m in masks):
             logits = self._apply_grammar_masks(logits.float(), masks, last_rows)
         if batch.plain_greedy(slots, positions):
             # Greedy rows with nothing to apply: the sampler would return this argmax (the conversion to
             # float32 is exact, so it is skipped too); a dozen fewer small launches per step.
             tokens = torch.argmax(logits, dim=-1)
-            batch.record([slots[i] for i in last_rows], tokens, last_rows)
-            return {"draws": _Draws(seq_ids, tuple(counts), (None,) * len(slots)), "tokens": _to_host(tokens)}
+            return tokens, {"draws": _Draws(seq_ids, tuple(counts), (None,) * len(slots)), "tokens": _to_host(tokens)}
         logits = logits.float()
-        t = batch.sampling_tensors(slots, positions)
+        t = batch.sampling_tensors(slots, positions, history)
         tokens = draw(logits, t)
-        batch.record([slots[i] for i in last_rows], tokens, last_rows)
         out = {"draws": _Draws(seq_ids, tuple(counts), t.num_logprobs), "tokens": _to_host(tokens)}
         lp_rows = [b for b, n in enumerate(t.num_logprobs) if n is not None]
         if lp_rows:
@@ -189,7 +233,7 @@ class ModelRunner:
             lp = LogprobTensors.compute(logits[idx], tokens[idx], max(t.num_logprobs[b] for b in lp_rows))
             out["logprobs"] = LogprobTensors(*(_to_host(x) for x in (lp.token_ids, lp.chosen, lp.ranks, lp.top_vals,
                                                                     lp.top_ids)))
-        return out
+        return tokens, out
 
     def _apply_grammar_masks(self, logits: torch.Tensor, masks: list[bytes | None], last_rows: list[int]):
         """Disallowed tokens of constrained draws to -inf (rows without a constraint: all bits set)."""
@@ -215,16 +259,15 @@ class ModelRunner:
         both = to_device(rows + owners, torch.int64, self.device)
         return both[: len(rows)], self.batch.last_tokens[both[len(rows) :]]
 
-    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders, rows: list[int]) -> torch.Tensor:
+    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders):
+        """The target's final streams [T, N, H] of the step, with its index and input ids (the MTP layer
+        reuses both)."""
         index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
                                  pin_memory=self.device.type == "cuda").to(self.device)
         input_ids = to_device(ids, torch.int64, self.device)
         if placeholders is not None:
             input_ids[placeholders[0]] = placeholders[1]
-        streams = self.model(input_ids, None, self.storage, index)
-        if not rows:
-            return streams.new_zeros(0, self.model.cfg.vocab_size)
-        return self.model.logits(streams[to_device(rows, torch.int64, self.device)])
+        return self.model(input_ids, None, self.storage, index), index, input_ids
 
     def _prompt_logprobs(self, logits: torch.Tensor, work) -> tuple[LogprobTensors, list]:
         jobs = [w.prompt_logprobs for w in work]

@@ -14,6 +14,10 @@ The runner keeps a persistent batch state (``runner/input_batch.py``) that a pla
     draw samples at the last ``num_samples`` of them (a draft verification draws at all k+1). The last
     ``num_placeholders`` inputs are tokens the sequence's previous step drew that the host has not seen
     yet: the runner takes them from its device-side record of the last drawn tokens.
+    With speculative decoding (MTP) a decoding sequence's inputs are its last token plus ``num_drafts``
+    drafts, drawn at every one of them (verification); ``num_proposals`` asks the runner for that many new
+    drafts after the step, and ``next_token`` is the known token after the last input of a prompt chunk
+    that draws nothing (the MTP layer at position p reads token p + 1).
 The runner applies ``left``, then ``joined``, then ``table_edits``, then runs ``work``.
 """
 
@@ -94,6 +98,9 @@ class SeqWork:
     # Structured outputs: the allowed next tokens, int32 words (bit t of word t // 32 set: token t allowed),
     # applied to the logits of the sequence's draw.
     grammar_mask: bytes | None = None
+    num_drafts: int = 0  # the last num_drafts token_ids are drafts, verified by this step's draws
+    num_proposals: int = 0  # drafts the MTP layer proposes for the next step (0: none)
+    next_token: int = -1  # token after the last input when the step draws none (-1: it draws)
 
     @property
     def num_tokens(self) -> int:

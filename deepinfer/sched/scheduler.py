@@ -12,6 +12,12 @@ With async scheduling the scheduler plans step N+1 before step N's tokens reach 
 planning (the runner feeds them forward itself as placeholders), and a sequence whose generated plus
 pending tokens already reach its limit is not planned again.
 
+With speculative decoding (``speculative``) a decoding sequence also feeds the drafts the MTP layer proposed
+in its previous step: its work is its last token plus up to k drafts, drawn at every position (the
+runner verifies), and asks for the next step's drafts. The blocks it allocates also cover the positions
+the MTP chain writes past the step. After the step the engine rolls the rejected drafts back
+(``rollback``: the cache is position-addressed, so that is "set the length").
+
 ``schedule()`` returns a ``Schedule``: the self-contained ``StepPlan`` for the runner (``sched/plan.py``)
 plus the live sequences it covers, for the engine.
 """
@@ -22,8 +28,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from deepinfer.config.engine import SchedulerConfig
+from deepinfer.config.speculative import SpeculativeConfig
 from deepinfer.engine.sequence import Sequence, Status
 from deepinfer.kv.manager import CacheManager
+from deepinfer.sched.draft_length import draft_length
 from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
 
@@ -41,8 +49,10 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, eos_token_ids: tuple[int, ...] = (),
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.speculative = speculative
         self.cache = cache
         self.eos_token_ids = tuple(eos_token_ids)
         cache.track_edits()
@@ -83,7 +93,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(wanted, budget)
-            if self._make_room(seq, n, planned, preempted):
+            if self._make_room(seq, self._extent(seq, n), planned, preempted):
                 work.append(self._take(seq, n))
                 planned.append(seq)
                 budget -= n
@@ -92,7 +102,7 @@ class Scheduler:
             if seq.num_pending:
                 break  # preempted with a token still in flight: resumable once that token is known
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.cache.can_allocate(seq.seq_id, n):
+            if not self.cache.can_allocate(seq.seq_id, self._extent(seq, n)):
                 break  # FCFS: a later, smaller request does not overtake
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -109,18 +119,52 @@ class Scheduler:
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
         return Schedule(plan, tuple(planned), tuple(preempted), stuck)
 
-    @staticmethod
-    def _wanted(seq: Sequence) -> int:
+    def _wanted(self, seq: Sequence) -> int:
         """New tokens the sequence could compute now: 0 when its in-flight tokens already reach its limit."""
         known = len(seq.token_ids)
         if seq.num_pending and known - seq.num_prompt + seq.num_pending >= seq.max_output:
             return 0
-        return known + seq.num_pending - seq.num_computed
+        return known + seq.num_pending - seq.num_computed + len(self._drafts(seq))
+
+    def _drafts(self, seq: Sequence) -> tuple[int, ...]:
+        """The drafts a decoding sequence verifies this step: none past its output limit (the last token
+        drawn must be at most its max_output-th)."""
+        if not seq.drafts or seq.num_pending or seq.num_computed != seq.num_tokens - 1:
+            return ()
+        return seq.drafts[: max(0, seq.max_output - seq.num_output - 1)]
+
+    def _proposals(self, seq: Sequence, n: int, draws: int) -> int:
+        """Drafts the MTP layer proposes after a step of ``n`` inputs that draws ``draws`` tokens."""
+        spec = self.speculative
+        if spec is None or not draws or seq.grammar is not None:
+            return 0  # constrained sequences draw one token per step (their mask needs the previous token)
+        want = draft_length(seq.draft_acceptance, spec.num_speculative_tokens) if spec.varlen else \
+            spec.num_speculative_tokens
+        # Useless past the output limit (the next step keeps at most max_output - num_output - 2 drafts);
+        # and the chain writes MTP rows up to position first + n + proposals - 2, inside the model length.
+        room = self.config.max_model_len - (seq.num_computed + n) + 1
+        return max(0, min(want, seq.max_output - seq.num_output - 2, room))
+
+    def _extent(self, seq: Sequence, n: int) -> int:
+        """Positions to allocate for a step of ``n`` inputs: those plus the MTP chain's rows past them."""
+        if self.speculative is None:
+            return n
+        draws = self._num_draws(seq, n)
+        return n + max(0, self._proposals(seq, n, draws) - 1)
+
+    @staticmethod
+    def _num_draws(seq: Sequence, n: int) -> int:
+        known = seq.num_tokens + seq.num_pending
+        first = seq.num_computed
+        if first + n < known:
+            return 0
+        return 1 + first + n - known  # the last token's draw plus one per draft
 
     def _running_order(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens it wants): decodes first, then unfinished prefills."""
-        wanted = [(s, self._wanted(s)) for s in self.running]
-        return [x for x in wanted if x[1] == 1] + [x for x in wanted if x[1] > 1]
+        wanted = [(s, self._wanted(s), s.num_tokens + s.num_pending - s.num_computed == 1) for s in self.running]
+        return [(s, n) for s, n, decode in wanted if decode and n] + [(s, n) for s, n, decode in wanted
+                                                                       if not decode and n]
 
     def _joined(self, seq: Sequence) -> JoinedSeq:
         sampling = SeqSampling.of(seq.params, seq.seed, self.eos_token_ids)
@@ -128,11 +172,20 @@ class Scheduler:
         return JoinedSeq(seq.seq_id, sampling, seq.num_prompt, prompt, tuple(seq.output_ids))
 
     def _take(self, seq: Sequence, n: int) -> SeqWork:
-        self.cache.allocate(seq.seq_id, n)
         first, known = seq.num_computed, seq.num_tokens
         tokens = tuple(seq.token_ids[first : min(first + n, known)])
-        samples = 1 if first + n == known + seq.num_pending else 0
-        return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n))
+        if self.speculative is None:
+            self.cache.allocate(seq.seq_id, n)
+            samples = 1 if first + n == known + seq.num_pending else 0
+            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n))
+        drafts = self._drafts(seq)[: max(0, first + n - known)]  # the budget may cut drafts off
+        samples = self._num_draws(seq, n)
+        proposals = self._proposals(seq, n, samples)
+        self.cache.allocate(seq.seq_id, n + max(0, proposals - 1))
+        nxt = -1 if samples else seq.token_ids[first + n]
+        return SeqWork(seq.seq_id, first, tokens + drafts, n - len(tokens) - len(drafts), samples,
+                       self._prompt_job(seq, first, n), num_drafts=len(drafts), num_proposals=proposals,
+                       next_token=nxt)
 
     def _prompt_job(self, seq: Sequence, first: int, n: int) -> PromptLogprobJob | None:
         req = seq.request
@@ -163,10 +216,18 @@ class Scheduler:
         self.cache.free(seq.seq_id)
         self._left.append(seq.seq_id)
         seq.num_computed = 0
+        seq.drafts = ()
         seq.status = Status.WAITING
         # Back to the head of the queue in arrival order, ahead of everything that arrived later.
         items = sorted([*self.waiting, seq], key=lambda s: s.arrival)
         self.waiting = deque(items)
+
+    def rollback(self, seq: Sequence, num_rejected: int) -> None:
+        """Forget the cache rows of a step's last ``num_rejected`` inputs (rejected drafts): every pool is
+        position-addressed, so the rows past the new length are simply rewritten later."""
+        if num_rejected:
+            seq.num_computed -= num_rejected
+            self.cache.truncate(seq.seq_id, seq.num_computed)
 
     # ---- after the step -------------------------------------------------------------------------------
     def commit(self, schedule: Schedule) -> None:

@@ -328,6 +328,10 @@ class AsyncEngine:
         self.stats = stats  # one reference assignment: readers see the old or the new snapshot
         if self.metrics is not None:
             self.metrics.publish(stats.running, stats.waiting, stats.cache_usage)
+            spec = self.engine.spec_stats
+            if spec.num_speculative_tokens:
+                self.metrics.publish_spec(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                          spec.accepted_per_pos)
 
     def _abort_all(self, commands_left: bool) -> None:
         """Abort every request and hand each client its final "abort" output; at shutdown (``commands_left``)

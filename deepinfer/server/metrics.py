@@ -43,6 +43,29 @@ class ServerMetrics:
         self.generation_tokens = Counter("deepinfer_generation_tokens", "Generated tokens",
                                          list(labels), registry=r).labels(**labels)
 
+        # Speculative decoding, with vLLM's names (prometheus_client adds the ``_total`` suffix).
+        self.spec_drafts = Counter("deepinfer:spec_decode_num_drafts", "Verify steps of a sequence with drafts",
+                                   list(labels), registry=r).labels(**labels)
+        self.spec_draft_tokens = Counter("deepinfer:spec_decode_num_draft_tokens", "Draft tokens verified",
+                                         list(labels), registry=r).labels(**labels)
+        self.spec_accepted_tokens = Counter("deepinfer:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            list(labels), registry=r).labels(**labels)
+        self._spec_per_pos = Counter("deepinfer:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position", ["model_name", "position"],
+                                     registry=r)
+        self._spec_seen = (0, 0, 0, ())  # the engine's totals at the last publish
+
+    def publish_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                     accepted_per_pos: list[int]) -> None:
+        """Bring the counters up to the engine's running totals (it counts; the server exports)."""
+        drafts, tokens, accepted, per_pos = self._spec_seen
+        self.spec_drafts.inc(num_drafts - drafts)
+        self.spec_draft_tokens.inc(num_draft_tokens - tokens)
+        self.spec_accepted_tokens.inc(num_accepted_tokens - accepted)
+        for i, n in enumerate(accepted_per_pos):
+            self._spec_per_pos.labels(model_name=self._model, position=str(i)).inc(n - (per_pos[i] if i < len(per_pos) else 0))
+        self._spec_seen = (num_drafts, num_draft_tokens, num_accepted_tokens, tuple(accepted_per_pos))
+
     def publish(self, running: int, waiting: int, cache_usage: dict[str, float]) -> None:
         self.running.set(running)
         self.waiting.set(waiting)

@@ -127,12 +127,12 @@ def test_thinking_mode_constrains_only_the_answer(llm) -> None:
     prompt_len = len(llm.get_tokenizer().encode(encode_messages(messages, thinking=True)))
     original = ModelRunner._draw
 
-    def steered(self, logits, work, slots, positions, last_rows, counts):
+    def steered(self, logits, work, slots, positions, *rest):
         logits = logits.float().clone()
         for row, pos in enumerate(positions):
             if pos == prompt_len + 2:
                 logits[row, think_end] = 1e4
-        return original(self, logits, work, slots, positions, last_rows, counts)
+        return original(self, logits, work, slots, positions, *rest)
 
     params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": REGEX})
     ModelRunner._draw = steered
