@@ -10,7 +10,11 @@ layout at any time: the dequantized experts and linears of the reference model a
 takes that one tensor as stored (codes + scale for FP8/FP4) and writes it into its final buffer, e.g.
 expert e's w1 codes into rows of the stacked w13 at expert e, in the op table's layout. Loaders say which
 part of the tensor they need (``selection``, ``model/shard.py``): the whole tensor, a ``Shard`` a sharded
-module declared (``param_shards``), or ``SKIP`` for experts another rank owns.
+module declared (``param_shards``), or ``SKIP`` for experts another rank owns. A sharded MoE holds only its
+``owned_experts``, numbered locally (``experts[i]``, or row i of the fused stacks, is expert ``owned.start + i``).
+A slice that does not fall on its scale blocks (tiny test shapes only) cannot be held quantized: that module
+(with its stack-mates, or a layer's routed experts) stays a dequantized reference module even with an op
+table, as ``shard_model`` leaves it.
 
 Without an op table (the CPU reference path) the model keeps its reference modules and FP8/FP4 tensors
 are dequantized one at a time as they arrive (``keep`` also keeps the stored form in ``model.quantized``,
