@@ -170,7 +170,8 @@ def test_tensor_parallel_ranks_read_only_their_slices(flash_dir, monkeypatch) ->
     their scales) are read by half on each rank, the rest whole; together the ranks read each split
     tensor's bytes exactly once."""
     whole = _bytes_read(flash_dir, monkeypatch)
-    split = re.compile(r"\.attn\.(wq_b|wo_a|wo_b)\.(weight|scale)$|\.attn_sink$|\.(experts\.\d+|shared_experts)\.w[123]\.")
+    split = re.compile(r"\.attn\.(wq_b|wo_a|wo_b)\.(weight|scale)$|\.attn_sink$"
+                       r"|\.(experts\.\d+|shared_experts)\.w[123]\.")
     ranks = [_bytes_read(flash_dir, monkeypatch, sharding_hook(_pctx(TP2, r))) for r in range(2)]
     for got in ranks:
         assert got.keys() == whole.keys()
