@@ -16,9 +16,8 @@ from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
 from deepinfer.executor.messages import Ready, RunStep, Shutdown, StepDone
 from deepinfer.kv.manager import cdiv
-from deepinfer.model.device import prepare_for_device
 from deepinfer.model.loader import load_model
-from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, shard_model
+from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, sharding_hook
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.model_runner import ModelRunner
@@ -28,13 +27,13 @@ class RankWorker:
     def __init__(self, config: EngineConfig, env: WorldEnv) -> None:
         self.pctx = init_world(config.parallel, config.device, env)
         self.channel = Channel()
-        # The whole model is loaded (its stored FP8/FP4 form kept for the device transform), then cut.
+        # Built on the meta device as this rank's sharded module types, then only the rank's slices are read,
+        # quantized-first: on CUDA straight into the kernels' layout, on the CPU dequantized per tensor.
+        ops = select_ops(config.device) if config.device == "cuda" else None
         self.model = load_model(config.model_dir, dtype=config.dtype, device=self.pctx.device, strict_mtp=False,
-                                progress=config.load_progress and env.rank == 0, cfg=config.model,
-                                load_format=config.load_format, seed=config.seed, keep_quantized=True)
-        shard_model(self.model, self.pctx)
-        if config.device == "cuda":
-            prepare_for_device(self.model, select_ops(config.device))
+                                progress=config.load_progress and env.rank == 0, ops=ops, cfg=config.model,
+                                load_format=config.load_format, seed=config.seed,
+                                shard_model=sharding_hook(self.pctx))
         _, self.storage, self.facts = build_cache(config, self.model)
         sc, mc = config.scheduler, config.model
         batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size), mc.vocab_size,

@@ -28,6 +28,7 @@ from deepinfer.model.fused import fuse_projections
 from deepinfer.model.linear import flat_grouped
 from deepinfer.model.moe import MoE
 from deepinfer.model.quant import QuantizedWeight, scale_to_float
+from deepinfer.model.shard import Shard
 from deepinfer.ops.table import OpTable
 
 
@@ -120,11 +121,12 @@ class FP8Linear(nn.Module):
 
 class FusedFP4Experts(nn.Module):
     owned: range  # the expert ids whose weights this module holds, in order (all of them unless sharded)
+    shards: dict[str, Shard]  # w1 / w3 / w2 -> the slice of each expert held (tensor parallel); none: whole
 
     def __init__(self, prefix: str, n_experts: int, quantized: dict[str, QuantizedWeight], limit: float,
                  ops: OpTable) -> None:
         super().__init__()
-        self.owned = range(n_experts)
+        self.owned, self.shards = range(n_experts), {}
         w13, s13, w2, s2 = [], [], [], []
         first = quantized[f"{prefix}.experts.0.w1.weight"].scale
         # UE8M0 scales stay as their bytes (the kernels read the biased exponent): 1 byte per 32 weights
@@ -152,11 +154,16 @@ class FusedFP4Experts(nn.Module):
 
     @classmethod
     def empty(cls, n_experts: int, hidden: int, inter: int, raw_scales: bool, limit: float, ops: OpTable,
-              device: torch.device | str, owned: range | None = None) -> "FusedFP4Experts":
+              device: torch.device | str, owned: range | None = None, shards: dict[str, Shard] | None = None
+              ) -> "FusedFP4Experts":
         """Unfilled stacked buffers in the op table's layout for experts ``owned`` (default: all), to be filled
         one checkpoint tensor at a time by ``load``. ``raw_scales``: UE8M0 scale bytes kept as bytes (else
         fp32 multipliers), as the checkpoint stores them. The buffers are created on ``device`` (``meta``
-        for a model not yet materialized); the layout's shapes come from one zero expert on the CPU."""
+        for a model not yet materialized); the layout's shapes come from one zero expert on the CPU.
+        ``inter``: the intermediate size held, with ``shards`` saying which slice of w1 / w3 / w2 that is
+        (tensor parallel: w1/w3 rows, w2 columns); the loader reads only that slice of each expert.
+        ``forward`` takes ids into ``owned`` (0 is ``owned.start``): an expert-parallel MoE dispatches by
+        local id."""
         owned = range(n_experts) if owned is None else owned
         if owned.step != 1 or not 0 <= owned.start <= owned.stop <= n_experts:
             raise ValueError(f"owned: expected a range of expert ids within [0, {n_experts}), got {owned}")
@@ -167,6 +174,7 @@ class FusedFP4Experts(nn.Module):
             for name, (shape, dtype) in zip((codes, scale), _expert_layout(ops, rows, cols, sdtype)):
                 out.register_buffer(name, torch.empty(len(owned), *shape, dtype=dtype, device=device))
         out.limit, out.ops, out.owned, out.raw_scales = limit, ops, owned, raw_scales
+        out.shards = dict(shards or {})
         out._staged = {}
         return out
 

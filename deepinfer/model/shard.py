@@ -60,20 +60,40 @@ def plain_index(shape: tuple[int, ...], shard: Shard | None, what: str) -> tuple
     return _index(shard.dim, *shard.bounds(shape[shard.dim], what))
 
 
+def _per_scale(fmt: str, block: tuple[int, int], dim: int) -> int:
+    return block[dim] if fmt == "fp8" else (1, FP4_GROUP)[dim]
+
+
+def on_scale_blocks(fmt: str, shape: tuple[int, ...], block: tuple[int, int], shard: Shard, what: str) -> bool:
+    """Whether ``shard`` of a logical [N, K] FP8/FP4 weight starts and ends on its scale blocks, so that the
+    rank's codes come with whole scales (else it can only hold the dequantized slice: tiny test shapes).
+    A shard that does not divide the dimension, or of another dimension, is an error, not a False."""
+    if shard.dim > 1:
+        raise ValueError(f"{what}: cannot shard dimension {shard.dim} of a 2-D weight")
+    lo, hi = shard.bounds(shape[shard.dim], what)
+    per_scale = _per_scale(fmt, block, shard.dim)
+    return not (lo % per_scale or (hi % per_scale and hi != shape[shard.dim]))
+
+
 def quantized_index(fmt: str, shape: tuple[int, ...], block: tuple[int, int], shard: Shard | None,
                     what: str) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
     """(codes index, scale index) of the shard of a logical [N, K] FP8 or FP4 weight."""
     if shard is None:
         return (), ()
-    if shard.dim > 1:
-        raise ValueError(f"{what}: cannot shard dimension {shard.dim} of a 2-D weight")
+    aligned = on_scale_blocks(fmt, shape, block, shard, what)
     lo, hi = shard.bounds(shape[shard.dim], what)
-    size = shape[shard.dim]
-    per_scale = block[shard.dim] if fmt == "fp8" else (1, FP4_GROUP)[shard.dim]
-    if lo % per_scale or (hi % per_scale and hi != size):
+    per_scale = _per_scale(fmt, block, shard.dim)
+    if not aligned:
         raise ValueError(f"{what}: shard {shard} splits dimension {shard.dim} at {lo}..{hi}, not on its "
                          f"{per_scale}-wide scale blocks")
     scale = _index(shard.dim, lo // per_scale, -(-hi // per_scale))
     if fmt == "fp4" and shard.dim == 1:  # two codes per byte along the input dimension
         return _index(1, lo // 2, hi // 2), scale
     return _index(shard.dim, lo, hi), scale
+
+
+def whole_shape(part: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    """The logical shape of the tensor that ``shard`` of it has shape ``part``."""
+    if shard is None:
+        return part
+    return tuple(n * shard.count if d == shard.dim else n for d, n in enumerate(part))

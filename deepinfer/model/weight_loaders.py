@@ -10,7 +10,11 @@ layout at any time: the dequantized experts and linears of the reference model a
 takes that one tensor as stored (codes + scale for FP8/FP4) and writes it into its final buffer, e.g.
 expert e's w1 codes into rows of the stacked w13 at expert e, in the op table's layout. Loaders say which
 part of the tensor they need (``selection``, ``model/shard.py``): the whole tensor, a ``Shard`` a sharded
-module declared (``param_shards``), or ``SKIP`` for experts another rank owns.
+module declared (``param_shards``), or ``SKIP`` for experts another rank owns. A sharded MoE holds only its
+``owned_experts``, numbered locally (``experts[i]``, or row i of the fused stacks, is expert ``owned.start + i``).
+A slice that does not fall on its scale blocks (tiny test shapes only) cannot be held quantized: that module
+(with its stack-mates, or a layer's routed experts) stays a dequantized reference module even with an op
+table, as ``shard_model`` leaves it.
 
 Without an op table (the CPU reference path) the model keeps its reference modules and FP8/FP4 tensors
 are dequantized one at a time as they arrive (``keep`` also keeps the stored form in ``model.quantized``,
@@ -31,10 +35,11 @@ from deepinfer.config.model import ModelConfig
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.device import FP8Linear, FusedFP4Experts, finish_transform
 from deepinfer.model.fused import StackedLinear, projection_sets
-from deepinfer.model.moe import MoE
+from deepinfer.model.linear import Linear
+from deepinfer.model.moe import ExpertLoop, MoE
 from deepinfer.model.quant import QuantizedWeight, dequant_fp4, dequant_fp8_block
 from deepinfer.model.rope import RopeTables
-from deepinfer.model.shard import SKIP, Selection, Shard
+from deepinfer.model.shard import SKIP, Selection, Shard, on_scale_blocks, plain_index, whole_shape
 from deepinfer.ops.table import OpTable
 
 _EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(w[123])\.weight$")
@@ -80,7 +85,10 @@ class PlainLoader:
 
 @dataclass
 class DequantLoader:
-    """The reference path: FP8/FP4 codes + scale, dequantized (fp32, exact) into the parameter's dtype."""
+    """The reference path: FP8/FP4 codes + scale, dequantized (fp32, exact) into the parameter's dtype.
+
+    ``cut``: a slice the module holds that does not fall on the scale blocks (tiny test shapes; V4's never
+    do): the whole tensor is read and dequantized, then cut, the values a load-whole-then-cut gives."""
 
     name: str
     dst: torch.Tensor
@@ -88,13 +96,16 @@ class DequantLoader:
     block: tuple[int, int]
     keep: dict[str, QuantizedWeight] | None = None
     selection: Selection = None
+    cut: Shard | None = None
 
     def load(self, data: torch.Tensor, scale: torch.Tensor | None) -> None:
         assert scale is not None
         w = dequant_fp8_block(data, scale, self.block) if self.fmt == "fp8" else dequant_fp4(data, scale)
+        if self.cut is not None:
+            w = w[plain_index(tuple(w.shape), self.cut, self.name)]
         _fits(self.name, tuple(w.shape), self.dst)
         self.dst.copy_(w)
-        if self.keep is not None:
+        if self.keep is not None and self.cut is None:  # a cut slice has no whole scales to keep
             device = self.dst.device
             self.keep[self.name] = QuantizedWeight(self.fmt, data.to(device), scale.to(device), self.block)  # type: ignore[arg-type]
 
@@ -111,7 +122,8 @@ class FP8Loader:
 
 @dataclass
 class ExpertLoader:
-    """One expert's w1 / w3 / w2 into a stacked ``FusedFP4Experts``; experts it does not own are skipped."""
+    """One expert's w1 / w3 / w2 (or its tensor-parallel slice) into a stacked ``FusedFP4Experts``; experts
+    it does not own are skipped."""
 
     module: FusedFP4Experts
     expert: int
@@ -119,16 +131,35 @@ class ExpertLoader:
 
     @property
     def selection(self) -> Selection:
-        return None if self.expert in self.module.owned else SKIP
+        return self.module.shards.get(self.which) if self.expert in self.module.owned else SKIP
 
     def load(self, data: torch.Tensor, scale: torch.Tensor | None) -> None:
         assert scale is not None
         self.module.load(self.expert, self.which, data, scale)
 
 
+@dataclass
+class Skipped:
+    """A tensor of an expert another rank owns: never read."""
+
+    name: str
+    selection: Selection = SKIP
+
+    def load(self, data: torch.Tensor, scale: torch.Tensor | None) -> None:
+        raise AssertionError(f"{self.name}: skipped, yet read")
+
+
 def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     owner, _, leaf = dotted.rpartition(".")
     return model.get_submodule(owner), leaf
+
+
+def _fits_scale_blocks(module: nn.Module, attr: str, fmt: str, block: tuple[int, int], what: str) -> bool:
+    """Whether the slice ``module.attr`` holds (if any) can be held quantized: whole scale blocks."""
+    shard = _shard(module, attr)
+    if shard is None:
+        return True
+    return on_scale_blocks(fmt, whole_shape(tuple(getattr(module, attr).shape), shard), block, shard, what)
 
 
 def _quantized_modules(model: DeepseekV4, stored: dict[str, StoredWeight], ops: OpTable) -> None:
@@ -140,18 +171,48 @@ def _quantized_modules(model: DeepseekV4, stored: dict[str, StoredWeight], ops: 
             raise ValueError(f"{name}: the FP8 kernels need 128x128 scale blocks, the checkpoint has {st.block}")
         parent, leaf = _parent(model, name.removesuffix(".weight"))
         linear = getattr(parent, leaf)
+        if not _fits_scale_blocks(linear, "weight", "fp8", st.block, name):
+            continue  # its slice stays a dequantized reference Linear
         fp8 = FP8Linear.empty(linear.out_features, linear.in_features, ops)
         if hasattr(linear, "param_shards"):
             fp8.param_shards = linear.param_shards
         setattr(parent, leaf, fp8)
+    _one_format_per_stack(model)
     for name, module in list(model.named_modules()):
         first = stored.get(f"{name}.experts.0.w1.weight")
-        if isinstance(module, MoE) and first is not None and first.fmt == "fp4":
-            c = module.cfg
-            module.routed = FusedFP4Experts.empty(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size,
-                                                  first.scale_dtype in _UE8M0, c.swiglu_limit, ops, "meta",
-                                                  owned=getattr(module, "owned_experts", None))
-            module.experts = nn.ModuleList()  # the reference's per-expert linears are never materialized
+        if not (isinstance(module, MoE) and first is not None and first.fmt == "fp4"):
+            continue
+        expert = module.experts[0]  # every expert is held alike: whole, or the same slice
+        parts = {w: getattr(expert, w) for w in ("w1", "w3", "w2")}
+        if not all(_fits_scale_blocks(m, "weight", "fp4", first.block, f"{name}.experts.0.{w}.weight")
+                   for w, m in parts.items()):
+            continue  # slices off their 32-wide scale groups: the dequantized reference loop
+        shards = {w: s for w, m in parts.items() if (s := _shard(m, "weight")) is not None}
+        c = module.cfg
+        module.routed = FusedFP4Experts.empty(c.n_routed_experts, c.hidden_size, parts["w1"].out_features,
+                                              first.scale_dtype in _UE8M0, c.swiglu_limit, ops, "meta",
+                                              owned=getattr(module, "owned_experts", None), shards=shards)
+        module.experts = nn.ModuleList()  # the reference's per-expert linears are never materialized
+
+
+def _one_format_per_stack(model: nn.Module) -> None:
+    """A stack of projections (``model/fused.py``) has one weight format: where a part's slice stays a
+    dequantized Linear, its FP8 stack-mates are dequantized Linears too (as ``shard_model`` cuts them)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for module in list(model.modules()):
+        for parts in projection_sets(module).values():
+            kinds = {type(m) for _, m in parts}
+            if FP8Linear not in kinds or len(kinds) == 1:
+                continue
+            for _, part in parts:
+                if isinstance(part, FP8Linear):
+                    parent, leaf = _parent(model, names[id(part)])
+                    out, inp = part.weight_fp8.shape
+                    with torch.device("meta"):
+                        linear = Linear(inp, out, dtype=model.dtype)
+                    if hasattr(part, "param_shards"):
+                        linear.param_shards = part.param_shards
+                    setattr(parent, leaf, linear)
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, stored: dict[str, StoredWeight],
@@ -168,6 +229,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
         model = DeepseekV4(cfg, dtype)
     if shard_model is not None:
         shard_model(model)
+        _own_experts_only(model)
         _restack_side_by_side(model)
     if ops is not None:
         _quantized_modules(model, stored, ops)
@@ -179,6 +241,17 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
     if ops is not None:
         finish_transform(model, ops, overlap)
     return model.eval()
+
+
+def _own_experts_only(model: nn.Module) -> None:
+    """An MoE with ``owned_experts`` keeps only those expert modules, in order (``experts[i]`` is expert
+    ``owned.start + i``), so the unowned ones are never allocated."""
+    for module in model.modules():
+        owned = getattr(module, "owned_experts", None)
+        if isinstance(module, MoE) and owned is not None and len(module.experts) != len(owned):
+            module.experts = nn.ModuleList(module.experts[e] for e in owned)
+            if isinstance(module.routed, ExpertLoop):
+                module.routed = ExpertLoop(module.experts)
 
 
 def _restack_side_by_side(model: nn.Module) -> None:
@@ -197,21 +270,34 @@ def weight_loaders(model: DeepseekV4, names: Iterable[str], stored: dict[str, St
     for name in names:
         expert = _EXPERT.match(name)
         if expert is not None:
-            moe = model.get_submodule(expert.group(1))
+            moe, e, which = model.get_submodule(expert.group(1)), int(expert.group(2)), expert.group(3)
             if isinstance(moe.routed, FusedFP4Experts):
-                loaders[name] = ExpertLoader(moe.routed, int(expert.group(2)), expert.group(3))
+                loaders[name] = ExpertLoader(moe.routed, e, which)
                 continue
-        module, attr = _parent(model, name)
+            owned = getattr(moe, "owned_experts", None)
+            if owned is not None:
+                if e not in owned:
+                    loaders[name] = Skipped(name)
+                    continue
+                module, attr = getattr(moe.experts[e - owned.start], which), "weight"  # local numbering
+            else:
+                module, attr = _parent(model, name)
+        else:
+            module, attr = _parent(model, name)
         if isinstance(module, FP8Linear):
             loaders[name] = FP8Loader(module, _shard(module, "weight"))
             continue
         dst = module._parameters.get(attr)
         dst = module._buffers[attr] if dst is None else dst
         st = stored.get(name)
+        shard = _shard(module, attr)
         if st is not None:
-            loaders[name] = DequantLoader(name, dst, st.fmt, st.block, keep, _shard(module, attr))
+            if _fits_scale_blocks(module, attr, st.fmt, st.block, name):
+                loaders[name] = DequantLoader(name, dst, st.fmt, st.block, keep, shard)
+            else:
+                loaders[name] = DequantLoader(name, dst, st.fmt, st.block, keep, None, cut=shard)
         else:
-            loaders[name] = PlainLoader(name, dst, _shard(module, attr))
+            loaders[name] = PlainLoader(name, dst, shard)
     return loaders
 
 

@@ -55,18 +55,19 @@ def test_expert_parallel_spreads_whole_experts_and_tensor_parallel_splits_heads(
 
 
 def _held_bytes(env, configs: list) -> list[int]:
-    """On one rank: the bytes its shard of the demo model holds after the device transform, per config."""
+    """On one rank: the bytes its shard of the demo model holds on the device path, loaded as the engine loads
+    a rank (only its slices, quantized-first), per config."""
     from deepinfer.distributed.world import init_world
-    from deepinfer.model.device import prepare_for_device
     from deepinfer.model.loader import load_model
-    from deepinfer.model.parallel.shard import shard_model
+    from deepinfer.model.parallel.shard import sharding_hook
     from deepinfer.ops.table import REF
 
     out = []
     for config in configs:
         pctx = init_world(config, "cpu", env, timeout_s=60)
-        model = load_model(demo_model_dir(), dtype=torch.bfloat16, progress=False, keep_quantized=True)
-        out.append(_device_tensor_bytes(prepare_for_device(shard_model(model, pctx), REF)))
+        model = load_model(demo_model_dir(), dtype=torch.bfloat16, progress=False, ops=REF,
+                           shard_model=sharding_hook(pctx))
+        out.append(_device_tensor_bytes(model))
     return out
 
 

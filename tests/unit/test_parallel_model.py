@@ -1,6 +1,7 @@
 """Sharded models in real multi-process gloo worlds compute what the single-process model computes.
 
-Each rank loads the checkpoint, keeps its share (``shard_model``) and runs a scripted series of steps on
+Each rank loads only its share of the checkpoint, as the engine does (``sharding_hook``: its sharded module
+types built on the meta device and filled with its slices, quantized-first) and runs a scripted series of steps on
 its own sequences (DP ranks own different ones; a TP group shares its DP rank's); the parent runs the same
 steps with one model over all sequences (the DP ranks' batches concatenated in rank order). Steps include
 chunked prefill, decode, and a DP rank with no tokens (it runs an empty step and joins the collectives).
@@ -23,7 +24,7 @@ from deepinfer.distributed.world import WorldEnv, init_world
 from deepinfer.kv.spec import build_layout
 from deepinfer.model.device import prepare_for_device
 from deepinfer.model.loader import load_model
-from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, shard_model
+from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, sharding_hook
 from deepinfer.ops.table import REF
 from deepinfer.runner.sequences import SequenceCache
 from deepinfer.testing.make_checkpoint import PRESETS, write_random_checkpoint
@@ -74,10 +75,8 @@ def _rank(env: WorldEnv, jobs: list[tuple[str, torch.dtype, bool, ParallelConfig
     results = []
     for model_dir, dtype, device_path, config in jobs:
         pctx = init_world(config, "cpu", env, timeout_s=60)
-        model = load_model(model_dir, dtype=dtype, progress=False, keep_quantized=True)
-        shard_model(model, pctx)
-        if device_path:
-            prepare_for_device(model, REF)
+        model = load_model(model_dir, dtype=dtype, progress=False, ops=REF if device_path else None,
+                           shard_model=sharding_hook(pctx))
         script = _script(model.cfg.vocab_size)
         dp = pctx.dp_rank if config.data_parallel_size > 1 else None
         steps = [s[dp] if dp is not None else {**s[0], **s[1]} for s in script]
@@ -132,8 +131,8 @@ def _world(world_size: int, jobs: list[tuple[str, torch.dtype, bool, ParallelCon
 
 
 def test_two_ranks(tiny_dir: str) -> None:
-    """TP2 and DP2+EP on the tiny model (reference ops) and on the demo model (device transform: FP8 linears
-    and fused FP4 experts of the slices); DP2+EP in bfloat16 is bit-exact (idle steps included)."""
+    """TP2 and DP2+EP on the tiny model (reference ops) and on the demo model (device path: FP8 linears and
+    fused FP4 experts of the slices); DP2+EP in bfloat16 is bit-exact (idle steps included)."""
     demo = str(demo_model_dir())
     _world(2, [(tiny_dir, torch.float32, False, TP2, False), (tiny_dir, torch.float32, False, DP2_EP, False),
                (tiny_dir, torch.bfloat16, False, DP2_EP, True),

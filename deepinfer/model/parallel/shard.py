@@ -1,14 +1,19 @@
-"""``shard_model``: a loaded single-process model -> this rank's share of it, in place.
+"""A rank's share of the model, two ways from the same specs (``TPAttention.shards``, ``TPMoE.shards``,
+``expert_range``):
 
-Each sharded module type says what it cuts (``TPAttention.shards``, ``TPMoE.shards``, ``expert_range``);
-this module applies that to the dequantized weights and to their on-disk FP8/FP4 forms in
-``model.quantized`` (so ``prepare_for_device`` afterwards builds FP8 linears and fused FP4 experts of the
-slices), then turns the module into its sharded type. The loaded modules are converted rather than
-rebuilt so that no weight is copied twice; a loader that reads only the rank's slices will build the
-sharded types directly and use the same specs.
+  * ``sharding_hook(pctx)``: what the engine loads with (``load_model(..., shard_model=sharding_hook(pctx))``).
+    On the meta model, before anything is allocated, each module becomes its sharded type with parameters
+    of its slice's shape and says what it owns (``param_shards``, ``owned_experts``: ``model/shard.py``);
+    the loader then reads only those slices from disk, quantized-first (``model/weight_loaders.py``).
+  * ``shard_model(model, pctx)``: a model loaded whole (with ``keep_quantized``) cut in place, its on-disk
+    FP8/FP4 forms in ``model.quantized`` too (so ``prepare_for_device`` afterwards builds FP8 linears and
+    fused FP4 experts of the slices). The oracle the hook's loads are checked against, bit for bit.
+Both keep a slice dequantized where it falls off its scale blocks (tiny shapes), with its stack-mates.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -46,9 +51,11 @@ def shard_model(model: DeepseekV4, pctx: ParallelContext) -> DeepseekV4:
             module.became_sharded(pctx, local)
         elif isinstance(module, MoE) and pctx.tp_size > 1:
             specs = TPMoE.shards(pctx, len(module.experts), module.shared_experts is not None)
-            if not _cut(module, name, specs, quantized):
-                # The fused FP4 experts need every expert quantized: one slice off its scale blocks (tiny
-                # shapes) sends the whole layer to the dequantized reference loop.
+            _cut(module, name, specs, quantized)
+            routed = [k for k in specs if k.startswith("experts.")]
+            if any(f"{name}.{k}" not in quantized for k in routed):
+                # The fused FP4 experts need every expert quantized: one expert's slice off its scale
+                # groups (tiny shapes; then every expert's is) sends the routed experts to the reference loop.
                 for key in [k for k in quantized if k.startswith(f"{name}.experts.")]:
                     del quantized[key]
             _unify_stacks(module, name, quantized)
@@ -57,10 +64,51 @@ def shard_model(model: DeepseekV4, pctx: ParallelContext) -> DeepseekV4:
     return model
 
 
-def _cut(module: nn.Module, prefix: str, specs: dict[str, Shard], quantized: dict[str, QuantizedWeight]) -> bool:
-    """Replace each named weight by its slice (and its quantized form, dropped when not block-aligned);
-    False when some quantized form was dropped."""
-    whole = True
+def sharding_hook(pctx: ParallelContext) -> Callable[[DeepseekV4], None]:
+    """The loader's sharding hook for this rank (``load_model(..., shard_model=...)``), validated against the
+    model's config; a world of one only records ``pctx``."""
+
+    def hook(model: DeepseekV4) -> None:
+        pctx.config.validate(model.cfg)
+        model.parallel = pctx
+        if pctx.config.is_single:
+            return
+        for module in list(model.modules()):
+            if isinstance(module, Attention) and pctx.tp_size > 1:
+                _declare(module, TPAttention.shards(pctx))
+                module.__class__ = TPAttention
+                module.became_sharded(pctx)
+            elif isinstance(module, MoE) and pctx.ep_size > 1:
+                local = expert_range(pctx, len(module.experts))
+                module.__class__ = EPMoE
+                module.became_sharded(pctx, local)
+                module.owned_experts = local  # the loader reads these experts only, into experts[0..n)
+            elif isinstance(module, MoE) and pctx.tp_size > 1:
+                _declare(module, TPMoE.shards(pctx, len(module.experts), module.shared_experts is not None))
+                module.__class__ = TPMoE
+                module.became_sharded(pctx)
+
+    return hook
+
+
+def _declare(module: nn.Module, specs: dict[str, Shard]) -> None:
+    """On the meta model: each named parameter takes its slice's shape, and its owner says which slice
+    (``param_shards``) for the loader to read."""
+    for rel, spec in specs.items():
+        owner_name, _, attr = rel.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        old = getattr(owner, attr)
+        lo, hi = spec.bounds(old.shape[spec.dim], rel)
+        shape = [hi - lo if d == spec.dim else n for d, n in enumerate(old.shape)]
+        owner._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"),
+                                               requires_grad=False)
+        if isinstance(owner, Linear):
+            owner.out_features, owner.in_features = shape
+        owner.param_shards = {**getattr(owner, "param_shards", {}), attr: spec}
+
+
+def _cut(module: nn.Module, prefix: str, specs: dict[str, Shard], quantized: dict[str, QuantizedWeight]) -> None:
+    """Replace each named weight by its slice (and its quantized form, dropped when not block-aligned)."""
     for rel, spec in specs.items():
         owner_name, _, attr = rel.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
@@ -72,10 +120,8 @@ def _cut(module: nn.Module, prefix: str, specs: dict[str, Shard], quantized: dic
             piece = take_quantized(quantized[key], spec, key)
             if piece is None:
                 del quantized[key]
-                whole = False
             else:
                 quantized[key] = piece
-    return whole
 
 
 def _unify_stacks(module: nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> None:

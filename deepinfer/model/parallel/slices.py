@@ -1,7 +1,8 @@
 """One rank's slice of an already loaded weight, cut with the loader's ``Shard`` (``model/shard.py``).
 
-The loader reads a ``Shard`` of a tensor straight from disk; ``shard_model`` (``model/parallel/shard.py``)
-cuts the same ``Shard`` out of a model that was loaded whole, with the same index arithmetic
+The loader reads a ``Shard`` of a tensor straight from disk (what a rank of the engine does);
+``shard_model`` (``model/parallel/shard.py``, the oracle of that load) cuts the same ``Shard`` out of a model
+that was loaded whole, with the same index arithmetic
 (``plain_index`` / ``quantized_index``), so both ways give a rank the same bytes. A quantized slice must
 start and end on its scale blocks; when it does not (tiny test shapes), ``take_quantized`` returns None and
 the module keeps the dequantized slice (the reference path).
