@@ -1,11 +1,10 @@
-"""Prefix-caching and cache-tier engine arguments: defaults, CLI flags, the frozen config they become,
+"""Prefix-caching and cache-tier engine arguments: defaults, the frozen config they become,
 errors that name the field, and the request-side cache_salt."""
 
 from __future__ import annotations
 
 import pytest
 
-from deepinfer.cli import _engine_args, build_parser, main
 from deepinfer.config.engine import EngineArgs, EngineConfig, KVTierConfig
 from deepinfer.kv.tiers import StoreIdentity, open_store
 
@@ -51,21 +50,6 @@ def test_bad_values_name_the_field(tmp_path, kw: dict, field: str) -> None:
     kw = {k: paths.get(v, v) if isinstance(v, str) else v for k, v in kw.items()}
     with pytest.raises(ValueError, match=rf"^{field}:"):
         _config(**kw)
-
-
-def test_cli_flags(tmp_path, capsys) -> None:
-    p = build_parser()
-    args = _engine_args(p.parse_args(["generate"]))
-    assert (args.enable_prefix_caching, args.kv_cache_dir, args.kv_host_cache_gb, args.kv_disk_cache_gb) == \
-        (True, None, 0.0, None)
-    args = _engine_args(p.parse_args(["serve", "--no-enable-prefix-caching"]))
-    assert args.enable_prefix_caching is False
-    args = _engine_args(p.parse_args(["generate", "--kv-cache-dir", str(tmp_path), "--kv-disk-cache-gb", "8",
-                                      "--kv-host-cache-gb", "1.5"]))
-    assert (args.kv_cache_dir, args.kv_disk_cache_gb, args.kv_host_cache_gb) == (str(tmp_path), 8.0, 1.5)
-    # A bad combination stops before any weights load, with the field's name.
-    assert main(["generate", "--device", "cpu", "--kv-cache-dir", str(tmp_path)]) == 2
-    assert "kv_disk_cache_gb" in capsys.readouterr().err
 
 
 def test_request_cache_salt() -> None:
