@@ -24,7 +24,7 @@ from typing import Any
 from deepinfer.config.engine import EngineArgs, EngineConfig
 from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.progress import append_token, build_output, finish, to_position_logprobs
+from deepinfer.engine.progress import abort, append_token, build_output, finish, to_position_logprobs
 from deepinfer.engine.sequence import RequestState
 from deepinfer.engine.sizing import build_cache
 from deepinfer.engine.spec_stats import SpecDecodeStats
@@ -96,13 +96,8 @@ class LLMEngine:
         """Stop requests now and free their cache blocks; a final output with finish_reason 'abort' follows."""
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            for seq in req.seqs:
-                if not seq.finished:
-                    finish(seq, "abort")
-                self.scheduler.remove(seq)
-            self._pending.append(build_output(req))
+            if req is not None:
+                self._pending.append(abort(req, self.scheduler.remove))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

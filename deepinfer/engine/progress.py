@@ -78,3 +78,14 @@ def build_output(req: RequestState, delta: bool = True) -> RequestOutput:
         delta_text=tuple(delta_text),
         delta_token_ids=tuple(delta_ids),
     )
+
+
+def abort(req: RequestState, remove) -> RequestOutput:
+    """Finish every unfinished sequence of ``req`` with 'abort', take each out of its scheduler (``remove``)
+    and return the request's final output."""
+    for seq in req.seqs:
+        if not seq.finished:
+            finish(seq, "abort")
+        remove(seq)
+    return build_output(req)
+

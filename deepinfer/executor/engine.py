@@ -26,7 +26,7 @@ from deepinfer.distributed.world import WorldEnv, close_world, free_port
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.progress import build_output, finish
+from deepinfer.engine.progress import abort, build_output, finish
 from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
 from deepinfer.kv.manager import CacheManager
@@ -112,14 +112,8 @@ class ParallelLLMEngine(LLMEngine):
     def abort_request(self, request_ids) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            for seq in req.seqs:
-                if not seq.finished:
-                    finish(seq, "abort")
-                self.schedulers[self._owner[rid]].remove(seq)
-            del self._owner[rid]
-            self._pending.append(build_output(req))
+            if req is not None:
+                self._pending.append(abort(req, self.schedulers[self._owner.pop(rid)].remove))
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
