@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 from deepinfer.config.engine import EngineArgs, EngineConfig
@@ -36,6 +35,7 @@ from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.model_runner import ModelRunner, StepHandle
 from deepinfer.sched.draft_length import update_rate
 from deepinfer.sched.scheduler import Schedule, Scheduler
+from deepinfer.structured.step_masks import mask_source, with_plan_masks
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer")
@@ -113,11 +113,13 @@ class LLMEngine:
             # A grammar's next mask needs the token in flight: this step waits for it (no overlap).
             touched |= self._apply(*self._inflight)
             self._inflight = None
-        schedule = self._with_grammar_masks(self.scheduler.schedule())
+        schedule = self.scheduler.schedule()
         for seq in schedule.unschedulable:
             finish(seq, "length")
         touched |= {seq.request.request_id for seq in schedule.unschedulable}
-        handle = self.runner.submit(schedule.plan)  # an empty plan still carries departures
+        # An empty plan still carries departures; grammar masks are computed once the forward is launched.
+        masks = mask_source(self.intake.grammars, schedule.seqs, schedule.plan.work)
+        handle = self.runner.submit(schedule.plan, masks)
         self.scheduler.commit(schedule)
         current = None if schedule.empty else (schedule, handle)
         if self.async_scheduling:
@@ -135,17 +137,9 @@ class LLMEngine:
         return outputs
 
     def _with_grammar_masks(self, schedule: Schedule) -> Schedule:
-        """The schedule with each constrained draw's allowed-token mask in its work item."""
-        rows = [i for i, (seq, w) in enumerate(zip(schedule.seqs, schedule.plan.work))
-                if w.num_samples and seq.grammar is not None and seq.grammar_after is None]
-        if not rows:
-            return schedule
-        work = list(schedule.plan.work)
-        if any(work[i].num_samples > 1 for i in rows):
-            raise ValueError("structured outputs: several draws of one sequence in a step are not supported")
-        for i, mask in zip(rows, self.intake.masks([schedule.seqs[i].grammar for i in rows])):
-            work[i] = replace(work[i], grammar_mask=mask)
-        return replace(schedule, plan=replace(schedule.plan, work=tuple(work)))
+        """The schedule with each constrained draw's allowed-token mask in its work item (the parallel engine:
+        its plans cross to the ranks whole)."""
+        return with_plan_masks(self.intake.grammars, schedule)
 
     def _apply(self, schedule: Schedule, handle: StepHandle) -> set[str]:
         """Fold a finished step's results into its sequences (waits for them to reach the host)."""

@@ -13,11 +13,18 @@ With speculative decoding (``drafter``) a verifying sequence draws at every one 
 are compared with its drafts (``runner/speculative.py``), only the accepted prefix plus the target's next
 token reach the host, and the MTP layer then proposes the next drafts; those steps run eagerly (the
 graphs return logits, not the streams the MTP layer reads).
+
+Structured outputs: ``submit(plan, masks)`` launches the forward and the logits first and only then calls
+``masks()`` for the step's grammar masks ([drawn rows, words] int32, computed on the host by the engine), so
+on the GPU the grammar work overlaps the forward; the masks are uploaded like any other step input (pinned,
+queued) and applied just before the draw, adding no host sync (vLLM orders it the same way). With drafts,
+each verified row has its own mask: the grammar's state after the drafts before that row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -134,7 +141,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.window = model.cfg.sliding_window
 
-    def submit(self, plan: StepPlan) -> StepHandle:
+    def submit(self, plan: StepPlan, masks: Callable[[], np.ndarray] | None = None) -> StepHandle:
+        """Run ``plan``; ``masks`` (constrained steps): called once the forward is launched, it returns the
+        grammar masks of the step's drawn rows (rows without a constraint: all bits set)."""
         self.batch.apply(plan)
         if plan.empty:
             return StepHandle()
@@ -182,8 +191,10 @@ class ModelRunner:
         tokens = accepted = None
         if nd:
             drawing = [w for w in work if w.num_samples]
+            # The host computes the masks now, while the device runs the forward launched above.
+            bitmask = masks() if masks is not None else self._plan_masks(drawing, last_rows, nd)
             tokens, extra = self._draw(logits[:nd], drawing, draw_slots, draw_pos, last_rows, counts,
-                                       history if any(w.num_drafts for w in drawing) else None)
+                                       history if any(w.num_drafts for w in drawing) else None, bitmask)
             handle_args.update(extra)
             if any(w.num_drafts for w in drawing):
                 v = verify(tokens, drawing, self.device)
@@ -210,14 +221,15 @@ class ModelRunner:
         return StepHandle(**handle_args, done=done)
 
     def _draw(self, logits: torch.Tensor, work, slots: list[int], positions: list[int], last_rows: list[int],
-              counts: list[int], history: list[tuple[int, ...]] | None) -> tuple[torch.Tensor, dict]:
+              counts: list[int], history: list[tuple[int, ...]] | None,
+              bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, dict]:
         """Draw a token from each row of ``logits`` (``work``: the drawing works, in order); the tokens and
-        the StepHandle fields that carry them to the host. ``history``: per row, drafts that precede it."""
+        the StepHandle fields that carry them to the host. ``history``: per row, drafts that precede it;
+        ``bitmask``: per row, the allowed tokens (structured outputs)."""
         batch = self.batch
         seq_ids = tuple(w.seq_id for w in work)
-        masks = [w.grammar_mask for w in work]
-        if any(m is not None for m in masks):
-            logits = self._apply_grammar_masks(logits.float(), masks, last_rows)
+        if bitmask is not None:
+            logits = self._apply_grammar_masks(logits.float(), bitmask)
         if batch.plain_greedy(slots, positions):
             # Greedy rows with nothing to apply: the sampler would return this argmax (the conversion to
             # float32 is exact, so it is skipped too); a dozen fewer small launches per step.
@@ -235,13 +247,22 @@ class ModelRunner:
                                                                     lp.top_ids)))
         return tokens, out
 
-    def _apply_grammar_masks(self, logits: torch.Tensor, masks: list[bytes | None], last_rows: list[int]):
+    def _plan_masks(self, drawing, last_rows: list[int], num_rows: int) -> np.ndarray | None:
+        """The masks a plan carries in its work items (the parallel engine's; one draw per sequence), as rows."""
+        if all(w.grammar_mask is None for w in drawing):
+            return None
+        host = np.full((num_rows, (self.model.cfg.vocab_size + 31) // 32), -1, dtype=np.int32)
+        for w, row in zip(drawing, last_rows):
+            if w.grammar_mask is not None:
+                host[row] = words_of(w.grammar_mask)[: host.shape[1]]
+        return host
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
         """Disallowed tokens of constrained draws to -inf (rows without a constraint: all bits set)."""
         words = (logits.shape[1] + 31) // 32
-        host = np.full((len(logits), words), -1, dtype=np.int32)
-        for mask, row in zip(masks, last_rows):
-            if mask is not None:
-                host[row] = words_of(mask)[:words]
+        if bitmask.shape[0] != len(logits) or bitmask.shape[1] < words:
+            raise ValueError(f"grammar masks: expected {len(logits)} rows of >= {words} words, got {bitmask.shape}")
+        host = bitmask[:, :words]
         flat = to_device(host.reshape(-1), torch.int32, self.device).view(len(logits), words)
         return apply_masks(logits, flat)
 

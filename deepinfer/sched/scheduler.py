@@ -136,8 +136,8 @@ class Scheduler:
     def _proposals(self, seq: Sequence, n: int, draws: int) -> int:
         """Drafts the MTP layer proposes after a step of ``n`` inputs that draws ``draws`` tokens."""
         spec = self.speculative
-        if spec is None or not draws or seq.grammar is not None:
-            return 0  # constrained sequences draw one token per step (their mask needs the previous token)
+        if spec is None or not draws:
+            return 0
         want = draft_length(seq.draft_acceptance, spec.num_speculative_tokens) if spec.varlen else \
             spec.num_speculative_tokens
         # Useless past the output limit (the next step keeps at most max_output - num_output - 2 drafts);
