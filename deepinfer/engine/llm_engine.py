@@ -109,17 +109,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         touched: set[str] = set()
+        late = None
         if self._inflight is not None and any(s.grammar is not None for s in self.scheduler.running):
-            # A grammar's next mask needs the token in flight: this step waits for it (no overlap).
-            touched |= self._apply(*self._inflight)
-            self._inflight = None
+            # A grammar's next mask needs the token in flight: that step is applied once this one's forward is
+            # launched, just before the masks are computed (the device runs the forward meanwhile).
+            late, self._inflight = self._inflight, None
         schedule = self.scheduler.schedule()
         for seq in schedule.unschedulable:
             finish(seq, "length")
         touched |= {seq.request.request_id for seq in schedule.unschedulable}
+        grammar = _StepGrammar(self, schedule, late)
         # An empty plan still carries departures; grammar masks are computed once the forward is launched.
-        masks = mask_source(self.intake.grammars, schedule.seqs, schedule.plan.work)
-        handle = self.runner.submit(schedule.plan, masks)
+        handle = self.runner.submit(schedule.plan, grammar.masks if grammar.needed else None)
+        touched |= grammar.settle()
         self.scheduler.commit(schedule)
         current = None if schedule.empty else (schedule, handle)
         if self.async_scheduling:
@@ -192,3 +194,30 @@ class LLMEngine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class _StepGrammar:
+    """A step's grammar masks, computed when the runner asks (its forward launched). With async scheduling a
+    constrained sequence's previous token is still in flight when the step is planned: that step is applied
+    first (``late``), here, or at ``settle`` when the runner asked for no masks (the step draws nothing)."""
+
+    def __init__(self, engine: LLMEngine, schedule: Schedule, late) -> None:
+        self.engine, self.schedule, self.late = engine, schedule, late
+        self.touched: set[str] = set()
+        self.needed = late is not None or any(seq.grammar is not None and w.num_samples
+                                              for seq, w in zip(schedule.seqs, schedule.plan.work))
+
+    def masks(self):
+        self._apply_late()
+        source = mask_source(self.engine.intake.grammars, self.schedule.seqs, self.schedule.plan.work)
+        return source() if source is not None else None
+
+    def settle(self) -> set[str]:
+        self._apply_late()
+        return self.touched
+
+    def _apply_late(self) -> None:
+        if self.late is not None:
+            self.touched |= self.engine._apply(*self.late)
+            self.late = None
+

@@ -29,7 +29,7 @@ def mask_jobs(seqs, work) -> tuple[list[MaskJob], int]:
     jobs, row = [], 0
     for seq, w in zip(seqs, work):
         k = w.num_samples
-        if k and seq.grammar is not None:
+        if k and seq.grammar is not None and not seq.finished:  # (finished by a late stop: its draw is dropped)
             drafts = tuple(w.token_ids[len(w.token_ids) - w.num_drafts :]) if w.num_drafts else ()
             # Draws other than the one after the last known token and those after drafts cannot be planned
             # (the scheduler draws several times only to verify drafts).

@@ -44,14 +44,18 @@ def test_params_validation_names_the_field() -> None:
 def test_async_scheduling_gives_the_synchronous_tokens() -> None:
     from deepinfer import LLM, SamplingParams
 
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24,
-                             structured_outputs={"regex": r"[a-z]{3}=[0-9]{1,4};"} if s % 2 else None)
-              for s in range(6)]
+    constraints = [{"regex": r"[a-z]{3}=[0-9]{1,4};"}, None, {"json": {"type": "object", "properties": {
+        "a": {"type": "integer"}}}}, {"choice": ["yes", "no"]}, None, {"grammar": 'start: "(" /[0-9]{1,3}/ ")"'}]
+    params = [SamplingParams(temperature=1.0 if s % 3 else 0.0, seed=s, max_tokens=24, n=1 + s % 2,
+                             stop=["="] if s == 4 else None, structured_outputs=c)
+              for s, c in enumerate(constraints)]
     runs = []
     for async_scheduling in (False, True):
         llm = LLM(device="cpu", load_progress=False, block_size=128, async_scheduling=async_scheduling)
-        runs.append([o.outputs[0].token_ids for o in llm.generate(["x = "] * 6, params, use_tqdm=False)])
+        outs = llm.generate(["x = ", "y = ", "z = "] * 2, params, use_tqdm=False)
+        runs.append([[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs])
     assert runs[0] == runs[1]
+    assert sum(c[1] == "stop" for o in runs[0] for c in o) >= 3
 
 
 def _sequential_fill(backend, jobs, num_rows):
