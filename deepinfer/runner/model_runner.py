@@ -192,7 +192,9 @@ class ModelRunner:
         if nd:
             drawing = [w for w in work if w.num_samples]
             # The host computes the masks now, while the device runs the forward launched above.
-            bitmask = masks() if masks is not None else self._plan_masks(drawing, last_rows, nd)
+            bitmask = masks() if masks is not None else None
+            if bitmask is None:
+                bitmask = self._plan_masks(drawing, last_rows, nd)
             tokens, extra = self._draw(logits[:nd], drawing, draw_slots, draw_pos, last_rows, counts,
                                        history if any(w.num_drafts for w in drawing) else None, bitmask)
             handle_args.update(extra)

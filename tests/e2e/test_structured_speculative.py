@@ -79,6 +79,19 @@ def test_overlapped_batched_masks_give_the_per_sequence_tokens(temperature, monk
     assert sum(r == "stop" for _, r in got.values()) >= 4  # structures completed, not only cut by max_tokens
 
 
+def test_masks_carried_in_the_plan_give_the_same_tokens(monkeypatch) -> None:
+    """The parallel engine's route (masks computed before the step, inside the plan's work items), in process."""
+    from deepinfer.sched.scheduler import Scheduler
+
+    requests = _requests(1.0)
+    want = _run(_engine(), requests)
+    engine = _engine()
+    schedule = Scheduler.schedule
+    monkeypatch.setattr(llm_engine, "mask_source", lambda *a: None)
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: engine._with_grammar_masks(schedule(self)))
+    assert _run(engine, requests) == want
+
+
 @pytest.fixture(scope="module")
 def references() -> dict[float, dict]:
     return {t: _run(_engine(), _requests(t)) for t in (0.0, 1.0)}
