@@ -12,6 +12,10 @@ With speculative decoding (``speculative_config``) a step verifies each decoding
 returns its accepted tokens plus the next drafts; applying it rolls the rejected drafts back
 (``Scheduler.rollback``) before the tokens go through the usual stop checks one by one, so a stop or
 ``max_tokens`` reached mid-draft ends the sequence there and the rest is dropped.
+
+Structured outputs: the runner asks for the step's grammar masks once its forward is launched
+(``_StepGrammar.masks``); under async scheduling a constrained batch's step N-1 is applied right there,
+before N's masks, since they need its tokens. The matchers take the accepted tokens as they are applied.
 """
 
 from __future__ import annotations
