@@ -25,6 +25,8 @@ try:
     import llguidance.numpy as llg_np
 except ImportError:  # pragma: no cover - llguidance is a core dependency; a clear error beats an import crash
     llguidance = None
+# Masks after draft tokens in one parallel call (llguidance since late 2025); ``fill`` falls back without it.
+_PAR_DRAFTS = getattr(llg_np, "fill_next_token_bitmask_par_with_draft_tokens", None) if llguidance else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +116,26 @@ class GrammarBackend:
         if plain:
             llg_np.fill_next_token_bitmask_par(self.executor, plain, bitmask)
         drafted = [(j.matcher, j.row, list(j.drafts)) for j in jobs if j.drafts]
+        if drafted and _PAR_DRAFTS is None:  # an llguidance older than its draft-aware filler
+            return self.fill_one_at_a_time(jobs, num_rows)
         if drafted:  # (llguidance's draft-aware call refuses an empty draft list)
-            llg_np.fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafted, bitmask)
+            _PAR_DRAFTS(self.executor, drafted, bitmask)
+        return bitmask
+
+    def fill_one_at_a_time(self, jobs: Sequence[MaskJob], num_rows: int) -> np.ndarray:
+        """``fill``'s reference: one matcher after another, advanced over its drafts one token at a time (up to
+        one the grammar forbids, or the grammar's end) with a mask after each, then rolled back."""
+        bitmask = llg_np.allocate_token_bitmask(num_rows, self.vocab_size)
+        for job in jobs:
+            m = job.matcher
+            llg_np.fill_next_token_bitmask(m, bitmask, job.row)
+            taken = 0
+            for t in job.drafts:
+                if m.is_stopped() or m.validate_tokens([t]) != 1 or not m.consume_token(t):
+                    break
+                taken += 1
+                llg_np.fill_next_token_bitmask(m, bitmask, job.row + taken)
+            m.rollback(taken)
         return bitmask
 
 

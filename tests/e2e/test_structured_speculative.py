@@ -20,9 +20,7 @@ from deepinfer import LLMEngine, SamplingParams
 from deepinfer.engine import llm_engine
 from deepinfer.structured import step_masks
 
-llg_np = pytest.importorskip("llguidance.numpy")
-
-from tests.unit.test_structured import _sequential_fill  # noqa: E402
+pytest.importorskip("llguidance")
 
 POINT = {"type": "object", "additionalProperties": False, "required": ["x", "y"],
          "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}
@@ -65,7 +63,7 @@ def _before_the_step_one_at_a_time(backend, seqs, work):
     jobs, rows = step_masks.mask_jobs(seqs, work)
     if not jobs:
         return None
-    bitmask = _sequential_fill(backend, jobs, rows)
+    bitmask = backend.fill_one_at_a_time(jobs, rows)
     return lambda: bitmask
 
 

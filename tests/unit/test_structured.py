@@ -58,26 +58,6 @@ def test_async_scheduling_gives_the_synchronous_tokens() -> None:
     assert sum(c[1] == "stop" for o in runs[0] for c in o) >= 3
 
 
-def _sequential_fill(backend, jobs, num_rows):
-    """The reference for ``GrammarBackend.fill``: one matcher at a time, advanced over its drafts one token at
-    a time (up to the first the grammar forbids) with a mask after each, then rolled back."""
-    import llguidance.numpy as llg_np
-
-    bitmask = llg_np.allocate_token_bitmask(num_rows, backend.vocab_size)
-    for job in jobs:
-        m = job.matcher
-        llg_np.fill_next_token_bitmask(m, bitmask, job.row)
-        taken = 0
-        for i, t in enumerate(job.drafts):
-            if m.is_stopped() or m.validate_tokens([t]) != 1:
-                break
-            assert m.consume_token(t)
-            taken += 1
-            llg_np.fill_next_token_bitmask(m, bitmask, job.row + i + 1)
-        assert m.rollback(taken)
-    return bitmask
-
-
 def test_batched_draft_masks_equal_one_matcher_at_a_time() -> None:
     """``fill`` (llguidance's parallel, draft-aware filler) writes, per job, the mask of the matcher advanced
     over each prefix of its drafts, stops at a draft the grammar forbids, and leaves every matcher as it was."""
@@ -111,7 +91,7 @@ def test_batched_draft_masks_equal_one_matcher_at_a_time() -> None:
             jobs.append((row, tuple(drafts)))
             row += len(drafts) + 1 + rng.randrange(2)  # rows no job covers stay all allowed
         got = backend.fill([MaskJob(p[0], r, d) for p, (r, d) in zip(both, jobs)], row)
-        want = _sequential_fill(backend, [MaskJob(p[1], r, d) for p, (r, d) in zip(both, jobs)], row)
+        want = backend.fill_one_at_a_time([MaskJob(p[1], r, d) for p, (r, d) in zip(both, jobs)], row)
         assert (got == want).all(), trial
         for m, ref in both:  # the matchers came back unchanged
             assert (backend.fill([MaskJob(m, 0)], 1) == backend.fill([MaskJob(ref, 0)], 1)).all()
