@@ -114,6 +114,3 @@ class Intake:
     def grammars(self):
         """The grammar backend (``structured/backend.py``), or None before the first structured request."""
         return self._grammars
-
-    def masks(self, matchers: list) -> list[bytes]:
-        return self._grammars.masks(matchers)

@@ -224,4 +224,3 @@ class _StepGrammar:
         if self.late is not None:
             self.touched |= self.engine._apply(*self.late)
             self.late = None
-
