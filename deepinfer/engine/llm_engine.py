@@ -26,7 +26,7 @@ from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, append_token, build_output, finish, to_position_logprobs
 from deepinfer.engine.sequence import RequestState
-from deepinfer.engine.sizing import build_cache
+from deepinfer.engine.sizing import build_cache, build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.manager import cdiv
 from deepinfer.model.loader import load_model
@@ -52,7 +52,8 @@ class LLMEngine:
                                 load_format=config.load_format, seed=config.seed)
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
-        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative)
+        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative,
+                                   build_prefix_hasher(config))
         graphs = None
         # Verify steps run eagerly: the MTP layer needs the target's streams, which the graphs do not return.
         if config.device == "cuda" and not config.enforce_eager and config.speculative is None:

@@ -18,6 +18,12 @@ runner verifies), and asks for the next step's drafts. The blocks it allocates a
 the MTP chain writes past the step. After the step the engine rolls the rejected drafts back
 (``rollback``: the cache is position-addressed, so that is "set the length").
 
+With prefix caching (``prefix``, a ``BlockHasher``) a sequence admitted from the queue first looks up the
+longest cached prefix of its known tokens (leaving at least one to compute) and starts there; each
+commit names the sequence's newly completed full blocks so that they stay cached after release. Requests
+asking for prompt logprobs skip the lookup (the cached positions would have none). The later samples of an
+``n > 1`` request wait in the queue until the first sample has computed the prompt's full blocks, then hit.
+
 ``schedule()`` returns a ``Schedule``: the self-contained ``StepPlan`` for the runner (``sched/plan.py``)
 plus the live sequences it covers, for the engine.
 """
@@ -30,7 +36,8 @@ from dataclasses import dataclass
 from deepinfer.config.engine import SchedulerConfig
 from deepinfer.config.speculative import SpeculativeConfig
 from deepinfer.engine.sequence import Sequence, Status
-from deepinfer.kv.manager import CacheManager
+from deepinfer.kv.manager import CacheManager, PrefixHit
+from deepinfer.kv.prefix_hash import BlockHasher
 from deepinfer.sched.draft_length import draft_length
 from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
@@ -50,8 +57,9 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, eos_token_ids: tuple[int, ...] = (),
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, prefix: BlockHasher | None = None) -> None:
         self.config = config
+        self.prefix = prefix
         self.speculative = speculative
         self.cache = cache
         self.eos_token_ids = tuple(eos_token_ids)
@@ -59,6 +67,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # lifetime counter (metrics, tests)
+        # Prefix-cache lifetime counters, in tokens: looked up at admission, and found cached.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self._left: list[str] = []  # sequences that left the runner's batch since the last plan
 
     # ---- membership -----------------------------------------------------------------------------------
@@ -101,9 +112,18 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still in flight: resumable once that token is known
+            if self._sibling_computing(seq):
+                break  # its prompt's blocks are being computed by sample 0: hit them next step
+            hit = self._lookup(seq)
+            seq.num_computed = hit.num_tokens if hit else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.cache.can_allocate(seq.seq_id, self._extent(seq, n)):
+            extent = self._extent(seq, n)
+            if not (self.cache.can_admit(hit, extent) if hit else self.cache.can_allocate(seq.seq_id, extent)):
+                seq.num_computed = 0
                 break  # FCFS: a later, smaller request does not overtake
+            self._count_hit(seq, hit)
+            if hit:
+                self.cache.admit(seq.seq_id, hit, extent)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -118,6 +138,39 @@ class Scheduler:
         edits = tuple(TableEdit(*e) for e in self.cache.drain_edits())
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
         return Schedule(plan, tuple(planned), tuple(preempted), stuck)
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+    def _chain(self, seq: Sequence, num_tokens: int) -> tuple[bytes, ...]:
+        """The hash chain of the sequence's first ``num_tokens // block_size`` blocks (extended as needed)."""
+        nb = num_tokens // self.prefix.block_size
+        if nb > len(seq.block_hashes):
+            seq.block_hashes = self.prefix.chain(seq.token_ids[: nb * self.prefix.block_size],
+                                                 seq.request.cache_salt, known=seq.block_hashes)
+        return seq.block_hashes[:nb]
+
+    def _lookup(self, seq: Sequence) -> PrefixHit | None:
+        if self.prefix is None or seq.request.params.prompt_logprobs is not None:
+            return None
+        # At least one token is computed: the step that brings the sequence up to date draws from its logits.
+        limit = seq.num_tokens - 1
+        return self.cache.match_prefix(self._chain(seq, limit), limit)
+
+    def _count_hit(self, seq: Sequence, hit: PrefixHit | None) -> None:
+        if self.prefix is None:
+            return
+        cached = hit.num_tokens if hit else 0
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += cached
+        if seq.index == 0 and seq.request.num_cached_tokens is None:  # the request's first admission
+            seq.request.num_cached_tokens = cached
+
+    def _sibling_computing(self, seq: Sequence) -> bool:
+        """A later sample of an n > 1 request whose first sample is still computing full prompt blocks."""
+        if self.prefix is None or seq.index == 0 or seq.num_output or seq.request.params.prompt_logprobs is not None:
+            return False
+        first = seq.request.seqs[0]
+        shared = (seq.num_prompt - 1) // self.prefix.block_size * self.prefix.block_size
+        return first.status is Status.RUNNING and first.num_computed < shared
 
     def _wanted(self, seq: Sequence) -> int:
         """New tokens the sequence could compute now: 0 when its in-flight tokens already reach its limit."""
@@ -236,4 +289,6 @@ class Scheduler:
         for seq, w in zip(schedule.seqs, schedule.plan.work):
             seq.num_computed += w.num_tokens
             seq.num_pending += w.num_samples
-            self.cache.commit(seq.seq_id, seq.num_computed)
+            # Name the full blocks whose tokens are final (drafts and in-flight draws are not in token_ids).
+            hashes = () if self.prefix is None else self._chain(seq, min(seq.num_computed, seq.num_tokens))
+            self.cache.commit(seq.seq_id, seq.num_computed, hashes)
