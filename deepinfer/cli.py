@@ -35,6 +35,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="plan step N+1 while step N runs (the same tokens; default: off)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the cache of earlier requests' common prefixes (the same tokens; default: on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split attention heads (and, without expert parallelism, experts) over this many devices")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -74,7 +76,8 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-        async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size,
+        async_scheduling=a.async_scheduling, enable_prefix_caching=a.enable_prefix_caching,
+        tensor_parallel_size=a.tensor_parallel_size,
         data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
         load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
     )

@@ -155,6 +155,11 @@ class Scheduler:
         limit = seq.num_tokens - 1
         return self.cache.match_prefix(self._chain(seq, limit), limit)
 
+    def cached_prefix(self, seq: Sequence) -> int:
+        """Tokens of the sequence a lookup in this scheduler's cache would find now (routing across ranks)."""
+        hit = self._lookup(seq)
+        return hit.num_tokens if hit else 0
+
     def _count_hit(self, seq: Sequence, hit: PrefixHit | None) -> None:
         if self.prefix is None:
             return

@@ -328,6 +328,11 @@ class AsyncEngine:
         self.stats = stats  # one reference assignment: readers see the old or the new snapshot
         if self.metrics is not None:
             self.metrics.publish(stats.running, stats.waiting, stats.cache_usage)
+            sched, cache = self.engine.scheduler, self.engine.cache
+            if sched.prefix is not None:
+                self.metrics.publish_prefix(sched.prefix_queries, sched.prefix_hits,
+                                            {p: bp.num_evictions for p, bp in cache.pools.items()},
+                                            cache.num_cached_blocks())
             spec = self.engine.spec_stats
             if spec.num_speculative_tokens:
                 self.metrics.publish_spec(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
