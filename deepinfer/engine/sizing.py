@@ -92,7 +92,8 @@ def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> d
     else:
         # Enough for every sequence at full length, capped: small models need far less than the cap.
         full = sum(layout.bytes_per_block(p, dtype_bytes) for p in POOLS)
-        budget = min(_CPU_DEFAULT_BUDGET, full * sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size))
+        need = full * sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size)
+        budget = min(_CPU_DEFAULT_BUDGET, int(need / (1 - retained)))
     return blocks_for_budget(layout, budget, dtype_bytes, sc.max_num_seqs, sc.max_model_len, spec_slack=slack,
                              max_num_batched_tokens=sc.max_num_batched_tokens, retained_fraction=retained)
 
