@@ -70,10 +70,11 @@ class Block(nn.Module):
 
 class DeepseekV41(nn.Module):
     def __init__(self, cfg: V41Config, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
-                 cache_qdq: bool = True) -> None:
+                 cache_qdq: bool = True, *, shapes_only: bool = False) -> None:
         """``tokenizer``: the checkpoint's ``tokenizers.Tokenizer`` (needed when Engram layers are active: its
         normalised vocabulary is part of the hash). ``cache_qdq``: keep the reference's FP8 / MXFP4 / NVFP4
-        cache roundings in the forward (off only to compare with an unquantised oracle)."""
+        cache roundings in the forward (off only to compare with an unquantised oracle). ``shapes_only``: a
+        model for its parameter names and shapes (e.g. on the meta device), built without the hasher."""
         super().__init__()
         self.cfg, self.dtype, self.cache_qdq = cfg, dtype, cache_qdq
         h = cfg.hidden_size
@@ -82,7 +83,7 @@ class DeepseekV41(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.head = Linear(h, cfg.vocab_size, dtype=torch.float32)  # logits in fp32
         self.hasher: EngramHasher | None = None
-        if cfg.active_engram_layers:
+        if cfg.active_engram_layers and not shapes_only:
             if tokenizer is None:
                 raise ValueError("tokenizer: the Engram layers hash normalised token ids; pass the checkpoint's "
                                  "tokenizer")
@@ -114,6 +115,8 @@ class DeepseekV41(nn.Module):
         cache = self.new_cache() if cache is None else cache
         start = cache.append_tokens(input_ids)
         ctx = self._context(start, input_ids.numel(), cache, input_ids.device)
+        if self.hasher is None and self.cfg.active_engram_layers:
+            raise ValueError("this model was built with shapes_only=True and cannot run the Engram layers")
         rows = self.hasher(cache.tokens, start) if self.hasher is not None else None
         image_mask = torch.zeros_like(input_ids, dtype=torch.bool)  # no image spans (refused above)
         x = self.embed(input_ids)
