@@ -357,6 +357,9 @@ def _check_schedule(p: str, c: dict[str, Any]) -> None:
         raise _err(p + "candidate_source_layer_id", f"must be -1 (off) or a layer id, got {cand}")
     if cand >= 0 and cand not in kv:
         raise _err(p + "candidate_source_layer_id", f"{cand} must be one of the KV sources {list(kv)}")
+    if cand >= 0 and any(cand < i < n for i in kv):
+        # A new source resets the shared state, so index sources after it would have no candidates.
+        raise _err(p + "kv_source_layer_ids", f"no KV source may follow the candidate source {cand}, got {list(kv)}")
     if len(c["engram_num_embeddings"]) != len(c["engram_layer_ids"]):
         raise _err(p + "engram_num_embeddings", f"needs one row count per Engram layer {list(c['engram_layer_ids'])}, "
                    f"got {list(c['engram_num_embeddings'])}")
