@@ -125,5 +125,9 @@ def cache_quantization_off():
 
 @torch.no_grad()
 def oracle_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """ids [T] -> fp32 logits [T, V] of one full forward from position 0."""
-    return model(ids.view(1, -1)).logits[0].float()
+    """ids [T] -> fp32 logits [T, V] of one full forward from position 0. Dynamo is off for the call even
+    when torch._dynamo was configured before TORCHDYNAMO_DISABLE was set (another test imported it)."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        return model(ids.view(1, -1)).logits[0].float()
