@@ -139,8 +139,8 @@ class Attention(nn.Module):
         if self.index_source:
             self.indexer = Indexer(cfg, layer, dtype)
 
-    def _publish_entries(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext, lc: LayerCache,
-                         shared: SharedKV) -> None:
+    def _publish_entries(self, x: torch.Tensor, ctx: StepContext, lc: LayerCache, shared: SharedKV) -> None:
+        """A KV source: its new compressed entries and index keys, and a fresh shared state pointing at them."""
         latent = self.compressor(x, ctx, lc)
         first = ctx.start // self.ratio
         ang = rope_angles(self.rope, torch.arange(first, first + latent.shape[0], device=x.device) * self.ratio)
@@ -158,7 +158,7 @@ class Attention(nn.Module):
         keys, allowed = lc.window, self._window_mask(ctx)
         if self.ratio:
             if self.kv_source:
-                self._publish_entries(x, qr, ctx, lc, shared)
+                self._publish_entries(x, ctx, lc, shared)
             if shared.source is None or shared.ratio != self.ratio:
                 raise ValueError(f"a ratio-{self.ratio} layer found no preceding KV source of that ratio")
             if self.index_source:
