@@ -29,6 +29,7 @@ from deepinfer.engine.sequence import RequestState
 from deepinfer.engine.sizing import build_cache, build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.manager import cdiv
+from deepinfer.kv.offload import TierLink
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
@@ -52,8 +53,10 @@ class LLMEngine:
                                 load_format=config.load_format, seed=config.seed)
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
-        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative,
-                                   build_prefix_hasher(config))
+        prefix = build_prefix_hasher(config)
+        # Host-memory / disk tiers below the device pools (None when not asked for).
+        self.tiers = TierLink.open(config.cache.tiers, prefix, self.storage)
+        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative, prefix, self.tiers)
         graphs = None
         # Verify steps run eagerly: the MTP layer needs the target's streams, which the graphs do not return.
         if config.device == "cuda" and not config.enforce_eager and config.speculative is None:
@@ -81,7 +84,11 @@ class LLMEngine:
         return cls(config)
 
     def close(self) -> None:
-        """Release what the engine holds beyond memory (the parallel engine's worker processes)."""
+        """Release what the engine holds beyond memory: the cache tiers (written down to the disk tier, so a
+        restart finds them) and the parallel engine's worker processes."""
+        if self.tiers is not None:
+            self.tiers.close(self.cache.cached_blocks())
+            self.tiers = None
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
@@ -118,6 +125,9 @@ class LLMEngine:
         for seq in schedule.unschedulable:
             finish(seq, "length")
         touched |= {seq.request.request_id for seq in schedule.unschedulable}
+        if self.tiers is not None:  # before the step overwrites evicted blocks and reads loaded ones
+            self.tiers.save(list(schedule.saves))
+            self.tiers.load(list(schedule.loads))
         handle = self.runner.submit(schedule.plan)  # an empty plan still carries departures
         self.scheduler.commit(schedule)
         current = None if schedule.empty else (schedule, handle)

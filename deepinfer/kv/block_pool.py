@@ -179,6 +179,10 @@ class BlockPool:
         """Ref 0 and kept for reuse (taking it back lowers ``num_available``)."""
         return block in self._cached
 
+    def cached_ids(self) -> list[int]:
+        """The cached blocks, least recently released first."""
+        return list(self._cached)
+
     def record_evictions(self) -> None:
         """Keep (hash, block) of every eviction from now on, for ``drain_evictions``."""
         if self._evicted is None:

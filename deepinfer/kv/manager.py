@@ -30,7 +30,7 @@ The manager is torch-free on purpose: it deals in block ids; storage tensors are
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 from deepinfer.kv.block_pool import BlockPool, OutOfBlocks
@@ -38,6 +38,7 @@ from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW, CacheLayout
 
 TAIL_POOLS = (WINDOW, STATE)  # pools whose old blocks are released as the sequence grows
 RELEASED = -1  # table entry of a released window/state block (what SeqRun.block_tables expects)
+FROM_TIER = -2  # prefix-hit table entry: a block a lower cache tier holds, loaded into a new block at admission
 
 
 def cdiv(a: int, b: int) -> int:
@@ -57,10 +58,13 @@ class _Request:
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """Cached blocks that let a request start at ``num_tokens`` (a block boundary): per pool, the table it
-    starts with (history: every block before the boundary; window/state: -1 up to the tail, then blocks)."""
+    starts with (history: every block before the boundary; window/state: -1 up to the tail, then blocks).
+    ``FROM_TIER`` entries are blocks found in a lower tier (host memory, disk): ``loads`` names them
+    (pool, table index, hash); ``admit`` gives each a new block, which the caller fills before the step."""
 
     num_tokens: int
     tables: dict[str, tuple[int, ...]]
+    loads: tuple[tuple[str, int, bytes], ...] = ()
 
 
 class CacheManager:
@@ -185,13 +189,18 @@ class CacheManager:
             return boundary // self.block_size
         return max(0, boundary - self._tail[pool]) // self.block_size
 
-    def match_prefix(self, hashes: tuple[bytes, ...], max_tokens: int) -> PrefixHit | None:
+    def match_prefix(self, hashes: tuple[bytes, ...], max_tokens: int,
+                     in_tier: Callable[[str, bytes], bool] | None = None) -> PrefixHit | None:
         """The longest usable hit for a request whose full blocks hash to ``hashes``, ending at most at
-        ``max_tokens`` (callers leave at least one token to compute). None when nothing is usable."""
-        history = self.pools[HISTORY]
+        ``max_tokens`` (callers leave at least one token to compute). None when nothing is usable.
+        ``in_tier(pool, hash)``: whether a lower tier holds a block the device pools do not."""
+        def find(pool: str, h: bytes) -> int | None:
+            b = self.pools[pool].lookup(h)
+            return FROM_TIER if b is None and in_tier is not None and in_tier(pool, h) else b
+
         blocks: list[int] = []
         for h in hashes[: max(0, max_tokens) // self.block_size]:
-            b = history.lookup(h)
+            b = find(HISTORY, h)
             if b is None:
                 break
             blocks.append(b)
@@ -201,32 +210,37 @@ class CacheManager:
             tables: dict[str, tuple[int, ...]] = {HISTORY: tuple(blocks[:nb])}
             for p in TAIL_POOLS:
                 first = self._first_tail_block(p, boundary)
-                found = [self.pools[p].lookup(hashes[i]) for i in range(first, nb)]
+                found = [find(p, hashes[i]) for i in range(first, nb)]
                 if None in found:
                     break
                 tables[p] = (RELEASED,) * first + tuple(found)
             else:
-                return PrefixHit(boundary, tables)
+                loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
+                return PrefixHit(boundary, tables, loads)
         return None
 
     def _admission_need(self, hit: PrefixHit, num_new_tokens: int) -> dict[str, int]:
-        """Per pool: blocks ``admit`` takes out of the available ones (new blocks plus cached hit blocks,
-        which leave the eviction order)."""
+        """Per pool: blocks ``admit`` takes out of the available ones (new blocks, blocks to load from a
+        tier, and cached hit blocks, which leave the eviction order)."""
         total = self.blocks_for_count(hit.num_tokens + num_new_tokens)
         need = {}
         for p in POOLS:
             table = hit.tables[p]
-            revived = sum(1 for b in table if b != RELEASED and self.pools[p].is_cached(b))
-            need[p] = revived + max(0, total - len(table))
+            revived = sum(1 for b in table if b >= 0 and self.pools[p].is_cached(b))
+            loaded = sum(1 for b in table if b == FROM_TIER)
+            need[p] = revived + loaded + max(0, total - len(table))
         return need
 
     def can_admit(self, hit: PrefixHit, num_new_tokens: int) -> bool:
         need = self._admission_need(hit, num_new_tokens)
         return all(need[p] <= self.pools[p].num_available for p in POOLS)
 
-    def admit(self, req_id: Hashable, hit: PrefixHit, num_new_tokens: int) -> None:
+    def admit(self, req_id: Hashable, hit: PrefixHit, num_new_tokens: int) -> list[tuple[str, int, bytes]]:
         """Register a new request on a prefix hit: share the hit's blocks, start at length ``hit.num_tokens``,
-        and allocate blocks for its next ``num_new_tokens`` positions. All or nothing (OutOfBlocks)."""
+        and allocate blocks for its next ``num_new_tokens`` positions. All or nothing (OutOfBlocks).
+
+        Returns (pool, block id, hash) of each new block the caller must fill from a lower tier before the
+        request's next step reads it (already named by its hash: it holds that content from then on)."""
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} is already registered; a hit applies to a new request only")
         if num_new_tokens < 0:
@@ -236,14 +250,21 @@ class CacheManager:
             if need[p] > self.pools[p].num_available:
                 raise OutOfBlocks(p, need[p], self.pools[p].num_available)
         r = self._reqs[req_id] = _Request(length=hit.num_tokens, num_hashed=hit.num_tokens // self.block_size)
+        filled: list[tuple[str, int, bytes]] = []
         for p in POOLS:
             table = list(hit.tables[p])
-            self.pools[p].touch([b for b in table if b != RELEASED])
+            self.pools[p].touch([b for b in table if b >= 0])
+            for (pool, i, h), b in zip((x for x in hit.loads if x[0] == p),
+                                       self.pools[p].allocate(sum(1 for x in hit.loads if x[0] == p))):
+                table[i] = b
+                self.pools[p].set_hash(b, h)
+                filled.append((p, b, h))
             if p in TAIL_POOLS:
                 r.first_live[p] = sum(1 for b in table if b == RELEASED)
             r.tables[p] = table
             self._edited(req_id, p, 0, table)
         self.allocate(req_id, num_new_tokens)
+        return filled
 
     def cache_blocks(self, req_id: Hashable, hashes: tuple[bytes, ...]) -> None:
         """Name the request's leading blocks by ``hashes`` (block i holds the rows of the prefix that
@@ -259,6 +280,19 @@ class CacheManager:
                 if b != RELEASED:
                     self.pools[p].set_hash(b, hashes[i])
         r.num_hashed = max(r.num_hashed, len(hashes))
+
+    def record_evictions(self) -> None:
+        """Keep every evicted cached block (pool, block id, hash) for ``drain_evictions`` (a lower tier takes
+        a copy before the block's rows are overwritten)."""
+        for bp in self.pools.values():
+            bp.record_evictions()
+
+    def drain_evictions(self) -> list[tuple[str, int, bytes]]:
+        return [(p, b, h) for p, bp in self.pools.items() for h, b in bp.drain_evictions()]
+
+    def cached_blocks(self) -> list[tuple[str, int, bytes]]:
+        """(pool, block id, hash) of every cached (unused) block, least recently used first per pool."""
+        return [(p, b, bp.block_hash(b)) for p, bp in self.pools.items() for b in bp.cached_ids()]
 
     def num_cached_blocks(self) -> dict[str, int]:
         return {p: bp.num_cached for p, bp in self.pools.items()}

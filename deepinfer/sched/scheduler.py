@@ -23,6 +23,9 @@ longest cached prefix of its known tokens (leaving at least one to compute) and 
 commit names the sequence's newly completed full blocks so that they stay cached after release. Requests
 asking for prompt logprobs skip the lookup (the cached positions would have none). The later samples of an
 ``n > 1`` request wait in the queue until the first sample has computed the prompt's full blocks, then hit.
+With cache tiers (``tiers``) the lookup also finds blocks in host memory or on disk: their payloads are
+fetched (and checked) at admission, and the schedule carries them (``loads``) with the cached blocks its
+allocations evicted (``saves``), for the engine to apply before the step.
 
 ``schedule()`` returns a ``Schedule``: the self-contained ``StepPlan`` for the runner (``sched/plan.py``)
 plus the live sequences it covers, for the engine.
@@ -37,7 +40,9 @@ from deepinfer.config.engine import SchedulerConfig
 from deepinfer.config.speculative import SpeculativeConfig
 from deepinfer.engine.sequence import Sequence, Status
 from deepinfer.kv.manager import CacheManager, PrefixHit
+from deepinfer.kv.offload import TierLink
 from deepinfer.kv.prefix_hash import BlockHasher
+from deepinfer.kv.spec import HISTORY
 from deepinfer.sched.draft_length import draft_length
 from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
@@ -49,6 +54,10 @@ class Schedule:
     preempted: tuple[Sequence, ...] = ()
     # Sequences that cannot fit even in an otherwise empty cache; the engine ends them ("length").
     unschedulable: tuple[Sequence, ...] = ()
+    # Cache tiers (``kv/offload.py``), both applied before the step runs, saves first: cached blocks this
+    # plan evicts (pool, block, hash) and blocks of prefix hits to fill from a tier (pool, block, payload).
+    saves: tuple[tuple[str, int, bytes], ...] = ()
+    loads: tuple[tuple[str, int, bytes], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -57,9 +66,14 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, eos_token_ids: tuple[int, ...] = (),
-                 speculative: SpeculativeConfig | None = None, prefix: BlockHasher | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, prefix: BlockHasher | None = None,
+                 tiers: TierLink | None = None) -> None:
         self.config = config
         self.prefix = prefix
+        self.tiers = tiers
+        if tiers is not None:
+            cache.record_evictions()
+        self._loads: list[tuple[str, int, bytes]] = []
         self.speculative = speculative
         self.cache = cache
         self.eos_token_ids = tuple(eos_token_ids)
@@ -70,6 +84,7 @@ class Scheduler:
         # Prefix-cache lifetime counters, in tokens: looked up at admission, and found cached.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.prefix_tier_hits = 0  # of those, tokens whose history blocks came from a lower tier
         self._left: list[str] = []  # sequences that left the runner's batch since the last plan
 
     # ---- membership -----------------------------------------------------------------------------------
@@ -121,9 +136,14 @@ class Scheduler:
             if not (self.cache.can_admit(hit, extent) if hit else self.cache.can_allocate(seq.seq_id, extent)):
                 seq.num_computed = 0
                 break  # FCFS: a later, smaller request does not overtake
+            payloads = self._fetch(hit) if hit and hit.loads else {}
+            if payloads is None:  # an object went missing or failed its check (now deleted): look up again
+                seq.num_computed = 0
+                continue
             self._count_hit(seq, hit)
             if hit:
-                self.cache.admit(seq.seq_id, hit, extent)
+                filled = self.cache.admit(seq.seq_id, hit, extent)
+                self._loads += [(p, b, payloads[(p, h)]) for p, b, h in filled]
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -137,7 +157,9 @@ class Scheduler:
         left, self._left = tuple(self._left), []
         edits = tuple(TableEdit(*e) for e in self.cache.drain_edits())
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
-        return Schedule(plan, tuple(planned), tuple(preempted), stuck)
+        saves = tuple(self.cache.drain_evictions()) if self.tiers is not None else ()
+        loads, self._loads = tuple(self._loads), []
+        return Schedule(plan, tuple(planned), tuple(preempted), stuck, saves, loads)
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def _chain(self, seq: Sequence, num_tokens: int) -> tuple[bytes, ...]:
@@ -153,7 +175,18 @@ class Scheduler:
             return None
         # At least one token is computed: the step that brings the sequence up to date draws from its logits.
         limit = seq.num_tokens - 1
-        return self.cache.match_prefix(self._chain(seq, limit), limit)
+        return self.cache.match_prefix(self._chain(seq, limit), limit,
+                                       self.tiers.exists if self.tiers is not None else None)
+
+    def _fetch(self, hit: PrefixHit) -> dict[tuple[str, bytes], bytes] | None:
+        """Payloads of the hit's blocks in a lower tier; None when one is gone or unusable."""
+        out = {}
+        for pool, _, h in hit.loads:
+            payload = self.tiers.fetch(pool, h)
+            if payload is None:
+                return None
+            out[(pool, h)] = payload
+        return out
 
     def cached_prefix(self, seq: Sequence) -> int:
         """Tokens of the sequence a lookup in this scheduler's cache would find now (routing across ranks)."""
@@ -166,6 +199,8 @@ class Scheduler:
         cached = hit.num_tokens if hit else 0
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += cached
+        if hit:
+            self.prefix_tier_hits += sum(self.prefix.block_size for p, _, _ in hit.loads if p == HISTORY)
         if seq.index == 0 and seq.request.num_cached_tokens is None:  # the request's first admission
             seq.request.num_cached_tokens = cached
 

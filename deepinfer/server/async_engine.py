@@ -225,6 +225,7 @@ class AsyncEngine:
                     self._apply(cmd)
                 if stop:
                     self._abort_all(commands_left=True)
+                    self.engine.close()  # e.g. the cache tiers write down to the disk for the next start
                     return
                 if self._drain_at is not None and time.monotonic() >= self._drain_at:
                     self._abort_all(commands_left=False)

@@ -216,3 +216,54 @@ def test_demo_model_modes_with_prefix_hits(mode) -> None:
     for rid, _ in requests:
         assert _tokens(hits[rid]) == _tokens(plain[rid]), rid
     assert [hits[f"r{i}"].num_cached_tokens for i in range(3)] == [0, 128, 128]
+
+
+# ---- cache tiers: host memory and a disk directory below the device pools ---------------------------------
+def test_host_tier_brings_evicted_blocks_back(model_dir) -> None:
+    rng = random.Random(8)
+    a, b = _ids(rng, 600), _ids(rng, 600)
+    on = _engine(model_dir, num_cache_blocks=6, kv_host_cache_gb=0.05)
+    _run(on, [("a", {"prompt_token_ids": a})], GREEDY)
+    _run(on, [("b", {"prompt_token_ids": b})], GREEDY)  # evicts a's blocks from the device: down to host memory
+    assert on.cache.pools["history"].num_evictions > 0 and on.tiers.saved > 0
+    again = _run(on, [("a2", {"prompt_token_ids": a})], GREEDY)["a2"]
+    assert again.num_cached_tokens == 512 and on.scheduler.prefix_tier_hits > 0 and on.tiers.loaded > 0
+    plain = _run(_engine(model_dir, enable_prefix_caching=False), [("a", {"prompt_token_ids": a})], GREEDY)["a"]
+    _assert_same(again, plain, exact=True)  # the same chunks as the first run: bit for bit
+    on.close()
+
+
+def test_disk_tier_survives_a_restart_and_rejects_damaged_objects(model_dir, tmp_path) -> None:
+    rng = random.Random(9)
+    prompts = {f"p{i}": _ids(rng, 300 + 130 * i) for i in range(3)}
+    tiers = dict(kv_cache_dir=str(tmp_path / "kv"), kv_disk_cache_gb=0.05)
+    first = _engine(model_dir, **tiers)
+    for rid, ids in prompts.items():
+        _run(first, [(rid, {"prompt_token_ids": ids})], GREEDY)
+    first.close()  # writes every cached block down to the disk
+    files = sorted((tmp_path / "kv").rglob("*.kvb"))
+    assert files
+    # Damage three objects: a flipped payload byte, a truncated file, a foreign header.
+    victims = [f for f in files if f.stat().st_size > 4096][:3]
+    data = bytearray(victims[0].read_bytes())
+    data[-100] ^= 0xFF
+    victims[0].write_bytes(bytes(data))
+    victims[1].write_bytes(victims[1].read_bytes()[:-7])
+    victims[2].write_bytes(b"not a block" + victims[2].read_bytes()[11:])
+
+    second = _engine(model_dir, **tiers)
+    plain = _engine(model_dir, enable_prefix_caching=False)
+    for rid, ids in prompts.items():
+        got = _run(second, [(rid, {"prompt_token_ids": ids})], GREEDY)[rid]
+        want = _run(plain, [(rid, {"prompt_token_ids": ids})], GREEDY)[rid]
+        _assert_same(got, want, exact=True)  # a damaged object is recomputed, never used
+    stats = second.tiers.store.stats().tier("disk")
+    assert stats.checksum_failures >= 1 and stats.hits > 0
+    assert second.scheduler.prefix_tier_hits > 0
+    assert all(not v.exists() or v.read_bytes() != b"" for v in victims)
+    second.close()
+    # Another configuration (block size) never reads these objects.
+    other = _engine(model_dir, block_size=256, max_num_batched_tokens=256, **tiers)
+    out = _run(other, [("p2", {"prompt_token_ids": prompts["p2"]})], GREEDY)["p2"]
+    assert out.num_cached_tokens == 0
+    other.close()
