@@ -334,6 +334,8 @@ class AsyncEngine:
                 self.metrics.publish_prefix(sched.prefix_queries, sched.prefix_hits,
                                             {p: bp.num_evictions for p, bp in cache.pools.items()},
                                             cache.num_cached_blocks())
+            if self.engine.tiers is not None:
+                self.metrics.publish_tiers(self.engine.tiers.store.stats())
             spec = self.engine.spec_stats
             if spec.num_speculative_tokens:
                 self.metrics.publish_spec(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,

@@ -65,6 +65,17 @@ class ServerMetrics:
         self._cached_blocks = Gauge("deepinfer:prefix_cache_blocks", "Unused blocks kept for prefix reuse",
                                     ["model_name", "pool"], registry=r)
         self._prefix_seen: tuple[int, int, dict[str, int]] = (0, 0, {})
+        # Cache tiers below the device (host memory, disk), per tier: monotone counts and the bytes held.
+        self._tier_counters = {
+            f: Counter(f"deepinfer:kv_tier_{f}", help_, ["model_name", "tier"], registry=r)
+            for f, help_ in (("queried", "Block lookups that reached the tier"), ("hits", "Blocks found in the tier"),
+                             ("hit_tokens", "Token positions of the blocks found"),
+                             ("stored", "Blocks written into the tier"),
+                             ("evictions", "Blocks pushed out of the tier by its size limit"),
+                             ("checksum_failures", "Stored blocks dropped because they failed verification"))}
+        self._tier_used = Gauge("deepinfer:kv_tier_used_bytes", "Bytes a cache tier holds", ["model_name", "tier"],
+                                registry=r)
+        self._tier_seen: dict[tuple[str, str], int] = {}
 
     def publish_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                      accepted_per_pos: list[int]) -> None:
@@ -87,6 +98,15 @@ class ServerMetrics:
         for pool, n in cached.items():
             self._cached_blocks.labels(model_name=self._model, pool=pool).set(n)
         self._prefix_seen = (queries, hits, dict(evictions))
+
+    def publish_tiers(self, stats) -> None:
+        """Bring the per-tier counters up to a ``TierStats`` snapshot of the engine's store."""
+        for t in stats.tiers:
+            for f, counter in self._tier_counters.items():
+                value = getattr(t, f)
+                counter.labels(model_name=self._model, tier=t.tier).inc(value - self._tier_seen.get((t.tier, f), 0))
+                self._tier_seen[(t.tier, f)] = value
+            self._tier_used.labels(model_name=self._model, tier=t.tier).set(t.used_bytes)
 
     def publish(self, running: int, waiting: int, cache_usage: dict[str, float]) -> None:
         self.running.set(running)
