@@ -5,7 +5,8 @@ companions (a quantized weight without its scale, a scale for a tensor the confi
 dtypes, shapes of weights and scales. Then each tensor's data: NaN/Inf (also after dequantization: a finite
 code times a huge scale), UE8M0 bytes that encode NaN. Every error is a ``CheckpointError`` naming the file
 and the tensor. Tensors of parts the text model does not build (vision tower, and DSpark ``mtp.*`` unless the
-drafter is asked for) are skipped and listed. This is the plain-PyTorch path: FP8 / FP4 weights are dequantized as they are read.
+drafter is asked for) are skipped and listed. This is the plain-PyTorch path: FP8 / FP4 weights are
+dequantized as they are read.
 """
 
 from __future__ import annotations
