@@ -125,8 +125,13 @@ class LLMEngine:
         for seq in schedule.unschedulable:
             finish(seq, "length")
         touched |= {seq.request.request_id for seq in schedule.unschedulable}
-        if self.tiers is not None:  # before the step overwrites evicted blocks and reads loaded ones
+        # Before the step overwrites evicted blocks and reads copied or loaded ones; in this order, since a
+        # block evicted by this plan may be a copy's source or a load's destination.
+        if self.tiers is not None:
             self.tiers.save(list(schedule.saves))
+        for pool, src, dst in schedule.copies:
+            self.storage.copy_block(pool, src, dst)
+        if self.tiers is not None:
             self.tiers.load(list(schedule.loads))
         handle = self.runner.submit(schedule.plan)  # an empty plan still carries departures
         self.scheduler.commit(schedule)

@@ -80,7 +80,9 @@ class ParallelLLMEngine(LLMEngine):
         layout = build_layout(mc, config.cache.block_size, include_mtp=False)
         counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
         prefix = build_prefix_hasher(config)
-        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,), prefix=prefix) for c in counts]
+        # No bounded replay across processes yet: its block copies would have to run in every rank's storage.
+        self.schedulers = [Scheduler(sc, CacheManager(layout, c, bounded_replay=False), (mc.eos_token_id,),
+                                     prefix=prefix) for c in counts]
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)

@@ -113,6 +113,21 @@ def test_hit_at_every_block_boundary_is_bitwise_equal(model_dir) -> None:
     assert on.scheduler.prefix_hits == sum((n - 1) // BS * BS for n in lengths)
 
 
+def test_bounded_replay_rebuilds_the_state_tail(model_dir) -> None:
+    """Without the boundary's cached compressor state a hit recomputes the 4 positions before the boundary
+    (the CSA overlap) from the retained window KV, emitting no entry, and the output is unchanged."""
+    base = _ids(random.Random(10), 700)
+    on = _engine(model_dir)
+    _run(on, [("base", {"prompt_token_ids": base})], GREEDY)
+    assert on.cache.pools["state"].reset_cache() > 0  # keep history and window blocks, drop every state block
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    hit = _run(on, [("hit", {"prompt_token_ids": base[:600]})], params)["hit"]
+    plain = _run(_engine(model_dir, enable_prefix_caching=False), [("p", {"prompt_token_ids": base[:600]})],
+                 params)["p"]
+    assert hit.num_cached_tokens == 512 - 4 and on.scheduler.prefix_replayed == 4
+    _assert_same(hit, plain, exact=False)
+
+
 def test_multi_turn_chat_reuses_earlier_turns(model_dir) -> None:
     rng = random.Random(1)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
