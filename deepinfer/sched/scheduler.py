@@ -95,6 +95,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        if self.tiers is not None and seq.index == 0 and seq.request.params.prompt_logprobs is None:
+            # While it waits, warm host memory with the prompt's blocks the disk holds (background reads).
+            self.tiers.prefetch(self._chain(seq, seq.num_tokens - 1))
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence (finished or aborted) and release its cache blocks immediately."""

@@ -266,14 +266,16 @@ def test_disk_tier_survives_a_restart_and_rejects_damaged_objects(model_dir, tmp
     victims[1].write_bytes(victims[1].read_bytes()[:-7])
     victims[2].write_bytes(b"not a block" + victims[2].read_bytes()[11:])
 
-    second = _engine(model_dir, **tiers)
+    second = _engine(model_dir, kv_host_cache_gb=0.05, **tiers)  # with host memory: prefetched from disk
     plain = _engine(model_dir, enable_prefix_caching=False)
     for rid, ids in prompts.items():
         got = _run(second, [(rid, {"prompt_token_ids": ids})], GREEDY)[rid]
         want = _run(plain, [(rid, {"prompt_token_ids": ids})], GREEDY)[rid]
         _assert_same(got, want, exact=True)  # a damaged object is recomputed, never used
+    second.tiers.store.flush()
+    assert second.tiers.store.stats().prefetched > 0
     stats = second.tiers.store.stats().tier("disk")
-    assert stats.checksum_failures >= 1 and stats.hits > 0
+    assert stats.checksum_failures >= 1
     assert second.scheduler.prefix_tier_hits > 0
     assert all(not v.exists() or v.read_bytes() != b"" for v in victims)
     second.close()
