@@ -25,7 +25,10 @@ asking for prompt logprobs skip the lookup (the cached positions would have none
 ``n > 1`` request wait in the queue until the first sample has computed the prompt's full blocks, then hit.
 With cache tiers (``tiers``) the lookup also finds blocks in host memory or on disk: their payloads are
 fetched (and checked) at admission, and the schedule carries them (``loads``) with the cached blocks its
-allocations evicted (``saves``), for the engine to apply before the step.
+allocations evicted (``saves``), for the engine to apply before the step. A hit whose boundary kept its
+window blocks but not its compressor state is a bounded replay: the sequence starts a few positions early
+(``PrefixHit.start``), its first step emits no compressed entry before the boundary (``SeqWork.emit_from``),
+and the block it rewrites is a private copy (``copies``, applied by the engine before the step).
 
 ``schedule()`` returns a ``Schedule``: the self-contained ``StepPlan`` for the runner (``sched/plan.py``)
 plus the live sequences it covers, for the engine.
