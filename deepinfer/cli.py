@@ -35,6 +35,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="plan step N+1 while step N runs (the same tokens; default: off)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the cache of earlier requests' common prefixes (the same tokens; default: on)")
+    g.add_argument("--kv-host-cache-gb", type=float, default=0.0,
+                   help="host-memory tier for prefix-cache blocks evicted from the device (0 = none)")
+    g.add_argument("--kv-cache-dir", default=None,
+                   help="disk tier directory for prefix-cache blocks (found again after a restart)")
+    g.add_argument("--kv-disk-cache-gb", type=float, default=None, help="size limit of --kv-cache-dir")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split attention heads (and, without expert parallelism, experts) over this many devices")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -74,7 +81,9 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-        async_scheduling=a.async_scheduling, tensor_parallel_size=a.tensor_parallel_size,
+        async_scheduling=a.async_scheduling, enable_prefix_caching=a.enable_prefix_caching,
+        kv_host_cache_gb=a.kv_host_cache_gb, kv_cache_dir=a.kv_cache_dir, kv_disk_cache_gb=a.kv_disk_cache_gb,
+        tensor_parallel_size=a.tensor_parallel_size,
         data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
         load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
     )
@@ -120,7 +129,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     params, prompts = _sampling_params(a), _read_prompts(a)  # validate input before loading weights
     llm = LLM(**{k: getattr(_engine_args(a), k) for k in EngineArgs.field_names()})
-    outputs = llm.generate(prompts, params, use_tqdm=not a.quiet)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=not a.quiet)
+    finally:
+        llm.close()
     sink = open(a.output, "w", encoding="utf-8") if a.output else None
     for out in outputs:
         for c in out.outputs:

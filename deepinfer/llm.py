@@ -46,6 +46,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Write the cache tiers down (a later LLM with the same ``kv_cache_dir`` finds them) and stop any
+        worker processes. The object is not usable afterwards."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: str | dict | Sequence[Any],

@@ -44,9 +44,10 @@ class EngineArgs:
     # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
     # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
     async_scheduling: bool = False
-    # Prefix caching, and the cache tiers below the device pools (sizes in GiB, like cache_memory_gb):
-    # validated and carried in CacheConfig; the engine does not read them yet, so they have no CLI flags.
+    # Prefix caching (kv/manager.py): hits at every block boundary whose window/state tails are retained.
     enable_prefix_caching: bool = True
+    # The cache tiers below the device pools (sizes in GiB, like cache_memory_gb; kv/offload.py): evicted
+    # prefix-cache blocks go to host memory, then to the disk directory, and come back on a hit.
     kv_cache_dir: str | None = None  # local directory of the disk tier (kept across restarts)
     kv_host_cache_gb: float = 0.0  # host-memory tier (pinned on CUDA); 0 = none
     kv_disk_cache_gb: float | None = None  # size limit of kv_cache_dir; required with it
@@ -197,6 +198,10 @@ def _check_parallel(parallel: ParallelConfig, args: EngineArgs, device: str) -> 
     if args.speculative_config is not None:
         raise ValueError("speculative_config: not supported with tensor_parallel_size or data_parallel_size > 1 "
                          "yet; allowed: None")
+    if args.kv_host_cache_gb or args.kv_cache_dir is not None:
+        name = "kv_host_cache_gb" if args.kv_host_cache_gb else "kv_cache_dir"
+        raise ValueError(f"{name}: cache tiers are not supported with tensor_parallel_size or "
+                         "data_parallel_size > 1 yet (each rank's blocks live in its own process)")
 
 
 def _check_speculative(spec: SpeculativeConfig, model: ModelConfig, args: EngineArgs) -> None:

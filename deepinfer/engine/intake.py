@@ -35,9 +35,10 @@ class Intake:
                 raise ValueError("prompt: must not be empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise ValueError(f"prompt: unknown key {sorted(unknown)[0]!r}; allowed: prompt, prompt_token_ids")
+                raise ValueError(f"prompt: unknown key {sorted(unknown)[0]!r}; allowed: prompt, prompt_token_ids, "
+                                 "cache_salt")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -73,7 +74,7 @@ class Intake:
         if len(ids) + 1 > self.max_cached_tokens:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache ({self.max_cached_tokens} tokens)")
         grammar = self._compile(params)
-        req = RequestState(request_id, text, tuple(ids), params)
+        req = RequestState(request_id, text, tuple(ids), params, cache_salt=self._salt(prompt))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         seed = resolve_seed(params, request_id)
@@ -87,6 +88,15 @@ class Intake:
                 req.seqs[-1].grammar = self._grammars.matcher(grammar)
                 req.seqs[-1].grammar_after = self._thinking_end(ids)
         return req
+
+    @staticmethod
+    def _salt(prompt: Any) -> str | None:
+        """The prompt's ``cache_salt`` (vLLM's prompt-dict key): requests share cache blocks only with
+        requests of the same salt (or none)."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
+        return salt
 
     def _thinking_end(self, ids: list[int]) -> int | None:
         """``</think>``'s id when the prompt ends inside a thinking block (V4's chat format opens one with

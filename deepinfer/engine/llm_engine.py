@@ -29,9 +29,10 @@ from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, append_token, build_output, finish, to_position_logprobs
 from deepinfer.engine.sequence import RequestState
-from deepinfer.engine.sizing import build_cache
+from deepinfer.engine.sizing import build_cache, build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.manager import cdiv
+from deepinfer.kv.offload import TierLink
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
@@ -56,7 +57,10 @@ class LLMEngine:
                                 load_format=config.load_format, seed=config.seed)
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
-        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative)
+        prefix = build_prefix_hasher(config)
+        # Host-memory / disk tiers below the device pools (None when not asked for).
+        self.tiers = TierLink.open(config.cache.tiers, prefix, self.storage)
+        self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative, prefix, self.tiers)
         graphs = None
         # Verify steps run eagerly: the MTP layer needs the target's streams, which the graphs do not return.
         if config.device == "cuda" and not config.enforce_eager and config.speculative is None:
@@ -84,7 +88,11 @@ class LLMEngine:
         return cls(config)
 
     def close(self) -> None:
-        """Release what the engine holds beyond memory (the parallel engine's worker processes)."""
+        """Release what the engine holds beyond memory: the cache tiers (written down to the disk tier, so a
+        restart finds them) and the parallel engine's worker processes."""
+        if self.tiers is not None:
+            self.tiers.close(self.cache.cached_blocks())
+            self.tiers = None
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
@@ -122,6 +130,14 @@ class LLMEngine:
         for seq in schedule.unschedulable:
             finish(seq, "length")
         touched |= {seq.request.request_id for seq in schedule.unschedulable}
+        # Before the step overwrites evicted blocks and reads copied or loaded ones; in this order, since a
+        # block evicted by this plan may be a copy's source or a load's destination.
+        if self.tiers is not None:
+            self.tiers.save(list(schedule.saves))
+        for pool, src, dst in schedule.copies:
+            self.storage.copy_block(pool, src, dst)
+        if self.tiers is not None:
+            self.tiers.load(list(schedule.loads))
         grammar = _StepGrammar(self, schedule, late)
         # An empty plan still carries departures; grammar masks are computed once the forward is launched.
         handle = self.runner.submit(schedule.plan, grammar.masks if grammar.needed else None)

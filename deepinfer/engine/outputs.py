@@ -42,3 +42,4 @@ class RequestOutput:
     # For streaming: text/token deltas since the previous RequestOutput of this request, per sample.
     delta_text: tuple[str, ...] = ()
     delta_token_ids: tuple[tuple[int, ...], ...] = ()
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed) at admission

@@ -77,6 +77,7 @@ def build_output(req: RequestState, delta: bool = True) -> RequestOutput:
         prompt_logprobs=tuple(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         delta_text=tuple(delta_text),
         delta_token_ids=tuple(delta_ids),
+        num_cached_tokens=req.num_cached_tokens or 0,
     )
 
 

@@ -42,6 +42,10 @@ class Sequence:
     # and the running estimate of how often a draft is accepted (for variable draft lengths).
     drafts: tuple[int, ...] = ()
     draft_acceptance: float = 1.0
+    # Prefix caching: the hash chain of the sequence's full blocks computed so far (``kv/prefix_hash.py``).
+    block_hashes: tuple[bytes, ...] = ()
+    # Bounded replay after a prefix hit: the hit's boundary while positions before it are being recomputed.
+    emit_from: int = 0
     status: Status = Status.WAITING
     text: str = ""
     finish_reason: str | None = None
@@ -82,6 +86,8 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_planned: int = 0  # prompt positions whose logprobs some step computes
+    cache_salt: str | None = None  # tenancy: requests with different salts never share cache blocks
+    num_cached_tokens: int | None = None  # prompt tokens the first sample found cached at its first admission
 
     @property
     def finished(self) -> bool:

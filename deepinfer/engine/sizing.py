@@ -13,7 +13,8 @@ import logging
 import torch
 
 from deepinfer.config.engine import EngineConfig, RuntimeFacts
-from deepinfer.kv.manager import CacheManager, blocks_for_budget, cdiv, tail_blocks_per_seq
+from deepinfer.kv.manager import CacheManager, blocks_for_budget, cdiv, retained_tail_blocks, tail_blocks_per_seq
+from deepinfer.kv.prefix_hash import BlockHasher, CacheNamespace, model_fingerprint
 from deepinfer.kv.spec import HISTORY, POOLS, build_layout
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.batch import ForwardBatch
@@ -22,6 +23,9 @@ from deepinfer.model.step_index import build_step_index
 log = logging.getLogger("deepinfer")
 
 _CPU_DEFAULT_BUDGET = 2 << 30  # 2 GiB when nothing else is said
+# Share of the cache budget that keeps cached block boundaries' window/state tails (prefix caching): a hit
+# needs them, and per boundary they cost several history blocks (bench/results/prefix_cache*.md).
+RETAINED_TAIL_FRACTION = 0.2
 
 
 @torch.no_grad()
@@ -73,9 +77,13 @@ def spec_slack(config: EngineConfig) -> tuple[int, int]:
 def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> dict[str, int]:
     sc, cc = config.scheduler, config.cache
     slack = spec_slack(config)[1]
+    retained = RETAINED_TAIL_FRACTION if cc.enable_prefix_caching else 0.0
     if cc.num_cache_blocks is not None:
+        # The budget these history blocks would be the rest of: its retained share keeps boundaries' tails.
+        hist_bytes = cc.num_cache_blocks * layout.bytes_per_block(HISTORY, dtype_bytes)
+        extra = retained_tail_blocks(layout, int(hist_bytes * retained / (1 - retained)), dtype_bytes)
         tail = {p: sc.max_num_seqs * tail_blocks_per_seq(layout, p, slack) + cdiv(sc.max_num_batched_tokens, cc.block_size)
-                for p in POOLS if p != HISTORY}
+                + extra[p] for p in POOLS if p != HISTORY}
         return {HISTORY: cc.num_cache_blocks, **tail}
     if cc.cache_memory_gb is not None:
         budget = int(cc.cache_memory_gb * (1 << 30))
@@ -84,9 +92,10 @@ def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> d
     else:
         # Enough for every sequence at full length, capped: small models need far less than the cap.
         full = sum(layout.bytes_per_block(p, dtype_bytes) for p in POOLS)
-        budget = min(_CPU_DEFAULT_BUDGET, full * sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size))
+        need = full * sc.max_num_seqs * cdiv(sc.max_model_len, cc.block_size)
+        budget = min(_CPU_DEFAULT_BUDGET, int(need / (1 - retained)))
     return blocks_for_budget(layout, budget, dtype_bytes, sc.max_num_seqs, sc.max_model_len, spec_slack=slack,
-                             max_num_batched_tokens=sc.max_num_batched_tokens)
+                             max_num_batched_tokens=sc.max_num_batched_tokens, retained_fraction=retained)
 
 
 def build_cache(config: EngineConfig, model=None) -> tuple[CacheManager, KVStorage, RuntimeFacts]:
@@ -102,3 +111,18 @@ def build_cache(config: EngineConfig, model=None) -> tuple[CacheManager, KVStora
         device_name=torch.cuda.get_device_name() if config.device == "cuda" else "cpu",
     )
     return CacheManager(layout, counts, spec_slack=spec_slack(config)[0]), storage, facts
+
+
+def build_prefix_hasher(config: EngineConfig) -> BlockHasher | None:
+    """The hash chain of the prefix cache (None when it is off). Its namespace covers what decides a cached
+    row's bits besides the tokens: the checkpoint (dummy weights: their seed), the block size, the cache
+    dtype and the kernels that computed the rows."""
+    if not config.cache.enable_prefix_caching:
+        return None
+    model_dir = config.model_dir if config.load_format == "auto" else None
+    kernels = f"{config.device}/{'triton' if config.device == 'cuda' else 'reference'}"
+    if config.load_format != "auto":
+        kernels += f"/{config.load_format}-weights-seed{config.seed}"
+    ns = CacheNamespace(model_fingerprint(config.model, model_dir), config.cache.block_size,
+                        str(config.dtype).removeprefix("torch."), kernels)
+    return BlockHasher(ns)

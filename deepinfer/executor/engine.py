@@ -29,6 +29,7 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, build_output, finish
 from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
+from deepinfer.engine.sizing import build_prefix_hasher
 from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.spec import HISTORY, build_layout
 from deepinfer.runner.model_runner import StepResult
@@ -78,11 +79,14 @@ class ParallelLLMEngine(LLMEngine):
         tp, mc, sc = config.parallel.tensor_parallel_size, config.model, config.scheduler
         layout = build_layout(mc, config.cache.block_size, include_mtp=False)
         counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
-        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,)) for c in counts]
+        prefix = build_prefix_hasher(config)
+        # No bounded replay across processes yet: its block copies would have to run in every rank's storage.
+        self.schedulers = [Scheduler(sc, CacheManager(layout, c, bounded_replay=False), (mc.eos_token_id,),
+                                     prefix=prefix) for c in counts]
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
-        self.async_scheduling, self._inflight = False, None
+        self.async_scheduling, self._inflight, self.tiers = False, None, None
         self.requests = {}
         self._pending: list[RequestOutput] = []
         self._owner: dict[str, int] = {}  # request id -> DP rank
@@ -102,8 +106,10 @@ class ParallelLLMEngine(LLMEngine):
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         req = self.intake.build(request_id, prompt, sampling_params)
+        # The DP rank whose cache holds the longest prefix of the prompt; the least loaded among equals.
         loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
-        dp = loads.index(min(loads))
+        hits = [s.cached_prefix(req.seqs[0]) for s in self.schedulers]
+        dp = min(range(len(loads)), key=lambda d: (-hits[d], loads[d]))
         self.requests[request_id] = req
         self._owner[request_id] = dp
         for seq in req.seqs:

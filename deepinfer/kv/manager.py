@@ -15,20 +15,33 @@ request never holds a partial step), the model writes rows, ``commit(r, n')`` re
 releases tail blocks, ``truncate(r, n')`` rolls back (position-addressed state makes that "set n" plus
 returning the blocks past n), ``free(r)`` drops everything. Requests are identified by any hashable id.
 
+Prefix caching (``kv/prefix_hash.py`` names each full block by a hash chain over the tokens before its end):
+``cache_blocks`` names a request's computed blocks in every pool, so that when they are released (a tail
+block passed by, a request freed) they stay *cached* in their pool instead of free. ``match_prefix`` finds
+the longest block boundary P whose history blocks [0, P) **and** the window/state blocks covering the tail
+behind P are all cached: those are exactly the rows the next position reads, so continuing from P computes
+what continuing a full prefill would (architecture note §3.5, "window retention"). ``admit`` registers a
+request on such a hit: it shares the blocks (their rows are never written again: the request writes
+positions >= P only, in blocks of its own) and starts at length P.
+
 The manager is torch-free on purpose: it deals in block ids; storage tensors are sized from
 ``num_blocks`` elsewhere, and ``blocks_for_budget`` computes those sizes from a byte budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
+from deepinfer.config.model import CSA
 from deepinfer.kv.block_pool import BlockPool, OutOfBlocks
 from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW, CacheLayout
 
 TAIL_POOLS = (WINDOW, STATE)  # pools whose old blocks are released as the sequence grows
 RELEASED = -1  # table entry of a released window/state block (what SeqRun.block_tables expects)
+FROM_TIER = -2  # prefix-hit table entry: a block a lower cache tier holds, loaded into a new block at admission
+COPY = -3  # prefix-hit table entry (bounded replay): a private copy of a cached block, which the replay rewrites
+FRESH = -4  # prefix-hit table entry (bounded replay): a new block the replay fills
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,10 +55,42 @@ class _Request:
     # Per tail pool, the index of the first block not yet released; entries before it are all -1.
     # Releases only ever happen at the front and truncation only at the back, so -1s form a prefix.
     first_live: dict[str, int] = field(default_factory=lambda: {p: 0 for p in TAIL_POOLS})
+    num_hashed: int = 0  # leading blocks named by ``cache_blocks``
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Work a prefix hit leaves for the owner of the storage, before the request's next step: ``fills``
+    (pool, new block, hash) to load from a lower tier, ``copies`` (pool, source block, new block) to copy."""
+
+    fills: tuple[tuple[str, int, bytes], ...] = ()
+    copies: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Cached blocks that let a request start at ``num_tokens`` (a block boundary): per pool, the table it
+    starts with (history: every block before the boundary; window/state: -1 up to the tail, then blocks).
+    ``FROM_TIER`` entries are blocks found in a lower tier (host memory, disk): ``loads`` names them
+    (pool, table index, hash); ``admit`` gives each a new block, which the caller fills before the step."""
+
+    num_tokens: int
+    tables: dict[str, tuple[int, ...]]
+    loads: tuple[tuple[str, int, bytes], ...] = ()
+    # Bounded replay: the request starts ``replay`` positions before the boundary and recomputes them (their
+    # compressor state was not retained); ``copies`` (pool, table index, cached block) are the COPY entries.
+    replay: int = 0
+    copies: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def start(self) -> int:
+        """The request's length after admission: the first position it computes."""
+        return self.num_tokens - self.replay
 
 
 class CacheManager:
-    def __init__(self, layout: CacheLayout, num_blocks: Mapping[str, int], spec_slack: int = 0) -> None:
+    def __init__(self, layout: CacheLayout, num_blocks: Mapping[str, int], spec_slack: int = 0,
+                 bounded_replay: bool = True) -> None:
         missing = [p for p in POOLS if p not in num_blocks]
         if missing:
             raise ValueError(f"num_blocks: missing pools {missing}")
@@ -59,6 +104,11 @@ class CacheManager:
         # Tail pools that hold rows at all: a layout without compressed layers has an empty state pool,
         # whose (zero-byte) blocks are still tracked for uniform tables but never limit a rollback.
         self._holds_rows = {p: any(t.pool == p for s in layout.layers for t in s.tensors) for p in TAIL_POOLS}
+        # Bounded replay (architecture note §3.5): at a block boundary P (a multiple of every ratio) the next
+        # position reads compressor state of [P - R, P) only, R the largest CSA ratio (the overlapping window;
+        # an HCA window starts afresh at P). Without cached state blocks a hit recomputes those R positions
+        # from the retained window KV, emitting no entry (they are cached), instead of giving up the boundary.
+        self.replay = replay_length(layout) if bounded_replay else 0
         self._reqs: dict[Hashable, _Request] = {}
         # (req, pool, start, ids, length) per table change, for a consumer that mirrors the tables (the
         # scheduler turns them into a plan's table edits); None: not recorded.
@@ -105,7 +155,8 @@ class CacheManager:
         return {p: tuple(t) for p, t in self._get(req_id).tables.items()}
 
     def num_free_blocks(self, pool: str) -> int:
-        return self.pools[pool].num_free
+        """Blocks an allocation in ``pool`` can take (free ones and cached ones it may evict)."""
+        return self.pools[pool].num_available
 
     def usage(self) -> dict[str, float]:
         return {p: (bp.num_used / bp.num_blocks if bp.num_blocks else 0.0) for p, bp in self.pools.items()}
@@ -133,7 +184,7 @@ class CacheManager:
         if self._covered(req_id, num_new_tokens):
             return True
         need = self.blocks_needed(req_id, num_new_tokens)
-        return all(need[p] <= self.pools[p].num_free for p in POOLS)
+        return all(need[p] <= self.pools[p].num_available for p in POOLS)
 
     # -------------------------------------------------------------------------------------- mutations
     def allocate(self, req_id: Hashable, num_new_tokens: int) -> None:
@@ -147,8 +198,8 @@ class CacheManager:
             return
         need = self.blocks_needed(req_id, num_new_tokens)
         for p in POOLS:
-            if need[p] > self.pools[p].num_free:
-                raise OutOfBlocks(p, need[p], self.pools[p].num_free)
+            if need[p] > self.pools[p].num_available:
+                raise OutOfBlocks(p, need[p], self.pools[p].num_available)
         r = self._reqs.get(req_id)
         if r is None:
             r = self._reqs[req_id] = _Request()
@@ -158,10 +209,163 @@ class CacheManager:
                 r.tables[p].extend(self.pools[p].allocate(need[p]))
                 self._edited(req_id, p, start, r.tables[p])
 
-    def commit(self, req_id: Hashable, num_computed: int) -> None:
+    # ------------------------------------------------------------------------------------ prefix cache
+    def _first_tail_block(self, pool: str, boundary: int) -> int:
+        """Index of the first block of ``pool`` that continuing from ``boundary`` reads."""
+        if not self._holds_rows[pool]:
+            return boundary // self.block_size
+        return max(0, boundary - self._tail[pool]) // self.block_size
+
+    def match_prefix(self, hashes: tuple[bytes, ...], max_tokens: int,
+                     in_tier: Callable[[str, bytes], bool] | None = None) -> PrefixHit | None:
+        """The longest usable hit for a request whose full blocks hash to ``hashes``, ending at most at
+        ``max_tokens`` (callers leave at least one token to compute). None when nothing is usable.
+        ``in_tier(pool, hash)``: whether a lower tier holds a block the device pools do not."""
+        def find(pool: str, h: bytes) -> int | None:
+            b = self.pools[pool].lookup(h)
+            return FROM_TIER if b is None and in_tier is not None and in_tier(pool, h) else b
+
+        blocks: list[int] = []
+        for h in hashes[: max(0, max_tokens) // self.block_size]:
+            b = find(HISTORY, h)
+            if b is None:
+                break
+            blocks.append(b)
+        # The history chain may reach further than any retained tail: try boundaries from the longest down.
+        bs = self.block_size
+        for nb in range(len(blocks), 0, -1):
+            boundary = nb * bs
+            tables: dict[str, tuple[int, ...]] = {HISTORY: tuple(blocks[:nb])}
+            for p in TAIL_POOLS:
+                first = self._first_tail_block(p, boundary)
+                found = [find(p, hashes[i]) for i in range(first, nb)]
+                if None in found:
+                    break
+                tables[p] = (RELEASED,) * first + tuple(found)
+            else:
+                loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
+                return PrefixHit(boundary, tables, loads)
+            hit = self._replay_hit(hashes, boundary, tables[HISTORY], find) if self.replay else None
+            if hit is not None:
+                return hit
+        return None
+
+    def _replay_hit(self, hashes: tuple[bytes, ...], boundary: int, history: tuple[int, ...], find) -> PrefixHit | None:
+        """A hit at ``boundary`` that recomputes its last ``replay`` positions: the window blocks behind them
+        must be cached (those overlapping the replayed positions on the device: they are copied, as the
+        replay rewrites their rows); the state blocks it needs are new."""
+        bs, start, nb = self.block_size, boundary - self.replay, boundary // self.block_size
+        lo = max(0, start - self._tail[WINDOW]) // bs
+        window = [find(WINDOW, hashes[i]) for i in range(lo, nb)]
+        if None in window:
+            return None
+        copies = []
+        for i in range(start // bs, nb):  # blocks holding replayed positions: copy device-resident ones
+            b = window[i - lo]
+            if b < 0:
+                return None
+            copies.append((WINDOW, i, b))
+            window[i - lo] = COPY
+        state_lo = max(0, start - self._tail[STATE]) // bs
+        tables = {HISTORY: history, WINDOW: (RELEASED,) * lo + tuple(window),
+                  STATE: (RELEASED,) * state_lo + (FRESH,) * (nb - state_lo)}
+        loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
+        return PrefixHit(boundary, tables, loads, self.replay, tuple(copies))
+
+    def _admission_need(self, hit: PrefixHit, num_new_tokens: int) -> dict[str, int]:
+        """Per pool: blocks ``admit`` takes out of the available ones (new blocks, blocks to load from a
+        tier, copies and fresh blocks of a replay, and cached hit blocks, which leave the eviction order)."""
+        total = self.blocks_for_count(hit.start + num_new_tokens)
+        need = {}
+        for p in POOLS:
+            table = hit.tables[p]
+            revived = sum(1 for b in table if b >= 0 and self.pools[p].is_cached(b))
+            taken = sum(1 for b in table if b in (FROM_TIER, COPY, FRESH))
+            need[p] = revived + taken + max(0, total - len(table))
+        return need
+
+    def can_admit(self, hit: PrefixHit, num_new_tokens: int) -> bool:
+        need = self._admission_need(hit, num_new_tokens)
+        return all(need[p] <= self.pools[p].num_available for p in POOLS)
+
+    def admit(self, req_id: Hashable, hit: PrefixHit, num_new_tokens: int) -> Admission:
+        """Register a new request on a prefix hit: share the hit's blocks, start at length ``hit.start``, and
+        allocate blocks for its next ``num_new_tokens`` positions. All or nothing (OutOfBlocks). Returns what
+        the caller must do to the new blocks before the request's next step reads them."""
+        if req_id in self._reqs:
+            raise ValueError(f"request {req_id!r} is already registered; a hit applies to a new request only")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens: must be >= 0, got {num_new_tokens}")
+        need = self._admission_need(hit, num_new_tokens)
+        for p in POOLS:
+            if need[p] > self.pools[p].num_available:
+                raise OutOfBlocks(p, need[p], self.pools[p].num_available)
+        # A replay's copies and fresh blocks are its own (never named: the blocks before the boundary are).
+        r = self._reqs[req_id] = _Request(length=hit.start, num_hashed=hit.num_tokens // self.block_size)
+        filled: list[tuple[str, int, bytes]] = []
+        copies: list[tuple[str, int, int]] = []
+        for p in POOLS:
+            table = list(hit.tables[p])
+            self.pools[p].touch([b for b in table if b >= 0])
+            loads = [x for x in hit.loads if x[0] == p]
+            for (_, i, h), b in zip(loads, self.pools[p].allocate(len(loads))):
+                table[i] = b
+                self.pools[p].set_hash(b, h)
+                filled.append((p, b, h))
+            own = [i for i, b in enumerate(table) if b in (COPY, FRESH)]
+            source = {i: src for pool, i, src in hit.copies if pool == p}
+            for i, b in zip(own, self.pools[p].allocate(len(own))):
+                if table[i] == COPY:
+                    copies.append((p, source[i], b))
+                table[i] = b
+            if p in TAIL_POOLS:
+                r.first_live[p] = sum(1 for b in table if b == RELEASED)
+            r.tables[p] = table
+            self._edited(req_id, p, 0, table)
+        self.allocate(req_id, num_new_tokens)
+        return Admission(tuple(filled), tuple(copies))
+
+    def cache_blocks(self, req_id: Hashable, hashes: tuple[bytes, ...]) -> None:
+        """Name the request's leading blocks by ``hashes`` (block i holds the rows of the prefix that
+        ``hashes[i]`` names) in every pool where the block is still resident, so that they stay cached once
+        released. Only blocks whose rows are computed: ``len(hashes) * block_size <= length``."""
+        r = self._get(req_id)
+        if len(hashes) * self.block_size > r.length:
+            raise ValueError(f"hashes: {len(hashes)} blocks name more than the {r.length} computed positions "
+                             f"of request {req_id!r}")
+        for i in range(r.num_hashed, len(hashes)):
+            for p in POOLS:
+                b = r.tables[p][i]
+                if b != RELEASED:
+                    self.pools[p].set_hash(b, hashes[i])
+        r.num_hashed = max(r.num_hashed, len(hashes))
+
+    def record_evictions(self) -> None:
+        """Keep every evicted cached block (pool, block id, hash) for ``drain_evictions`` (a lower tier takes
+        a copy before the block's rows are overwritten)."""
+        for bp in self.pools.values():
+            bp.record_evictions()
+
+    def drain_evictions(self) -> list[tuple[str, int, bytes]]:
+        return [(p, b, h) for p, bp in self.pools.items() for h, b in bp.drain_evictions()]
+
+    def cached_blocks(self) -> list[tuple[str, int, bytes]]:
+        """(pool, block id, hash) of every cached (unused) block, least recently used first per pool."""
+        return [(p, b, bp.block_hash(b)) for p, bp in self.pools.items() for b in bp.cached_ids()]
+
+    def num_cached_blocks(self) -> dict[str, int]:
+        return {p: bp.num_cached for p, bp in self.pools.items()}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached (unused) block; return how many were dropped across the pools."""
+        return sum(bp.reset_cache() for bp in self.pools.values())
+
+    def commit(self, req_id: Hashable, num_computed: int, hashes: tuple[bytes, ...] = ()) -> None:
         """Set the request's cached length to ``num_computed`` after a step; release stale tail blocks.
 
         Length only moves forward here (rollback is ``truncate``) and cannot pass the allocated blocks.
+        ``hashes`` (prefix caching) name the leading full blocks first (``cache_blocks``), so that the tail
+        blocks this commit releases stay cached rather than free.
         """
         r = self._get(req_id)
         cap = len(r.tables[HISTORY]) * self.block_size
@@ -171,6 +375,8 @@ class CacheManager:
                 f"(current length, allocated capacity; roll back with truncate), got {num_computed}"
             )
         r.length = num_computed
+        if len(hashes) > r.num_hashed:
+            self.cache_blocks(req_id, hashes)
         for p in TAIL_POOLS:
             # Block i is entirely before the keep range iff (i+1)*bs <= start, i.e. i < start // bs.
             start = max(0, num_computed - self._tail[p] - self.spec_slack)
@@ -203,6 +409,9 @@ class CacheManager:
                         f"truncate({req_id!r}, {n}): {p} rows from position {need_from * self.block_size} "
                         f"were released (length {r.length}, spec_slack {self.spec_slack}); free and recompute"
                     )
+        if n % self.block_size and n // self.block_size < r.num_hashed:
+            raise ValueError(f"truncate({req_id!r}, {n}): block {n // self.block_size} holds a cached prefix and "
+                             "cannot be rewritten in place; free and recompute")
         keep = self.blocks_for_count(n)
         for p in POOLS:
             table = r.tables[p]
@@ -213,6 +422,7 @@ class CacheManager:
         for p in TAIL_POOLS:  # a no-op unless n == 0 or the pool holds no rows: -1s stay a prefix
             r.first_live[p] = min(r.first_live[p], keep)
         r.length = n
+        r.num_hashed = min(r.num_hashed, n // self.block_size)
 
     def free(self, req_id: Hashable) -> None:
         """Release all of the request's blocks now (finish, abort, preemption) and forget it."""
@@ -222,7 +432,7 @@ class CacheManager:
         if self._edits:
             self._edits = [e for e in self._edits if e[0] != req_id]
         for p in POOLS:
-            # Tail first, so that a later LRU prefix cache evicts the least reusable blocks first.
+            # Tail first: the prefix cache's LRU then evicts the least reusable (deepest) blocks first.
             self.pools[p].free([b for b in reversed(r.tables[p]) if b != RELEASED])
 
     # ---------------------------------------------------------------------------------------- checking
@@ -285,6 +495,34 @@ def tail_blocks_per_seq(layout: CacheLayout, pool: str, spec_slack: int = 0) -> 
     return cdiv(layout.tail(pool) + spec_slack + bs, bs) + 1
 
 
+def replay_length(layout: CacheLayout) -> int:
+    """Positions a bounded replay recomputes before a block boundary: the largest CSA ratio (0: none needed)."""
+    if not any(t.pool == STATE for s in layout.layers for t in s.tensors):
+        return 0
+    return max((s.ratio for s in layout.layers if s.kind == CSA), default=0)
+
+
+def tail_blocks_per_boundary(layout: CacheLayout, pool: str) -> int:
+    """Blocks of a tail pool that keep a block boundary usable by prefix hits: the window blocks covering the
+    window behind a bounded replay (state blocks are then not needed; without a replay, the state tail's)."""
+    holds_rows = any(t.pool == pool for s in layout.layers for t in s.tensors)
+    if not holds_rows:
+        return 0
+    replay = replay_length(layout)
+    if pool == WINDOW:
+        return cdiv(layout.tail(WINDOW) + replay, layout.block_size)
+    return 0 if replay else cdiv(layout.tail(pool), layout.block_size)
+
+
+def retained_tail_blocks(layout: CacheLayout, memory_bytes: int, model_dtype_bytes: int) -> dict[str, int]:
+    """Extra window/state blocks that keep the tails of ``memory_bytes // (bytes of one boundary's tails)``
+    cached block boundaries (prefix caching: a hit needs them besides the history blocks)."""
+    per_boundary = sum(tail_blocks_per_boundary(layout, p) * layout.bytes_per_block(p, model_dtype_bytes)
+                       for p in TAIL_POOLS)
+    boundaries = memory_bytes // per_boundary if per_boundary else 0
+    return {p: boundaries * tail_blocks_per_boundary(layout, p) for p in TAIL_POOLS}
+
+
 def blocks_for_budget(
     layout: CacheLayout,
     memory_bytes: int,
@@ -294,8 +532,12 @@ def blocks_for_budget(
     *,
     spec_slack: int = 0,
     max_num_batched_tokens: int | None = None,
+    retained_fraction: float = 0.0,
 ) -> dict[str, int]:
     """Split ``memory_bytes`` of cache storage into block counts per pool.
+
+    ``retained_fraction`` of the budget goes to extra window/state blocks that keep cached boundaries' tails
+    (prefix caching; ``retained_tail_blocks``).
 
     Window and state pools are sized for the worst case, not a fraction of memory, because their need is
     bounded: ``max_num_seqs * tail_blocks_per_seq`` covers every running sequence taking a step of up to
@@ -316,6 +558,9 @@ def blocks_for_budget(
     for name, (v, low) in lows.items():
         if v < low:
             raise ValueError(f"{name}: must be >= {low}, got {v}")
+    if not 0.0 <= retained_fraction < 1.0:
+        raise ValueError(f"retained_fraction: must be in [0, 1), got {retained_fraction}")
+    retained = retained_tail_blocks(layout, int(memory_bytes * retained_fraction), model_dtype_bytes)
     bs = layout.block_size
     full = max_num_seqs * cdiv(max_model_len, bs)  # enough for any mix of running sequences
     counts: dict[str, int] = {}
@@ -323,7 +568,7 @@ def blocks_for_budget(
     for p in TAIL_POOLS:
         per_block = layout.bytes_per_block(p, model_dtype_bytes)
         need = max_num_seqs * tail_blocks_per_seq(layout, p, spec_slack) + cdiv(step_tokens, bs)
-        counts[p] = min(need, full) if per_block else full
+        counts[p] = min(need, full) + retained[p] if per_block else full
         spent += counts[p] * per_block
     per_block = layout.bytes_per_block(HISTORY, model_dtype_bytes)
     min_history = cdiv(max_model_len, bs)

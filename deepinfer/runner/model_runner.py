@@ -177,12 +177,14 @@ class ModelRunner:
                        for i in range(len(w.prompt_logprobs.targets))]
         q = self.graphs.tokens_per_seq if self.graphs is not None else 0
         graph_ok = (self.graphs is not None and self.drafter is None and not jobs
-                    and self.graphs.fits_slots(len(work), len(ids)) and all(w.num_tokens == q == w.num_samples for w in work))
+                    and self.graphs.fits_slots(len(work), len(ids))
+                    and all(w.num_tokens == q == w.num_samples and not w.emit_from for w in work))
         streams = index = input_ids = None
         if graph_ok:
             logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders)
         else:
-            streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders)
+            streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders,
+                                                      [w.emit_from for w in work])
             rows = draw_rows + prompt_rows
             logits = (self.model.logits(streams[to_device(rows, torch.int64, self.device)]) if rows
                       else streams.new_zeros(0, self.model.cfg.vocab_size))
@@ -282,11 +284,13 @@ class ModelRunner:
         both = to_device(rows + owners, torch.int64, self.device)
         return both[: len(rows)], self.batch.last_tokens[both[len(rows) :]]
 
-    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders):
+    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders, emit_from: list[int]):
         """The target's final streams [T, N, H] of the step, with its index and input ids (the MTP layer
-        reuses both)."""
+        reuses both). ``emit_from``: per sequence, the bounded replay's boundary (0: none)."""
         index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
                                  pin_memory=self.device.type == "cuda").to(self.device)
+        if any(emit_from):
+            index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
         input_ids = to_device(ids, torch.int64, self.device)
         if placeholders is not None:
             input_ids[placeholders[0]] = placeholders[1]

@@ -18,6 +18,18 @@ runner verifies), and asks for the next step's drafts. The blocks it allocates a
 the MTP chain writes past the step. After the step the engine rolls the rejected drafts back
 (``rollback``: the cache is position-addressed, so that is "set the length").
 
+With prefix caching (``prefix``, a ``BlockHasher``) a sequence admitted from the queue first looks up the
+longest cached prefix of its known tokens (leaving at least one to compute) and starts there; each
+commit names the sequence's newly completed full blocks so that they stay cached after release. Requests
+asking for prompt logprobs skip the lookup (the cached positions would have none). The later samples of an
+``n > 1`` request wait in the queue until the first sample has computed the prompt's full blocks, then hit.
+With cache tiers (``tiers``) the lookup also finds blocks in host memory or on disk: their payloads are
+fetched (and checked) at admission, and the schedule carries them (``loads``) with the cached blocks its
+allocations evicted (``saves``), for the engine to apply before the step. A hit whose boundary kept its
+window blocks but not its compressor state is a bounded replay: the sequence starts a few positions early
+(``PrefixHit.start``), its first step emits no compressed entry before the boundary (``SeqWork.emit_from``),
+and the block it rewrites is a private copy (``copies``, applied by the engine before the step).
+
 ``schedule()`` returns a ``Schedule``: the self-contained ``StepPlan`` for the runner (``sched/plan.py``)
 plus the live sequences it covers, for the engine.
 """
@@ -30,7 +42,10 @@ from dataclasses import dataclass
 from deepinfer.config.engine import SchedulerConfig
 from deepinfer.config.speculative import SpeculativeConfig
 from deepinfer.engine.sequence import Sequence, Status
-from deepinfer.kv.manager import CacheManager
+from deepinfer.kv.manager import CacheManager, PrefixHit
+from deepinfer.kv.offload import TierLink
+from deepinfer.kv.prefix_hash import BlockHasher
+from deepinfer.kv.spec import HISTORY
 from deepinfer.sched.draft_length import draft_length
 from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
@@ -42,6 +57,12 @@ class Schedule:
     preempted: tuple[Sequence, ...] = ()
     # Sequences that cannot fit even in an otherwise empty cache; the engine ends them ("length").
     unschedulable: tuple[Sequence, ...] = ()
+    # Cache tiers (``kv/offload.py``), both applied before the step runs, saves first: cached blocks this
+    # plan evicts (pool, block, hash) and blocks of prefix hits to fill from a tier (pool, block, payload).
+    saves: tuple[tuple[str, int, bytes], ...] = ()
+    loads: tuple[tuple[str, int, bytes], ...] = ()
+    # Bounded replay of prefix hits: (pool, source block, new block) to copy before the step (after saves).
+    copies: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -50,8 +71,15 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager, eos_token_ids: tuple[int, ...] = (),
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, prefix: BlockHasher | None = None,
+                 tiers: TierLink | None = None) -> None:
         self.config = config
+        self.prefix = prefix
+        self.tiers = tiers
+        if tiers is not None:
+            cache.record_evictions()
+        self._loads: list[tuple[str, int, bytes]] = []
+        self._copies: list[tuple[str, int, int]] = []
         self.speculative = speculative
         self.cache = cache
         self.eos_token_ids = tuple(eos_token_ids)
@@ -59,12 +87,20 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # lifetime counter (metrics, tests)
+        # Prefix-cache lifetime counters, in tokens: looked up at admission, and found cached.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.prefix_tier_hits = 0  # of those, tokens whose history blocks came from a lower tier
+        self.prefix_replayed = 0  # positions recomputed by bounded replays (not counted as hits)
         self._left: list[str] = []  # sequences that left the runner's batch since the last plan
 
     # ---- membership -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        if self.tiers is not None and seq.index == 0 and seq.request.params.prompt_logprobs is None:
+            # While it waits, warm host memory with the prompt's blocks the disk holds (background reads).
+            self.tiers.prefetch(self._chain(seq, seq.num_tokens - 1))
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence (finished or aborted) and release its cache blocks immediately."""
@@ -101,9 +137,25 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still in flight: resumable once that token is known
+            if self._sibling_computing(seq):
+                break  # its prompt's blocks are being computed by sample 0: hit them next step
+            hit = self._lookup(seq)
+            seq.num_computed = hit.start if hit else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.cache.can_allocate(seq.seq_id, self._extent(seq, n)):
+            extent = self._extent(seq, n)
+            if not (self.cache.can_admit(hit, extent) if hit else self.cache.can_allocate(seq.seq_id, extent)):
+                seq.num_computed = 0
                 break  # FCFS: a later, smaller request does not overtake
+            payloads = self._fetch(hit) if hit and hit.loads else {}
+            if payloads is None:  # an object went missing or failed its check (now deleted): look up again
+                seq.num_computed = 0
+                continue
+            self._count_hit(seq, hit)
+            if hit:
+                admission = self.cache.admit(seq.seq_id, hit, extent)
+                self._loads += [(p, b, payloads[(p, h)]) for p, b, h in admission.fills]
+                self._copies += admission.copies
+                seq.emit_from = hit.num_tokens if hit.replay else 0
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -117,7 +169,62 @@ class Scheduler:
         left, self._left = tuple(self._left), []
         edits = tuple(TableEdit(*e) for e in self.cache.drain_edits())
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
-        return Schedule(plan, tuple(planned), tuple(preempted), stuck)
+        saves = tuple(self.cache.drain_evictions()) if self.tiers is not None else ()
+        loads, self._loads = tuple(self._loads), []
+        copies, self._copies = tuple(self._copies), []
+        return Schedule(plan, tuple(planned), tuple(preempted), stuck, saves, loads, copies)
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+    def _chain(self, seq: Sequence, num_tokens: int) -> tuple[bytes, ...]:
+        """The hash chain of the sequence's first ``num_tokens // block_size`` blocks (extended as needed)."""
+        nb = num_tokens // self.prefix.block_size
+        if nb > len(seq.block_hashes):
+            seq.block_hashes = self.prefix.chain(seq.token_ids[: nb * self.prefix.block_size],
+                                                 seq.request.cache_salt, known=seq.block_hashes)
+        return seq.block_hashes[:nb]
+
+    def _lookup(self, seq: Sequence) -> PrefixHit | None:
+        if self.prefix is None or seq.request.params.prompt_logprobs is not None:
+            return None
+        # At least one token is computed: the step that brings the sequence up to date draws from its logits.
+        limit = seq.num_tokens - 1
+        return self.cache.match_prefix(self._chain(seq, limit), limit,
+                                       self.tiers.exists if self.tiers is not None else None)
+
+    def _fetch(self, hit: PrefixHit) -> dict[tuple[str, bytes], bytes] | None:
+        """Payloads of the hit's blocks in a lower tier; None when one is gone or unusable."""
+        out = {}
+        for pool, _, h in hit.loads:
+            payload = self.tiers.fetch(pool, h)
+            if payload is None:
+                return None
+            out[(pool, h)] = payload
+        return out
+
+    def cached_prefix(self, seq: Sequence) -> int:
+        """Tokens of the sequence a lookup in this scheduler's cache would find now (routing across ranks)."""
+        hit = self._lookup(seq)
+        return hit.num_tokens if hit else 0
+
+    def _count_hit(self, seq: Sequence, hit: PrefixHit | None) -> None:
+        if self.prefix is None:
+            return
+        cached = hit.start if hit else 0
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += cached
+        self.prefix_replayed += hit.replay if hit else 0
+        if hit:
+            self.prefix_tier_hits += sum(self.prefix.block_size for p, _, _ in hit.loads if p == HISTORY)
+        if seq.index == 0 and seq.request.num_cached_tokens is None:  # the request's first admission
+            seq.request.num_cached_tokens = cached
+
+    def _sibling_computing(self, seq: Sequence) -> bool:
+        """A later sample of an n > 1 request whose first sample is still computing full prompt blocks."""
+        if self.prefix is None or seq.index == 0 or seq.num_output or seq.request.params.prompt_logprobs is not None:
+            return False
+        first = seq.request.seqs[0]
+        shared = (seq.num_prompt - 1) // self.prefix.block_size * self.prefix.block_size
+        return first.status is Status.RUNNING and first.num_computed < shared
 
     def _wanted(self, seq: Sequence) -> int:
         """New tokens the sequence could compute now: 0 when its in-flight tokens already reach its limit."""
@@ -174,10 +281,12 @@ class Scheduler:
     def _take(self, seq: Sequence, n: int) -> SeqWork:
         first, known = seq.num_computed, seq.num_tokens
         tokens = tuple(seq.token_ids[first : min(first + n, known)])
+        emit_from = seq.emit_from if first < seq.emit_from else 0
         if self.speculative is None:
             self.cache.allocate(seq.seq_id, n)
             samples = 1 if first + n == known + seq.num_pending else 0
-            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n))
+            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n),
+                           emit_from=emit_from)
         drafts = self._drafts(seq)[: max(0, first + n - known)]  # the budget may cut drafts off
         samples = self._num_draws(seq, n)
         proposals = self._proposals(seq, n, samples)
@@ -185,7 +294,7 @@ class Scheduler:
         nxt = -1 if samples else seq.token_ids[first + n]
         return SeqWork(seq.seq_id, first, tokens + drafts, n - len(tokens) - len(drafts), samples,
                        self._prompt_job(seq, first, n), num_drafts=len(drafts), num_proposals=proposals,
-                       next_token=nxt)
+                       next_token=nxt, emit_from=emit_from)
 
     def _prompt_job(self, seq: Sequence, first: int, n: int) -> PromptLogprobJob | None:
         req = seq.request
@@ -217,6 +326,7 @@ class Scheduler:
         self._left.append(seq.seq_id)
         seq.num_computed = 0
         seq.drafts = ()
+        seq.emit_from = 0
         seq.status = Status.WAITING
         # Back to the head of the queue in arrival order, ahead of everything that arrived later.
         items = sorted([*self.waiting, seq], key=lambda s: s.arrival)
@@ -236,4 +346,6 @@ class Scheduler:
         for seq, w in zip(schedule.seqs, schedule.plan.work):
             seq.num_computed += w.num_tokens
             seq.num_pending += w.num_samples
-            self.cache.commit(seq.seq_id, seq.num_computed)
+            # Name the full blocks whose tokens are final (drafts and in-flight draws are not in token_ids).
+            hashes = () if self.prefix is None else self._chain(seq, min(seq.num_computed, seq.num_tokens))
+            self.cache.commit(seq.seq_id, seq.num_computed, hashes)

@@ -122,6 +122,11 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _salted(prompt: dict, cache_salt: str | None) -> dict:
+    """The engine prompt with the request's prefix-cache tenancy salt, when it has one."""
+    return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
+
+
 async def _events(stream: RequestStream, chunks: Callable[[RequestOutput], list[dict]],
                   usage_chunk: Callable[[list[RequestOutput]], dict] | None) -> AsyncIterator[str]:
     finals: list[RequestOutput] = []
@@ -220,7 +225,8 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         echoes = [p.echo for p in prompts] if req.echo else None
         b = CompletionBuilder(f"cmpl-{uuid.uuid4().hex}", state.model_name, req.n, req.logprobs, echoes,
                               req.prompt_only)
-        engine_requests = [EngineRequest(b.engine_id(k), p.engine_prompt, params) for k, p in enumerate(prompts)]
+        engine_requests = [EngineRequest(b.engine_id(k), _salted(p.engine_prompt, req.cache_salt), params)
+                           for k, p in enumerate(prompts)]
         stream = await state.submit(engine_requests, {"prompt_token_ids": "prompt"})
         if req.stream:
             return EventStream(_events(stream, b.chunks, b.usage_chunk if req.include_usage else None), stream)
@@ -241,7 +247,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
                       max_tokens_param=limit_name, what="the rendered conversation")
         top = (req.top_logprobs or 0) if req.logprobs else None
         b = ChatBuilder(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, req.n, thinking, top)
-        stream = await state.submit([EngineRequest(b.id, prompt, params)],
+        stream = await state.submit([EngineRequest(b.id, _salted(prompt, req.cache_salt), params)],
                                     {"prompt": "messages", "prompt_token_ids": "messages", **req.constraint_renames()})
         if req.stream:
             return EventStream(_events(stream, b.chunks, b.usage_chunk if req.include_usage else None), stream)

@@ -225,6 +225,7 @@ class AsyncEngine:
                     self._apply(cmd)
                 if stop:
                     self._abort_all(commands_left=True)
+                    self.engine.close()  # e.g. the cache tiers write down to the disk for the next start
                     return
                 if self._drain_at is not None and time.monotonic() >= self._drain_at:
                     self._abort_all(commands_left=False)
@@ -328,6 +329,13 @@ class AsyncEngine:
         self.stats = stats  # one reference assignment: readers see the old or the new snapshot
         if self.metrics is not None:
             self.metrics.publish(stats.running, stats.waiting, stats.cache_usage)
+            sched, cache = self.engine.scheduler, self.engine.cache
+            if sched.prefix is not None:
+                self.metrics.publish_prefix(sched.prefix_queries, sched.prefix_hits,
+                                            {p: bp.num_evictions for p, bp in cache.pools.items()},
+                                            cache.num_cached_blocks())
+            if self.engine.tiers is not None:
+                self.metrics.publish_tiers(self.engine.tiers.store.stats())
             spec = self.engine.spec_stats
             if spec.num_speculative_tokens:
                 self.metrics.publish_spec(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,

@@ -55,6 +55,28 @@ class ServerMetrics:
                                      registry=r)
         self._spec_seen = (0, 0, 0, ())  # the engine's totals at the last publish
 
+        # Prefix cache (vLLM's names for the first two), in tokens; evictions in blocks per pool.
+        self.prefix_queries = Counter("deepinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      list(labels), registry=r).labels(**labels)
+        self.prefix_hits = Counter("deepinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   list(labels), registry=r).labels(**labels)
+        self._evictions = Counter("deepinfer:prefix_cache_evictions", "Cached blocks evicted from a device pool",
+                                  ["model_name", "pool"], registry=r)
+        self._cached_blocks = Gauge("deepinfer:prefix_cache_blocks", "Unused blocks kept for prefix reuse",
+                                    ["model_name", "pool"], registry=r)
+        self._prefix_seen: tuple[int, int, dict[str, int]] = (0, 0, {})
+        # Cache tiers below the device (host memory, disk), per tier: monotone counts and the bytes held.
+        self._tier_counters = {
+            f: Counter(f"deepinfer:kv_tier_{f}", help_, ["model_name", "tier"], registry=r)
+            for f, help_ in (("queried", "Block lookups that reached the tier"), ("hits", "Blocks found in the tier"),
+                             ("hit_tokens", "Token positions of the blocks found"),
+                             ("stored", "Blocks written into the tier"),
+                             ("evictions", "Blocks pushed out of the tier by its size limit"),
+                             ("checksum_failures", "Stored blocks dropped because they failed verification"))}
+        self._tier_used = Gauge("deepinfer:kv_tier_used_bytes", "Bytes a cache tier holds", ["model_name", "tier"],
+                                registry=r)
+        self._tier_seen: dict[tuple[str, str], int] = {}
+
     def publish_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                      accepted_per_pos: list[int]) -> None:
         """Bring the counters up to the engine's running totals (it counts; the server exports)."""
@@ -65,6 +87,26 @@ class ServerMetrics:
         for i, n in enumerate(accepted_per_pos):
             self._spec_per_pos.labels(model_name=self._model, position=str(i)).inc(n - (per_pos[i] if i < len(per_pos) else 0))
         self._spec_seen = (num_drafts, num_draft_tokens, num_accepted_tokens, tuple(accepted_per_pos))
+
+    def publish_prefix(self, queries: int, hits: int, evictions: dict[str, int], cached: dict[str, int]) -> None:
+        """Bring the prefix-cache counters up to the engine's running totals."""
+        q, h, ev = self._prefix_seen
+        self.prefix_queries.inc(queries - q)
+        self.prefix_hits.inc(hits - h)
+        for pool, n in evictions.items():
+            self._evictions.labels(model_name=self._model, pool=pool).inc(n - ev.get(pool, 0))
+        for pool, n in cached.items():
+            self._cached_blocks.labels(model_name=self._model, pool=pool).set(n)
+        self._prefix_seen = (queries, hits, dict(evictions))
+
+    def publish_tiers(self, stats) -> None:
+        """Bring the per-tier counters up to a ``TierStats`` snapshot of the engine's store."""
+        for t in stats.tiers:
+            for f, counter in self._tier_counters.items():
+                value = getattr(t, f)
+                counter.labels(model_name=self._model, tier=t.tier).inc(value - self._tier_seen.get((t.tier, f), 0))
+                self._tier_seen[(t.tier, f)] = value
+            self._tier_used.labels(model_name=self._model, tier=t.tier).set(t.used_bytes)
 
     def publish(self, running: int, waiting: int, cache_usage: dict[str, float]) -> None:
         self.running.set(running)

@@ -279,11 +279,14 @@ class ChatCompletionRequest(_SamplingRequest):
 # Responses are plain dicts in OpenAI's shapes. The builders are pure functions of RequestOutputs, so tests
 # drive them with hand-made outputs (a tool call or a </think> that the random demo weights never produce).
 
-def usage(finals: list[RequestOutput], count_generated: bool = True) -> dict[str, int]:
-    """``count_generated=False``: the generated tokens were dropped (echo with max_tokens 0)."""
+def usage(finals: list[RequestOutput], count_generated: bool = True) -> dict[str, Any]:
+    """``count_generated=False``: the generated tokens were dropped (echo with max_tokens 0).
+    ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache (OpenAI's field)."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs) if count_generated else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens for o in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def finite_logprob(x: float) -> float:

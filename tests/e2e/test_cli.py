@@ -44,3 +44,14 @@ def test_chat_turn_streams_the_answer() -> None:
                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), thinking=False, out=sink)
     assert answer and answer in sink.getvalue()
     assert not engine.has_unfinished_requests() and engine.cache.num_requests == 0
+
+
+def test_prefix_caching_flag_uses_vllm_spelling() -> None:
+    from deepinfer.cli import _engine_args, build_parser
+
+    parser = build_parser()
+    assert _engine_args(parser.parse_args(["generate", "x"])).enable_prefix_caching is True
+    assert _engine_args(parser.parse_args(["generate", "x", "--no-enable-prefix-caching"])).enable_prefix_caching is False
+    args = _engine_args(parser.parse_args(["serve", "--kv-host-cache-gb", "4", "--kv-cache-dir", "/tmp/kv",
+                                           "--kv-disk-cache-gb", "100"]))
+    assert (args.kv_host_cache_gb, args.kv_cache_dir, args.kv_disk_cache_gb) == (4.0, "/tmp/kv", 100.0)

@@ -363,6 +363,37 @@ def test_metrics_move(server: Server, client: openai.OpenAI) -> None:
     assert ("deepinfer_num_requests_waiting", model) in after
 
 
+def test_prefix_cache_reports_cached_tokens_and_keeps_salts_apart(server: Server, client: openai.OpenAI,
+                                                                  offline: LLM) -> None:
+    system = {"role": "system", "content": " ".join(f"rule {i}: be brief." for i in range(60))}  # > 2 blocks
+    turn1 = [system, {"role": "user", "content": "Say hi."}]
+    before = _metrics(server.url)
+    first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=6, **GREEDY)
+    assert first.usage.prompt_tokens > 256
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Again."}]
+    ref = offline.chat(turn2, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.choices[0].content
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 256 and cached % 128 == 0  # the system prompt's full blocks, at least
+    salted = dict(GREEDY, extra_body={**GREEDY["extra_body"], "cache_salt": "tenant-x"})
+    other = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=6, **salted)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].message.content == ref.choices[0].content
+    again = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=6, **salted)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 256
+    server.wait_idle()
+    after = _metrics(server.url)
+    model = (("model_name", MODEL),)
+    hits = after[("deepinfer:prefix_cache_hits_total", model)] - before.get(("deepinfer:prefix_cache_hits_total", model), 0)
+    queries = after[("deepinfer:prefix_cache_queries_total", model)] - before.get(
+        ("deepinfer:prefix_cache_queries_total", model), 0)
+    assert hits >= cached + 256 and queries >= 4 * first.usage.prompt_tokens
+    assert {dict(k[1])["pool"] for k in after if k[0] == "deepinfer:prefix_cache_blocks"} == {"history", "window", "state"}
+
+
 def test_serve_cli_sigterm_exits_cleanly() -> None:
     """`python -m deepinfer.server` (= `deepinfer serve`) on port 0; SIGTERM while a long stream is open: the
     stream runs on for the graceful timeout, then ends with finish_reason "abort" and [DONE], and the process

@@ -101,7 +101,7 @@ def test_echo_max_tokens_zero_token_id_prompts_batched_with_n(server: Server, of
     assert [c["index"] for c in choices] == list(range(6))
     refs = _offline(offline, ids, 1, n=2)  # max_tokens 0 runs the engine with 1
     assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "completion_tokens": 0,
-                             "total_tokens": sum(map(len, ids))}
+                             "total_tokens": sum(map(len, ids)), "prompt_tokens_details": {"cached_tokens": 0}}
     for c in choices:
         p = c["index"] // 2  # OpenAI's numbering: prompt p's samples are p * n .. p * n + n - 1
         ref = refs[p]

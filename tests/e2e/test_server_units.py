@@ -204,3 +204,26 @@ def test_check_context_limits() -> None:
         check_context([20], ["messages"], 81, 100, max_tokens_param="max_completion_tokens",
                       what="the rendered conversation")
     assert e.value.param == "max_completion_tokens" and "the rendered conversation has 20 tokens" in e.value.message
+
+
+def test_tier_metrics_follow_the_store_counters() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deepinfer.kv.tiers import TierCounters, TierStats
+    from deepinfer.server.metrics import ServerMetrics
+
+    def snapshot(hits: int, failures: int, used: int) -> TierStats:
+        disk = TierCounters("disk", 1 << 30, used, 3, queried=10 + hits, hits=hits, hit_tokens=256 * hits, stored=5,
+                            evictions=1, checksum_failures=failures)
+        return TierStats((disk,), spilled=0, write_drops=0, pending_writes=0, prefetched=0, prefetch_drops=0)
+
+    m = ServerMetrics("demo")
+    m.publish_tiers(snapshot(2, 0, 100))
+    m.publish_tiers(snapshot(5, 1, 300))
+    samples = {(s.name, s.labels.get("tier")): s.value
+               for fam in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in fam.samples}
+    assert samples[("deepinfer:kv_tier_hits_total", "disk")] == 5
+    assert samples[("deepinfer:kv_tier_hit_tokens_total", "disk")] == 1280
+    assert samples[("deepinfer:kv_tier_checksum_failures_total", "disk")] == 1
+    assert samples[("deepinfer:kv_tier_used_bytes", "disk")] == 300

@@ -78,16 +78,48 @@ def test_bad_release_or_share_changes_nothing():
     pool.check_integrity()
 
 
-def test_hash_slot_is_cleared_on_free():
-    pool = BlockPool(2)
-    (b,) = pool.allocate(1)
-    assert pool.block_hash(b) is None
-    pool.set_hash(b, 0xABC)
-    assert pool.block_hash(b) == 0xABC
-    pool.free([b])
-    assert pool.block_hash(b) is None
+def test_hashed_block_is_cached_on_release_and_taken_back_by_touch():
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    assert pool.block_hash(a) is None
+    assert pool.set_hash(a, b"A") and pool.block_hash(a) == b"A"
+    assert not pool.set_hash(b, b"A")  # the content is already held by a: one copy is enough
+    assert not pool.set_hash(a, b"other")  # a block is named once
+    assert pool.free([a, b]) == [a, b]
+    assert (pool.num_free, pool.num_cached, pool.num_used, pool.num_available) == (2, 1, 0, 3)
+    assert pool.lookup(b"A") == a and pool.lookup(b"B") is None
+    pool.check_integrity()
+    pool.touch([a])  # a prefix hit takes it back with its content
+    assert pool.ref_count(a) == 1 and pool.num_cached == 0 and pool.block_hash(a) == b"A"
+    pool.touch([a])  # a second sharer
+    assert pool.ref_count(a) == 2
+    with pytest.raises(ValueError, match="touch of free block"):
+        pool.touch([b])
     with pytest.raises(ValueError, match="free block"):
-        pool.set_hash(b, 1)
+        pool.set_hash(b, b"B")
+    with pytest.raises(ValueError, match="non-empty bytes"):
+        pool.set_hash(a, 0xABC)
+    pool.check_integrity()
+
+
+def test_allocation_takes_free_blocks_before_evicting_lru_cached_ones():
+    pool = BlockPool(4)
+    ids = pool.allocate(4)
+    for i, b in enumerate(ids):
+        pool.set_hash(b, bytes([i + 1]))
+    pool.record_evictions()
+    pool.free([ids[2], ids[0], ids[1]])  # cached in this order: 2 is the least recently released
+    pool.free([ids[3]])
+    assert pool.num_cached == 4 and pool.num_free == 0
+    assert pool.allocate(2) == [ids[2], ids[0]]
+    assert pool.drain_evictions() == [(b"\x03", ids[2]), (b"\x01", ids[0])]
+    assert pool.num_evictions == 2 and pool.lookup(b"\x03") is None and pool.block_hash(ids[2]) is None
+    pool.free([ids[2]])  # no content any more: free, and taken before the cached ones
+    assert pool.allocate(1) == [ids[2]]
+    with pytest.raises(OutOfBlocks):
+        pool.allocate(3)
+    assert pool.num_cached == 2  # the failed allocation evicted nothing
+    assert pool.reset_cache() == 2 and pool.num_free == 2 and pool.lookup(b"\x02") is None
     pool.check_integrity()
 
 
@@ -109,7 +141,9 @@ def test_empty_pool():
         (lambda p: p._free.remove(5), "missing from the free list"),
         (lambda p: p._ref.__setitem__(0, -1), "negative ref"),
         (lambda p: p._free.append(99), "out-of-range"),
-        (lambda p: p._hash.__setitem__(5, 7), "content hashes"),
+        (lambda p: p._hash.__setitem__(5, b"x"), "content hashes"),
+        (lambda p: p._cached.__setitem__(p._free.popleft(), None), "without a content hash"),
+        (lambda p: p._index.__setitem__(b"y", 1), "index disagrees"),
     ],
 )
 def test_integrity_catches_corruption(corrupt, message):

@@ -48,7 +48,7 @@ class FakeCache:
         if need:
             self.edits.append((rid, "history", start, tuple(table[start:]), len(table)))
 
-    def commit(self, rid: str, n: int) -> None:
+    def commit(self, rid: str, n: int, hashes: tuple = ()) -> None:
         assert self.lengths[rid] <= n <= len(self.tables[rid]) * BS
         self.lengths[rid] = n
 

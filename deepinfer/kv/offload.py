@@ -1,0 +1,94 @@
+"""TierLink: prefix-cache blocks between the device pools and the tiered store (host memory, then disk).
+
+    device pool --evict--> save (pack the block's rows, store.put)        before the step overwrites them
+    lower tier  --hit----> fetch (store.get, checked) ... load (unpack)   into a new block, before the step
+
+A cached block is written down when the device pool evicts it (``CacheManager.record_evictions``), and on
+``persist`` (engine shutdown) every block still cached on the device is written too, so a restarted engine
+finds the whole prefix cache in its disk tier. Keys are the pool's initial plus the block's chain hash; every
+object carries the store identity (config digest, block size) and a payload checksum (``tiers/blob.py``), and
+a payload whose size does not match this engine's block is deleted and treated as a miss. Fetching happens
+during admission, before a hit is committed to: an object that is gone or fails its check shrinks the hit
+instead of ever reaching the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from deepinfer.kv.prefix_hash import BlockHasher
+from deepinfer.kv.spec import POOLS
+from deepinfer.kv.storage import KVStorage
+from deepinfer.kv.tiers import StoreIdentity, TieredStore, open_store, pack, payload_bytes, unpack
+
+log = logging.getLogger("deepinfer")
+
+
+def store_identity(hasher: BlockHasher, storage: KVStorage) -> StoreIdentity:
+    """The namespace digest bound to this engine's block geometry (the payload size of every pool)."""
+    h = hashlib.sha256(hasher.namespace.digest())
+    for p in POOLS:
+        h.update(f"{p}:{payload_bytes(storage, p)};".encode())
+    return StoreIdentity(h.digest(), hasher.block_size)
+
+
+class TierLink:
+    def __init__(self, store: TieredStore, storage: KVStorage) -> None:
+        self.store = store
+        self.storage = storage
+        self._size = {p: payload_bytes(storage, p) for p in POOLS}
+        self.saved = 0  # blocks written down (lifetime)
+        self.loaded = 0  # blocks brought back up (lifetime)
+
+    @classmethod
+    def open(cls, tiers, hasher: BlockHasher | None, storage: KVStorage) -> "TierLink | None":
+        """The link the engine arguments ask for (None without tiers or without prefix caching)."""
+        if hasher is None or not tiers.enabled:
+            return None
+        store = open_store(tiers, store_identity(hasher, storage))
+        return None if store is None else cls(store, storage)
+
+    @staticmethod
+    def key(pool: str, content_hash: bytes) -> bytes:
+        return pool[0].encode() + content_hash
+
+    def exists(self, pool: str, content_hash: bytes) -> bool:
+        return self.store.exists(self.key(pool, content_hash))
+
+    def fetch(self, pool: str, content_hash: bytes) -> bytes | None:
+        """The block's payload, checked; None (and the object deleted when it is unusable) otherwise."""
+        key = self.key(pool, content_hash)
+        found = self.store.get(key)
+        if found is None:
+            return None
+        if found.kind != pool or len(found.payload) != self._size[pool]:
+            log.warning("kv tier: object %s holds %s/%d bytes, expected %s/%d; deleted", key.hex()[:16],
+                        found.kind, len(found.payload), pool, self._size[pool])
+            self.store.delete(key)
+            return None
+        return bytes(found.payload)
+
+    def prefetch(self, hashes: tuple[bytes, ...]) -> int:
+        """Queue the disk-resident history and window blocks of a prefix to be read into host memory in the
+        background (a request's lookup at admission then finds them there); returns how many were queued."""
+        return self.store.prefetch([self.key(p, h) for h in hashes for p in ("history", "window")])
+
+    def save(self, blocks: list[tuple[str, int, bytes]]) -> None:
+        """Write blocks (pool, block id, hash) down; their rows must still be intact (before the step)."""
+        for pool, block, h in blocks:
+            if self._size[pool]:
+                self.store.put(self.key(pool, h), pool, self.storage.layout.block_size,
+                               pack(self.storage, pool, block))
+                self.saved += 1
+
+    def load(self, fills: list[tuple[str, int, bytes]]) -> None:
+        """Write fetched payloads (pool, block id, payload) into their new blocks."""
+        for pool, block, payload in fills:
+            unpack(payload, self.storage, pool, block)
+            self.loaded += 1
+
+    def close(self, cached: list[tuple[str, int, bytes]]) -> None:
+        """Write the device's cached blocks down too, then flush and close the store (a restart finds all)."""
+        self.save(cached)
+        self.store.close()

@@ -1,0 +1,34 @@
+"""What every layer of one V4.1 step reads: positions, RoPE angles, the cache, the cross-layer CSA2 state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.model.v41.cache import LayerCache, V41Cache
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    positions: torch.Tensor  # [Q] absolute positions of the step's tokens, start .. start + Q - 1
+    start: int
+    angles: dict[str, torch.Tensor]  # "main" / "compress" -> fp32 [Q, rope_dim / 2]
+    cache: V41Cache
+    cache_qdq: bool  # round window KV / indexer q,k / compressed KV as the reference caches do
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.positions.numel())
+
+
+@dataclass
+class SharedKV:
+    """CSA2 state handed from layer to layer within one step (spec §1.4): the compressed entries and index
+    keys of the latest KV source, and the latest index source's top-k (entry ids per query, -1 = none) and
+    the candidate mask published by the candidate source."""
+
+    source: LayerCache | None = None
+    ratio: int = 0
+    topk: torch.Tensor | None = None  # [Q, k] long
+    candidates: torch.Tensor | None = None  # [Q, E] bool

@@ -1,0 +1,82 @@
+"""Single-pass ("lagged") mHC (spec §2.3).
+
+Each sublayer site computes (pre, post, comb) from the streams entering it, but its collapse uses the
+``pre`` computed by the *previous* site (layer 0: a one-hot on stream 0); its own ``pre`` is carried, in
+fp32, to the next site. Unlike V4 (``ops/ref/mhc.hc_pre``), the coefficient projection comes before the
+RMS scaling, and there is no ``hc_head``: the final collapse uses the last FFN site's ``pre``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class Mix:
+    """One site's fp32 coefficients: pre/post [T, N], comb [T, N, N] (comb[j, k]: stream j into stream k)."""
+
+    pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Softmax rows + eps, column-normalise, then (iters - 1) row/column rounds (as V4, architecture §2.2)."""
+    x = logits.softmax(dim=-1) + eps
+    x = x / (x.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        x = x / (x.sum(dim=-1, keepdim=True) + eps)
+        x = x / (x.sum(dim=-2, keepdim=True) + eps)
+    return x
+
+
+def mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+        hc_eps: float, norm_eps: float) -> Mix:
+    """streams [T, N, H] -> the site's coefficients, all fp32: project the flat streams, then scale by their
+    inverse RMS; logits = base + mixes * [scale0 x N, scale1 x N, scale2 x N^2]."""
+    n = streams.shape[1]
+    flat = streams.flatten(1).float()
+    mixes = F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n))).float()
+    logits = torch.addcmul(base.float(), mixes, scales)  # one fused multiply-add, as the reference kernel
+    pre = torch.sigmoid(logits[:, :n]) + hc_eps
+    post = 2 * torch.sigmoid(logits[:, n:2 * n])
+    comb = sinkhorn(logits[:, 2 * n:].unflatten(-1, (n, n)), iters, hc_eps)
+    return Mix(pre, post, comb)
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_j pre_j * X_j in fp32 -> streams' dtype; [T, N, H], [T, N] -> [T, H]."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+
+
+def expand(out: torch.Tensor, streams: torch.Tensor, m: Mix) -> torch.Tensor:
+    """new_k = post_k * out + sum_j comb[j, k] * X_j in fp32 -> out's dtype; [T, H], [T, N, H] -> [T, N, H]."""
+    update = m.post.unsqueeze(-1) * out.unsqueeze(-2)
+    mixed = (m.comb.unsqueeze(-1) * streams.unsqueeze(-2)).sum(1)
+    return (update + mixed).to(out.dtype)
+
+
+def one_hot_pre(tokens: int, n: int, device: torch.device) -> torch.Tensor:
+    """Layer 0's carried ``pre``: all weight on stream 0 (the streams start as identical copies)."""
+    pre = torch.zeros(tokens, n, dtype=torch.float32, device=device)
+    pre[:, 0] = 1
+    return pre
+
+
+def add_site_parameters(module: nn.Module, site: str, n: int, h: int) -> None:
+    """A site's checkpoint parameters on ``module``: ``hc_{site}_fn`` [(2 + n) n, n h], ``_base``, ``_scale`` [3]."""
+    rows = (2 + n) * n
+    setattr(module, f"hc_{site}_fn", nn.Parameter(torch.zeros(rows, n * h, dtype=torch.float32)))
+    setattr(module, f"hc_{site}_base", nn.Parameter(torch.zeros(rows, dtype=torch.float32)))
+    setattr(module, f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+
+def site_mix(module: nn.Module, site: str, streams: torch.Tensor, iters: int, hc_eps: float, norm_eps: float) -> Mix:
+    """The coefficients of ``module``'s site ``site`` (parameters from ``add_site_parameters``)."""
+    fn, base, scale = (getattr(module, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
+    return mix(streams, fn, base, scale, iters, hc_eps, norm_eps)

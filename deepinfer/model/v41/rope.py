@@ -1,0 +1,46 @@
+"""V4.1 rotary embedding (spec §2.4 step 2): adjacent pairs (2i, 2i+1) of the *last* rope dims, rotated by a
+complex multiply in fp32 and cast back once, as the reference does (separate real multiplies round some
+values differently, which can cross a later FP8/FP4 bin).
+
+Two tables: "main" (plain, theta 1e4) for window-only layers; "compress" (theta 1.6e5 with YaRN frequency
+scaling, no mscale) for every rope of a layer with ratio > 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deepinfer.config.model import RopeConfig
+
+
+def frequencies(rope: RopeConfig, device: torch.device | None = None) -> torch.Tensor:
+    """[rope_dim / 2] fp32 angular frequencies; YaRN blends freq / factor into the low-frequency dims."""
+    dim = rope.rope_dim
+    freqs = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if rope.yarn_factor is None:
+        return freqs
+    length, theta = rope.original_max_position_embeddings, rope.theta
+    low = max(math.floor(dim * math.log(length / (rope.beta_fast * 2 * math.pi)) / (2 * math.log(theta))), 0)
+    high = min(math.ceil(dim * math.log(length / (rope.beta_slow * 2 * math.pi)) / (2 * math.log(theta))), dim - 1)
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return freqs / rope.yarn_factor * ramp + freqs * (1 - ramp)
+
+
+def angles(rope: RopeConfig, positions: torch.Tensor) -> torch.Tensor:
+    """positions [T] -> fp32 angles [T, rope_dim / 2]."""
+    return positions.float().unsqueeze(-1) * frequencies(rope, positions.device)
+
+
+def apply_rope(values: torch.Tensor, ang: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 2 * ang.shape[-1] channels of values [T, C] or [T, heads, C] (conjugate if inverse)."""
+    rot = ang.shape[-1] * 2
+    pairs = torch.view_as_complex(values[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())
+    turn = torch.polar(torch.ones_like(ang), ang)
+    if values.dim() == 3:
+        turn = turn.unsqueeze(1)
+    if inverse:
+        turn = turn.conj()
+    rotated = torch.view_as_real(pairs * turn).flatten(-2).to(values.dtype)
+    return torch.cat((values[..., :-rot], rotated), dim=-1)
