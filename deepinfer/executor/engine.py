@@ -80,9 +80,7 @@ class ParallelLLMEngine(LLMEngine):
         layout = build_layout(mc, config.cache.block_size, include_mtp=False)
         counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
         prefix = build_prefix_hasher(config)
-        # No bounded replay across processes yet: its block copies would have to run in every rank's storage.
-        self.schedulers = [Scheduler(sc, CacheManager(layout, c, bounded_replay=False), (mc.eos_token_id,),
-                                     prefix=prefix) for c in counts]
+        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,), prefix=prefix) for c in counts]
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
@@ -130,7 +128,8 @@ class ParallelLLMEngine(LLMEngine):
                 finish(seq, "length")
                 touched.add(seq.request.request_id)
         if any(s.plan != StepPlan() for s in schedules):  # work or departures somewhere
-            order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules))
+            order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules),
+                            copies=tuple(s.copies for s in schedules))
             self.worker.channel.broadcast(order)
             done = self.worker.channel.gather(self.worker.run(order))
         tp = self.config.parallel.tensor_parallel_size

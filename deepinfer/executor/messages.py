@@ -25,6 +25,9 @@ class RunStep:
 
     plans: tuple[StepPlan, ...]
     busy: bool
+    # Per DP rank, cache blocks (pool, source, destination) to copy before the step: a prefix hit's bounded
+    # replay rewrites its private copy of a cached block.
+    copies: tuple[tuple[tuple[str, int, int], ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

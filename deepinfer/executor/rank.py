@@ -44,6 +44,8 @@ class RankWorker:
 
     def run(self, order: RunStep) -> StepDone:
         plan = order.plans[self.pctx.dp_rank]
+        for pool, src, dst in order.copies[self.pctx.dp_rank] if order.copies else ():
+            self.storage.copy_block(pool, src, dst)
         handle = self.runner.submit(plan)
         if plan.empty and order.busy and needs_empty_steps(self.model):
             empty_step(self.model)
