@@ -114,3 +114,15 @@ def test_engine_args_validate_eplb() -> None:
         EngineConfig.create(EngineArgs(**base, eplb_config={"num_redundant_experts": 2}))
     with pytest.raises(ValueError, match="enable_eplb: must be true or false"):
         EngineConfig.create(EngineArgs(**base, enable_eplb="yes"))
+
+
+def test_cli_flags_reach_engine_args() -> None:
+    from deepinfer.cli import _engine_args, build_parser
+
+    a = build_parser().parse_args(["generate", "--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
+                                   "--eplb-config", '{"num_redundant_experts": 2, "step_interval": 10}'])
+    args = _engine_args(a)
+    assert args.enable_eplb is True
+    assert EngineConfig.create(EngineArgs(**{**{f: getattr(args, f) for f in EngineArgs.field_names()},
+                                             "device": "cpu"})).eplb == EplbConfig(2, 1000, 10, False)
+    assert _engine_args(build_parser().parse_args(["generate"])).enable_eplb is False

@@ -7,8 +7,9 @@ Expert parallel, one layer:
      is dispatched once;
   2. dispatch: each (token, expert) pair goes to one physical slot holding a copy of its expert (the
      placement, ``placement.py``: without load balancing slot = expert, experts owned in contiguous ranges;
-     with replicas the token's index modulo the expert's replica count picks one, so the choice never
-     depends on timing); the pairs, ordered by (slot, token), go to the slots' ranks, one all-to-all of rows
+     with replicas, (token index + EP rank) modulo the expert's replica count picks one: deterministic,
+     never dependent on timing, and a decode step's few tokens per rank still spread over the replicas
+     instead of all taking the first); the pairs, ordered by (slot, token), go to the slots' ranks, one all-to-all of rows
      after one of counts;
   3. the owner runs each local slot on its rows: source rank after source rank, each in token order, which
      without replicas is exactly the row order the single-process ``ExpertLoop`` gives that expert for the
@@ -116,7 +117,7 @@ class EPMoE(MoE):
         order = torch.argsort(expert * n + token, stable=True)  # by (expert, token): the combine's order
         expert, token = expert[order], token[order]
         pair_weight = weights.reshape(-1)[order]
-        slot = self._slot_of[expert, token % self._replica_count[expert]]
+        slot = self._slot_of[expert, (token + p.ep_rank) % self._replica_count[expert]]
         if self.load is not None:
             self.load.record(self.layer_index, expert, slot)
         sent = torch.argsort(slot * n + token, stable=True)  # by (slot, token): the identity without replicas
