@@ -10,11 +10,13 @@ layers) measured under the placement it replaces, and the window's loads under t
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from deepinfer.config.eplb import EplbConfig
 from deepinfer.executor.messages import CollectExpertLoad, MoveExperts
-from deepinfer.model.parallel.placement import (layers_balancedness, rank_loads, rebalanced, slot_rank_loads)
+from deepinfer.model.parallel.placement import (ExpertPlacement, layers_balancedness, rank_loads, rebalanced,
+                                                slot_rank_loads, static_placement)
 
 log = logging.getLogger("deepinfer")
 
@@ -25,7 +27,9 @@ class RebalanceRecord:
     measured: float  # balancedness of the tokens each rank's slots computed since the previous placement
     expected_before: float  # the window's loads under the previous placement
     expected_after: float  # the window's loads under the new one
+    static: float  # the window's loads under the start-up placement (what expert parallelism alone gives)
     moved_slots: int  # slots whose expert changed, over all layers
+    seconds: float  # the whole rebalance: gathering the counters, planning, moving the weights
 
 
 class EplbDriver:
@@ -40,9 +44,13 @@ class EplbDriver:
         if self.steps % self.config.step_interval == 0:
             self.rebalance(worker)
 
+    def _static(self, like: ExpertPlacement) -> ExpertPlacement:
+        return static_placement(like.num_experts, like.num_ranks, self.config.num_redundant_experts)
+
     def rebalance(self, worker) -> RebalanceRecord:
         """``worker``: rank 0's ``RankWorker`` (its channel reaches every rank; it holds the placements,
         which are the same on every rank)."""
+        start = time.perf_counter()
         channel = worker.channel
         order = CollectExpertLoad()
         channel.broadcast(order)
@@ -61,10 +69,11 @@ class EplbDriver:
             measured=layers_balancedness([slot_rank_loads(s, o.num_ranks) for s, o in zip(slots, old)]),
             expected_before=layers_balancedness([rank_loads(w, o) for w, o in zip(window, old)]),
             expected_after=layers_balancedness([rank_loads(w, n) for w, n in zip(window, new)]),
-            moved_slots=moved)
+            static=layers_balancedness([rank_loads(w, self._static(o)) for w, o in zip(window, old)]),
+            moved_slots=moved, seconds=time.perf_counter() - start)
         self.history.append(record)
         if self.config.log_balancedness:
             log.info("EPLB at step %d: balancedness %.3f measured since the last placement; the window's loads "
-                     "%.3f -> %.3f with the new placement (%d slots moved)", record.step, record.measured,
-                     record.expected_before, record.expected_after, record.moved_slots)
+                     "%.3f -> %.3f with the new placement (%d slots moved in %.3f s)", record.step, record.measured,
+                     record.expected_before, record.expected_after, record.moved_slots, record.seconds)
         return record

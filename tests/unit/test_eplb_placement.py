@@ -92,7 +92,8 @@ def test_placement_rejects_bad_input() -> None:
 
 def test_eplb_config_fields_and_errors() -> None:
     assert EplbConfig() == EplbConfig(0, 1000, 3000, False)  # vLLM's defaults
-    got = EplbConfig.parse('{"num_redundant_experts": 2, "window_size": 8, "step_interval": 4, "log_balancedness": true}')
+    got = EplbConfig.parse('{"num_redundant_experts": 2, "window_size": 8, "step_interval": 4, '
+                           '"log_balancedness": true}')
     assert got == EplbConfig(2, 8, 4, True)
     for bad, field in [({"num_redundant_experts": -1}, "num_redundant_experts"), ({"window_size": 0}, "window_size"),
                        ({"step_interval": 1.5}, "step_interval"), ({"log_balancedness": 1}, "log_balancedness"),

@@ -9,8 +9,8 @@ Expert parallel, one layer:
      placement, ``placement.py``: without load balancing slot = expert, experts owned in contiguous ranges;
      with replicas, (token index + EP rank) modulo the expert's replica count picks one: deterministic,
      never dependent on timing, and a decode step's few tokens per rank still spread over the replicas
-     instead of all taking the first); the pairs, ordered by (slot, token), go to the slots' ranks, one all-to-all of rows
-     after one of counts;
+     instead of all taking the first); the pairs, ordered by (slot, token), go to the slots' ranks, one
+     all-to-all of rows after one of counts;
   3. the owner runs each local slot on its rows: source rank after source rank, each in token order, which
      without replicas is exactly the row order the single-process ``ExpertLoop`` gives that expert for the
      DP ranks' tokens concatenated in rank order (with replicas, a subset of those rows);
