@@ -48,6 +48,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention: this many groups, each with its own sequences and cache")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="spread the routed experts over all data x tensor parallel devices")
+    g.add_argument("--enable-eplb", action="store_true",
+                   help="expert-parallel load balancing: replicate hot experts and re-place them between steps")
+    g.add_argument("--eplb-config", default=None, metavar="JSON",
+                   help='EPLB settings, e.g. \'{"num_redundant_experts": 8, "window_size": 1000, '
+                        '"step_interval": 3000, "log_balancedness": true}\'')
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: the model's safetensors; dummy: random weights in the native formats from "
                         "config.json alone (no weights needed)")
@@ -85,6 +90,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         kv_host_cache_gb=a.kv_host_cache_gb, kv_cache_dir=a.kv_cache_dir, kv_disk_cache_gb=a.kv_disk_cache_gb,
         tensor_parallel_size=a.tensor_parallel_size,
         data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
+        enable_eplb=a.enable_eplb, eplb_config=a.eplb_config,
         load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
     )
 

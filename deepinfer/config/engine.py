@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.config.eplb import EplbConfig
 from deepinfer.config.model import ModelConfig
 from deepinfer.distributed.config import ParallelConfig
 from deepinfer.config.speculative import SpeculativeConfig
@@ -55,6 +56,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Expert-parallel load balancing (config/eplb.py): redundant replicas of hot experts, re-placed every
+    # step_interval steps. eplb_config: {"num_redundant_experts": N, "window_size": W, "step_interval": S,
+    # "log_balancedness": bool} (or its JSON text); needs enable_expert_parallel.
+    enable_eplb: bool = False
+    eplb_config: dict | str | None = None
     # "auto": the model directory's safetensors; "dummy": random weights in the native formats from
     # config.json alone, generated on the device (benchmarks of full shapes without the download).
     load_format: str = "auto"
@@ -121,6 +127,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     load_format: str = "auto"
     speculative: SpeculativeConfig | None = None
+    eplb: EplbConfig | None = None  # None: experts stay where expert parallelism put them
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -152,6 +159,7 @@ class EngineConfig:
         parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size,
                                   args.enable_expert_parallel).validate(model)
         _check_parallel(parallel, args, device)
+        eplb = _eplb_config(args, parallel, model)
         return cls(
             model_dir=model_dir,
             tokenizer_dir=args.tokenizer or model_dir,
@@ -169,6 +177,7 @@ class EngineConfig:
             parallel=parallel,
             load_format=args.load_format,
             speculative=speculative,
+            eplb=eplb,
         )
 
 
@@ -202,6 +211,18 @@ def _check_parallel(parallel: ParallelConfig, args: EngineArgs, device: str) -> 
         name = "kv_host_cache_gb" if args.kv_host_cache_gb else "kv_cache_dir"
         raise ValueError(f"{name}: cache tiers are not supported with tensor_parallel_size or "
                          "data_parallel_size > 1 yet (each rank's blocks live in its own process)")
+
+
+def _eplb_config(args: EngineArgs, parallel: ParallelConfig, model: ModelConfig) -> EplbConfig | None:
+    enabled = _check_bool("enable_eplb", args.enable_eplb)
+    if not enabled:
+        if args.eplb_config is not None:
+            raise ValueError("eplb_config: set without enable_eplb=True (the load balancer it configures)")
+        return None
+    if parallel.expert_parallel_size < 2:
+        raise ValueError("enable_eplb: needs enable_expert_parallel=True with data_parallel_size x "
+                         "tensor_parallel_size > 1 (it balances the experts over the expert-parallel ranks)")
+    return EplbConfig.parse(args.eplb_config).validate(model.n_routed_experts, parallel.expert_parallel_size)
 
 
 def _check_speculative(spec: SpeculativeConfig, model: ModelConfig, args: EngineArgs) -> None:

@@ -4,7 +4,8 @@ Each DP rank owns its sequences and its cache: rank 0 keeps one scheduler and ca
 (the cache sized by that rank's ``Ready`` report) and gives each new request to the least loaded one
 (fewest waiting + running sequences; ties to the lower rank). A step schedules every DP rank, broadcasts
 their plans in one ``RunStep``, runs rank 0's own share, and gathers the results; a DP rank without work
-runs an empty step while any other has work (the MoE collectives need every rank).
+runs an empty step while any other has work (the MoE collectives need every rank). With expert-parallel
+load balancing, every ``step_interval`` steps the experts are re-placed between two steps (``eplb.py``).
 
 Launch: ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each), or, under ``torchrun``
 (``RANK`` etc. set), joins the world it describes: rank 0 returns the engine, every other rank serves
@@ -27,6 +28,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, build_output, finish
+from deepinfer.executor.eplb import EplbDriver
 from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
 from deepinfer.engine.sizing import build_prefix_hasher
@@ -89,6 +91,7 @@ class ParallelLLMEngine(LLMEngine):
         self._pending: list[RequestOutput] = []
         self._owner: dict[str, int] = {}  # request id -> DP rank
         self._closed = False
+        self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
         atexit.register(self.close)
 
     # What single-rank callers read (the server's metrics, tests): DP rank 0's scheduler and cache.
@@ -132,6 +135,8 @@ class ParallelLLMEngine(LLMEngine):
                             copies=tuple(s.copies for s in schedules))
             self.worker.channel.broadcast(order)
             done = self.worker.channel.gather(self.worker.run(order))
+            if self.eplb is not None and order.busy:
+                self.eplb.after_step(self.worker)  # between this step and the next
         tp = self.config.parallel.tensor_parallel_size
         for d, (scheduler, schedule) in enumerate(zip(self.schedulers, schedules)):
             scheduler.commit(schedule)
