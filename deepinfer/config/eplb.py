@@ -11,9 +11,10 @@ What the rebalance does is in ``model/parallel/eplb.py`` and ``executor/eplb.py`
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from deepinfer.config.json_object import json_object
 
 _FIELDS = ("num_redundant_experts", "window_size", "step_interval", "log_balancedness")
 
@@ -43,18 +44,8 @@ class EplbConfig:
             return cls()
         if isinstance(value, EplbConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"eplb_config: not valid JSON ({e.msg}); expected e.g. "
-                                 '\'{"num_redundant_experts": 2, "step_interval": 3000}\'') from None
-        if not isinstance(value, dict):
-            raise ValueError(f"eplb_config: must be an object with any of {', '.join(_FIELDS)}, got {value!r}")
-        unknown = sorted(set(value) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"eplb_config.{unknown[0]}: unknown field; allowed: {', '.join(_FIELDS)}")
-        return cls(**value)
+        return cls(**json_object(value, "eplb_config", _FIELDS,
+                                 '{"num_redundant_experts": 2, "step_interval": 3000}'))
 
     def validate(self, num_experts: int, ep_size: int) -> "EplbConfig":
         """Every EP rank holds the same number of slots: (experts + redundant) must divide by the EP size
