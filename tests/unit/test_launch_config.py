@@ -58,7 +58,8 @@ def test_node_flags_reach_the_engine_config() -> None:
     a = build_parser().parse_args(["serve", "-dp", "2", "-tp", "2", "--enable-expert-parallel", "--nnodes", "2",
                                    "--node-rank", "1", "--master-addr", "head", "--master-port", "12345"])
     args = _engine_args(a)
-    cfg = EngineConfig.create(EngineArgs(**{**{f: getattr(args, f) for f in EngineArgs.field_names()}, "device": "cpu"}))
+    fields = {f: getattr(args, f) for f in EngineArgs.field_names()}
+    cfg = EngineConfig.create(EngineArgs(**{**fields, "device": "cpu"}))
     assert cfg.launch == LaunchConfig(2, 1, "head", 12345)
     assert EngineConfig.create(EngineArgs(device="cpu")).launch == LaunchConfig()
     with pytest.raises(ValueError, match="nnodes: 1 ranks .* 2 nodes"):
