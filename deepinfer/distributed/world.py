@@ -3,7 +3,8 @@ every sharded module (no module-level globals: two worlds' models can coexist in
 
 Environment (what ``torchrun`` sets, and what the engine sets for the workers it spawns): ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``. Read here, not in
-``deepinfer/env.py``: they are torch.distributed's variables, not deepinfer switches. Backend: NCCL on CUDA, gloo on the CPU.
+``deepinfer/env.py``: they are torch.distributed's variables, not deepinfer switches. Backend: NCCL on CUDA,
+gloo on the CPU.
 """
 
 from __future__ import annotations
