@@ -72,8 +72,10 @@ def single() -> Result:
     return out
 
 
-def _run_world(**parallel) -> tuple[Result, ParallelLLMEngine]:
-    threads = torch.get_num_threads()  # a CPU world divides the cores among its ranks
+def _run_world(monkeypatch, **parallel) -> tuple[Result, ParallelLLMEngine]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # rank 0, in this process
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks, whatever the machine's core count
     engine = LLMEngine.from_engine_args(**ARGS, **parallel)
     try:
         assert isinstance(engine, ParallelLLMEngine)
@@ -90,15 +92,16 @@ def _run_world(**parallel) -> tuple[Result, ParallelLLMEngine]:
 @pytest.mark.parametrize("parallel", [dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),
                                       dict(data_parallel_size=4, enable_expert_parallel=True)],
                          ids=["dp2-tp2-ep", "dp4-ep"])
-def test_four_process_engine_equals_single_process(single, parallel) -> None:
-    got, engine = _run_world(**parallel)
+def test_four_process_engine_equals_single_process(single, parallel, monkeypatch) -> None:
+    got, engine = _run_world(monkeypatch, **parallel)
     preemptions = [s.num_preemptions for s in engine.schedulers]
     assert all(p > 0 for p in preemptions), f"preemption on every DP rank wanted, got {preemptions}"
     _assert_same(got, single)
 
 
-def test_four_process_engine_with_eplb_equals_single_process(single) -> None:
-    got, engine = _run_world(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True, **EPLB)
+def test_four_process_engine_with_eplb_equals_single_process(single, monkeypatch) -> None:
+    got, engine = _run_world(monkeypatch, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
+                             **EPLB)
     history = engine.eplb.history
     assert len(history) >= 3 and all(r.moved_slots > 0 for r in history[:3])  # re-placed mid-generation
     assert sum(s.num_preemptions for s in engine.schedulers) > 0
