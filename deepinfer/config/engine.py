@@ -17,7 +17,7 @@ import torch
 
 from deepinfer.config.eplb import EplbConfig
 from deepinfer.config.model import ModelConfig
-from deepinfer.distributed.config import ParallelConfig
+from deepinfer.distributed.config import LaunchConfig, ParallelConfig
 from deepinfer.config.speculative import SpeculativeConfig
 
 LOAD_FORMATS = ("auto", "dummy")  # how the weights are obtained (EngineArgs.load_format)
@@ -56,6 +56,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Several nodes without torchrun (torchrun's names; distributed/config.py LaunchConfig): the same command
+    # on every node, each with its node_rank; node 0 at master_addr:master_port is the rendezvous and serves.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
     # Expert-parallel load balancing (config/eplb.py): redundant replicas of hot experts, re-placed every
     # step_interval steps. eplb_config: {"num_redundant_experts": N, "window_size": W, "step_interval": S,
     # "log_balancedness": bool} (or its JSON text); needs enable_expert_parallel.
@@ -128,6 +134,7 @@ class EngineConfig:
     load_format: str = "auto"
     speculative: SpeculativeConfig | None = None
     eplb: EplbConfig | None = None  # None: experts stay where expert parallelism put them
+    launch: LaunchConfig = LaunchConfig()  # which of the world's ranks this node starts
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -158,7 +165,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size,
                                   args.enable_expert_parallel).validate(model)
-        _check_parallel(parallel, args, device)
+        launch = LaunchConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port).validate(parallel)
+        _check_parallel(parallel, launch, args, device)
         eplb = _eplb_config(args, parallel, model)
         return cls(
             model_dir=model_dir,
@@ -178,6 +186,7 @@ class EngineConfig:
             load_format=args.load_format,
             speculative=speculative,
             eplb=eplb,
+            launch=launch,
         )
 
 
@@ -195,14 +204,19 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-def _check_parallel(parallel: ParallelConfig, args: EngineArgs, device: str) -> None:
+def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: EngineArgs, device: str) -> None:
+    from deepinfer.distributed.world import launched_by_torchrun
+
     if parallel.is_single:
         return
     if args.async_scheduling:
         raise ValueError("async_scheduling: not supported with tensor_parallel_size or data_parallel_size > 1; "
                          "allowed: false")
-    if device == "cuda" and parallel.world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size x data_parallel_size: {parallel.world_size} devices wanted, "
+    # Devices are counted per node; under torchrun each rank checks its LOCAL_RANK when it joins.
+    per_node = launch.ranks_per_node(parallel)
+    if device == "cuda" and not launched_by_torchrun() and per_node > torch.cuda.device_count():
+        where = f" on each of {launch.nnodes} nodes" if launch.is_multi_node else ""
+        raise ValueError(f"tensor_parallel_size x data_parallel_size: {per_node} devices wanted{where}, "
                          f"{torch.cuda.device_count()} visible")
     if args.speculative_config is not None:
         raise ValueError("speculative_config: not supported with tensor_parallel_size or data_parallel_size > 1 "

@@ -75,7 +75,7 @@ class RankWorker:
 @torch.no_grad()
 def rank_main(env: WorldEnv, config: EngineConfig) -> None:
     """A worker rank (spawned by the engine, or started by torchrun on another node)."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.world_size))
+    torch.set_num_threads(max(1, torch.get_num_threads() // env.ranks_on_node))  # the node's ranks share its cores
     worker = RankWorker(config, env)
     worker.channel.gather(Ready(env.rank, worker.facts))
     while True:

@@ -1,20 +1,17 @@
 """The engine over a 2-process gloo world (TP2; DP2 with expert parallelism) draws the single-process
 engine's greedy tokens on the demo model, under chunked prefill (a 48-token step budget) and preemption
-(a small history pool), with requests arriving over several steps."""
+(a small history pool), with requests arriving over several steps. 4-process worlds:
+test_four_process_engine.py; ranks started as on several nodes (deepinfer's flags, torchrun):
+test_multi_node_launch.py."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.assets import demo_model_dir
-from deepinfer.distributed.world import free_port
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
@@ -123,23 +120,3 @@ def test_data_parallel_prefix_hits_and_bounded_replay() -> None:
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert max(abs(x - y) for x, y in zip(values(a), values(b))) < 1e-4
-
-
-def test_torchrun_style_launch_equals_single_process(tmp_path) -> None:
-    """Each rank started on its own with torchrun's variables (as on several nodes): rank 0 generates,
-    rank 1 follows its orders and exits when it is done."""
-    cmd = [sys.executable, "-m", "deepinfer.cli", "generate", "def f(x):", "--max-tokens", "6", "--device", "cpu",
-           "--quiet", "--output"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([*cmd, str(tmp_path / "single.jsonl")], env=env, timeout=120, check=True)
-    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    flags = ["--data-parallel-size", "2", "--enable-expert-parallel"]
-    ranks = [subprocess.Popen([*cmd, str(tmp_path / f"rank{r}.jsonl"), *flags],
-                              env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    try:
-        assert [p.wait(timeout=150) for p in ranks] == [0, 0]
-    finally:
-        for p in ranks:
-            p.kill()
-    assert single.returncode == 0 and not (tmp_path / "rank1.jsonl").exists()
-    assert (tmp_path / "rank0.jsonl").read_text() == (tmp_path / "single.jsonl").read_text()
