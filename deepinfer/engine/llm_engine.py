@@ -31,7 +31,7 @@ from deepinfer.engine.progress import abort, append_token, build_output, finish,
 from deepinfer.engine.sequence import RequestState
 from deepinfer.engine.sizing import build_cache, build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
-from deepinfer.kv.manager import cdiv
+from deepinfer.kv.block_budget import cdiv
 from deepinfer.kv.offload import TierLink
 from deepinfer.model.loader import load_model
 from deepinfer.ops.table import select as select_ops

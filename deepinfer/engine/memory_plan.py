@@ -27,7 +27,7 @@ import torch
 
 from deepinfer.config.model import ModelConfig
 from deepinfer.distributed.config import ParallelConfig
-from deepinfer.kv.manager import blocks_for_budget
+from deepinfer.kv.block_budget import blocks_for_budget
 from deepinfer.kv.spec import HISTORY, build_layout
 from deepinfer.model.quant import FP4_GROUP, fp8_scale_shape, storage_format
 from deepinfer.model.summary import Specs, parameter_specs

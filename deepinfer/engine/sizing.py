@@ -13,7 +13,8 @@ import logging
 import torch
 
 from deepinfer.config.engine import EngineConfig, RuntimeFacts
-from deepinfer.kv.manager import CacheManager, blocks_for_budget, cdiv, retained_tail_blocks, tail_blocks_per_seq
+from deepinfer.kv.block_budget import blocks_for_budget, cdiv, retained_tail_blocks, tail_blocks_per_seq
+from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.prefix_hash import BlockHasher, CacheNamespace, model_fingerprint
 from deepinfer.kv.spec import HISTORY, POOLS, build_layout
 from deepinfer.kv.storage import KVStorage

@@ -17,7 +17,7 @@ from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
 from deepinfer.executor.messages import (CollectExpertLoad, ExpertLoad, ExpertsMoved, MoveExperts, Ready, RunStep,
                                          Shutdown, StepDone)
-from deepinfer.kv.manager import cdiv
+from deepinfer.kv.block_budget import cdiv
 from deepinfer.model.loader import load_model
 from deepinfer.model.parallel.eplb import ExpertBalancer
 from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, sharding_hook

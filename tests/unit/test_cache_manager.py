@@ -8,7 +8,8 @@ import pytest
 
 from deepinfer.config import ModelConfig
 from deepinfer.kv.block_pool import OutOfBlocks
-from deepinfer.kv.manager import CacheManager, blocks_for_budget, cdiv, tail_blocks_per_seq
+from deepinfer.kv.block_budget import blocks_for_budget, cdiv, tail_blocks_per_seq
+from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW, CacheLayout, build_layout
 from tests.oracle.hf import tiny_native_config
 

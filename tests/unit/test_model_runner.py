@@ -13,7 +13,8 @@ import copy
 import pytest
 import torch
 
-from deepinfer.kv.manager import CacheManager, cdiv
+from deepinfer.kv.block_budget import cdiv
+from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.spec import POOLS, build_layout
 from deepinfer.kv.storage import KVStorage
 from deepinfer.runner.input_batch import InputBatch

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from deepinfer.kv.block_pool import OutOfBlocks
-from deepinfer.kv.manager import RELEASED, retained_tail_blocks, tail_blocks_per_boundary
+from deepinfer.kv.block_budget import retained_tail_blocks, tail_blocks_per_boundary
+from deepinfer.kv.manager import RELEASED
 from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW
 from tests.unit.test_cache_manager import BS, csa_only, layout, manager
 
