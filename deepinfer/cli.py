@@ -48,6 +48,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention: this many groups, each with its own sequences and cache")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="spread the routed experts over all data x tensor parallel devices")
+    g.add_argument("--enable-eplb", action="store_true",
+                   help="expert-parallel load balancing: replicate hot experts and re-place them between steps")
+    g.add_argument("--eplb-config", default=None, metavar="JSON",
+                   help='EPLB settings, e.g. \'{"num_redundant_experts": 8, "window_size": 1000, '
+                        '"step_interval": 3000, "log_balancedness": true}\'')
+    _node_flags(p)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: the model's safetensors; dummy: random weights in the native formats from "
                         "config.json alone (no weights needed)")
@@ -55,6 +61,21 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="""config.json fields to change, e.g. '{"num_hidden_layers": 4}' (the first 4 layers)""")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (k 1..4)')
+
+
+def _node_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "several nodes", "run the same command on every node, each with its --node-rank; node 0 serves, the "
+        "others only run their ranks (alternatively start every rank under torchrun and leave these out)")
+    g.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the data x tensor parallel ranks are spread over, the same number on each")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, --nnodes)")
+    g.add_argument("--master-addr", default=None,
+                   help="address of node 0 that every node can reach (the torch.distributed rendezvous; "
+                        "required with --nnodes > 1)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="a free port on node 0 for the rendezvous (default: 29500 on several nodes, any free "
+                        "port on one)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -85,6 +106,8 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         kv_host_cache_gb=a.kv_host_cache_gb, kv_cache_dir=a.kv_cache_dir, kv_disk_cache_gb=a.kv_disk_cache_gb,
         tensor_parallel_size=a.tensor_parallel_size,
         data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
+        enable_eplb=a.enable_eplb, eplb_config=a.eplb_config,
+        nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port,
         load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
     )
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from deepinfer.config.eplb import EplbConfig
 from deepinfer.config.model import ModelConfig
-from deepinfer.distributed.config import ParallelConfig
+from deepinfer.distributed.config import LaunchConfig, ParallelConfig
 from deepinfer.config.speculative import SpeculativeConfig
 
 LOAD_FORMATS = ("auto", "dummy")  # how the weights are obtained (EngineArgs.load_format)
@@ -55,6 +56,17 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Several nodes without torchrun (torchrun's names; distributed/config.py LaunchConfig): the same command
+    # on every node, each with its node_rank; node 0 at master_addr:master_port is the rendezvous and serves.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    # Expert-parallel load balancing (config/eplb.py): redundant replicas of hot experts, re-placed every
+    # step_interval steps. eplb_config: {"num_redundant_experts": N, "window_size": W, "step_interval": S,
+    # "log_balancedness": bool} (or its JSON text); needs enable_expert_parallel.
+    enable_eplb: bool = False
+    eplb_config: dict | str | None = None
     # "auto": the model directory's safetensors; "dummy": random weights in the native formats from
     # config.json alone, generated on the device (benchmarks of full shapes without the download).
     load_format: str = "auto"
@@ -121,6 +133,8 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     load_format: str = "auto"
     speculative: SpeculativeConfig | None = None
+    eplb: EplbConfig | None = None  # None: experts stay where expert parallelism put them
+    launch: LaunchConfig = LaunchConfig()  # which of the world's ranks this node starts
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -151,7 +165,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size,
                                   args.enable_expert_parallel).validate(model)
-        _check_parallel(parallel, args, device)
+        launch = LaunchConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port).validate(parallel)
+        _check_parallel(parallel, launch, args, device)
+        eplb = _eplb_config(args, parallel, model)
         return cls(
             model_dir=model_dir,
             tokenizer_dir=args.tokenizer or model_dir,
@@ -169,6 +185,8 @@ class EngineConfig:
             parallel=parallel,
             load_format=args.load_format,
             speculative=speculative,
+            eplb=eplb,
+            launch=launch,
         )
 
 
@@ -186,14 +204,19 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-def _check_parallel(parallel: ParallelConfig, args: EngineArgs, device: str) -> None:
+def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: EngineArgs, device: str) -> None:
+    from deepinfer.distributed.world import launched_by_torchrun
+
     if parallel.is_single:
         return
     if args.async_scheduling:
         raise ValueError("async_scheduling: not supported with tensor_parallel_size or data_parallel_size > 1; "
                          "allowed: false")
-    if device == "cuda" and parallel.world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size x data_parallel_size: {parallel.world_size} devices wanted, "
+    # Devices are counted per node; under torchrun each rank checks its LOCAL_RANK when it joins.
+    per_node = launch.ranks_per_node(parallel)
+    if device == "cuda" and not launched_by_torchrun() and per_node > torch.cuda.device_count():
+        where = f" on each of {launch.nnodes} nodes" if launch.is_multi_node else ""
+        raise ValueError(f"tensor_parallel_size x data_parallel_size: {per_node} devices wanted{where}, "
                          f"{torch.cuda.device_count()} visible")
     if args.speculative_config is not None:
         raise ValueError("speculative_config: not supported with tensor_parallel_size or data_parallel_size > 1 "
@@ -202,6 +225,18 @@ def _check_parallel(parallel: ParallelConfig, args: EngineArgs, device: str) -> 
         name = "kv_host_cache_gb" if args.kv_host_cache_gb else "kv_cache_dir"
         raise ValueError(f"{name}: cache tiers are not supported with tensor_parallel_size or "
                          "data_parallel_size > 1 yet (each rank's blocks live in its own process)")
+
+
+def _eplb_config(args: EngineArgs, parallel: ParallelConfig, model: ModelConfig) -> EplbConfig | None:
+    enabled = _check_bool("enable_eplb", args.enable_eplb)
+    if not enabled:
+        if args.eplb_config is not None:
+            raise ValueError("eplb_config: set without enable_eplb=True (the load balancer it configures)")
+        return None
+    if parallel.expert_parallel_size < 2:
+        raise ValueError("enable_eplb: needs enable_expert_parallel=True with data_parallel_size x "
+                         "tensor_parallel_size > 1 (it balances the experts over the expert-parallel ranks)")
+    return EplbConfig.parse(args.eplb_config).validate(model.n_routed_experts, parallel.expert_parallel_size)
 
 
 def _check_speculative(spec: SpeculativeConfig, model: ModelConfig, args: EngineArgs) -> None:

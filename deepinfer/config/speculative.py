@@ -7,9 +7,10 @@ length may vary per request (``DEEPINFER_ENABLE_MTP_VARLEN``) is read from the e
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from deepinfer.config.json_object import json_object
 
 METHODS = ("mtp",)
 MAX_SPECULATIVE_TOKENS = 4
@@ -29,17 +30,7 @@ class SpeculativeConfig:
         """A dict, its JSON text, an instance, or None (no speculation). Errors name the field."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON ({e.msg}); expected e.g. "
-                                 '\'{"method": "mtp", "num_speculative_tokens": 2}\'') from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: must be an object with {', '.join(_FIELDS)}, got {value!r}")
-        unknown = sorted(set(value) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"speculative_config.{unknown[0]}: unknown field; allowed: {', '.join(_FIELDS)}")
+        value = json_object(value, "speculative_config", _FIELDS, '{"method": "mtp", "num_speculative_tokens": 2}')
         method = value.get("method", "mtp")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method: {method!r} is not supported; allowed: {', '.join(METHODS)}")

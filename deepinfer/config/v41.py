@@ -40,7 +40,14 @@ _TEXT_DEFAULTS: dict[str, Any] = {
     "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4, "engram_vocab_size": 16000000,
     "engram_n_heads": 8, "engram_head_dim": 256, "engram_pad_token_id": 2, "engram_compressed_vocab_size": 99092,
     "num_nextn_predict_layers": 3, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_target_layer_ids": [37, 38, 39],
+    "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
+    "dspark_confidence_input": "hidden",
 }
+# What the DSpark confidence head reads next to the Markov embedding: the final stage's collapsed residual
+# before its norm (the released drafter, as vLLM serves it) or after it (drafts trained by NeMo AutoModel,
+# whose DSpark module says so). Not a released config.json key: a checkpoint of the second kind sets it.
+CONFIDENCE_INPUTS = ("hidden", "normed")
 _DEFAULT_YARN = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
                  "original_max_position_embeddings": 65536}
 _VISION_DEFAULTS: dict[str, Any] = {
@@ -109,6 +116,20 @@ class V41VisionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class V41DSparkConfig:
+    """The DSpark block drafter (spec §5): ``num_nextn_predict_layers`` window-only stages stored as ``mtp.*``,
+    drafting ``block_size`` tokens at once from the target's streams entering ``target_layer_ids``."""
+
+    block_size: int  # draft tokens per block (the block's rows attend to each other: always all of them)
+    noise_token_id: int  # input id of block slots 1..block_size - 1
+    target_layer_ids: tuple[int, ...]  # taps: the stream mean entering these backbone layers
+    markov_rank: int  # rank of the Markov head's token-transition bias
+    n_routed_experts: int
+    num_experts_per_tok: int
+    confidence_input: str  # one of CONFIDENCE_INPUTS
+
+
+@dataclass(frozen=True, slots=True)
 class V41LayerRole:
     """What one backbone layer owns and reads (spec §1.4)."""
 
@@ -162,11 +183,12 @@ class V41Config:
     engram_head_dim: int
     engram_pad_token_id: int
     engram_compressed_vocab_size: int
-    num_nextn_predict_layers: int  # DSpark stages (mtp.*): parsed, not built by the text model
+    num_nextn_predict_layers: int  # DSpark stages (mtp.*), built on request (DeepseekV41(..., dspark=True))
     bos_token_id: int
     eos_token_id: int
     image_token_id: int
     vision: V41VisionConfig | None
+    dspark: V41DSparkConfig
     dtype: str = "bfloat16"
     quant: QuantConfig | None = None
     model_type: str = MODEL_TYPE
@@ -197,6 +219,19 @@ class V41Config:
     @property
     def vision_enabled(self) -> bool:
         return self.vision is not None and self.vision.num_hidden_layers > 0
+
+    def check_dspark(self) -> None:
+        """What building the drafter needs beyond the parse: stages, and taps inside the built backbone (a
+        config truncated to fewer layers keeps its schedules, so only a drafter on it is refused)."""
+        if self.num_nextn_predict_layers < 1:
+            raise _err("num_nextn_predict_layers", "the DSpark drafter needs at least one stage, got 0")
+        if not 0 <= self.dspark.noise_token_id < self.vocab_size:
+            raise _err("dspark_noise_token_id", f"must lie in [0, vocab_size={self.vocab_size}), got "
+                       f"{self.dspark.noise_token_id}")
+        bad = [i for i in self.dspark.target_layer_ids if i >= self.num_hidden_layers]
+        if bad:
+            raise _err("dspark_target_layer_ids", f"layers {bad} are not among the {self.num_hidden_layers} built "
+                       "backbone layers (num_hidden_layers)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "V41Config":
@@ -370,6 +405,22 @@ def _check_schedule(p: str, c: dict[str, Any]) -> None:
         raise _err(p + "engram_pad_token_id", f"must lie in [0, vocab_size), got {c['engram_pad_token_id']}")
 
 
+def _dspark(r: _Reader) -> V41DSparkConfig:
+    p = r.prefix
+    noise = r.int("dspark_noise_token_id", 0)  # its range is checked with the drafter (the default is Flash's)
+    taps = r.ints("dspark_target_layer_ids")
+    if not taps or list(taps) != sorted(set(taps)):
+        raise _err(p + "dspark_target_layer_ids", f"must be a non-empty, strictly increasing list, got {list(taps)}")
+    experts, top_k = r.int("dspark_n_routed_experts"), r.int("dspark_num_experts_per_tok")
+    if top_k > experts:
+        raise _err(p + "dspark_num_experts_per_tok", f"{top_k} exceeds dspark_n_routed_experts {experts}")
+    conf = r.get("dspark_confidence_input")
+    if conf not in CONFIDENCE_INPUTS:
+        raise _err(p + "dspark_confidence_input", f"{conf!r} is not supported; allowed: "
+                   f"{', '.join(CONFIDENCE_INPUTS)}")
+    return V41DSparkConfig(r.int("dspark_block_size"), noise, taps, r.int("dspark_markov_rank"), experts, top_k, conf)
+
+
 def parse_v41_config(d: dict[str, Any]) -> V41Config:
     if not isinstance(d, dict):
         raise ValueError(f"config: expected a dict, got {type(d).__name__}")
@@ -410,6 +461,7 @@ def parse_v41_config(d: dict[str, Any]) -> V41Config:
         compress_rope=compress_rope,
         image_token_id=image,
         vision=_vision(d),
+        dspark=_dspark(r),
         dtype=str(dtype),
         quant=_quant(text),
         raw=dict(d),

@@ -67,3 +67,61 @@ class ParallelConfig:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's default
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Where this process's ranks sit when the engine starts the world itself on several nodes (torchrun's
+    names: ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``). The same command runs on every
+    node with its own ``node_rank``; each node starts world_size / nnodes ranks, node n holding the global
+    ranks [n * per_node, (n + 1) * per_node) (so a TP group of at most per_node ranks stays inside one node).
+    Node 0's first rank is the engine (it serves); the other nodes only follow its steps.
+
+    ``master_addr``/``master_port``: node 0's address, reachable from every node, and a free port there (the
+    rendezvous of torch.distributed). On one node they default to loopback and a free port."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nnodes", "node_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "nnodes" else 0):
+                kind = "a positive integer" if name == "nnodes" else "an integer >= 0"
+                raise ValueError(f"{name}: must be {kind}, got {value!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank: must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.master_addr is not None and (not isinstance(self.master_addr, str) or not self.master_addr.strip()):
+            raise ValueError(f"master_addr: must be a host name or IP address, got {self.master_addr!r}")
+        port = self.master_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+            raise ValueError(f"master_port: must be a TCP port in [1, 65535], got {port!r}")
+        if self.nnodes > 1 and self.master_addr is None:
+            raise ValueError("master_addr: required with nnodes > 1 (the address of node 0, reachable from every "
+                             "node)")
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    def validate(self, parallel: ParallelConfig) -> "LaunchConfig":
+        """Every node holds the same number of ranks; raise ValueError naming the field otherwise."""
+        world = parallel.world_size
+        if world % self.nnodes:
+            raise ValueError(
+                f"nnodes: {world} ranks (tensor_parallel_size x data_parallel_size) cannot be split evenly over "
+                f"{self.nnodes} nodes; allowed: {', '.join(map(str, _divisors(world)))}")
+        return self
+
+    def ranks_per_node(self, parallel: ParallelConfig) -> int:
+        return parallel.world_size // self.nnodes
+
+    def node_ranks(self, parallel: ParallelConfig) -> range:
+        """The global ranks this node starts."""
+        per = self.ranks_per_node(parallel)
+        return range(self.node_rank * per, (self.node_rank + 1) * per)

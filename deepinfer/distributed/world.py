@@ -2,8 +2,9 @@
 every sharded module (no module-level globals: two worlds' models can coexist in one test process tree).
 
 Environment (what ``torchrun`` sets, and what the engine sets for the workers it spawns): ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Read here, not in ``deepinfer/env.py``:
-they are torch.distributed's variables, not deepinfer switches. Backend: NCCL on CUDA, gloo on the CPU.
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``. Read here, not in
+``deepinfer/env.py``: they are torch.distributed's variables, not deepinfer switches. Backend: NCCL on CUDA,
+gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class WorldEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    local_world_size: int | None = None  # ranks on this node (None: not told; then the whole world is assumed)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorldEnv":
@@ -44,15 +46,37 @@ class WorldEnv:
                 values[k] = int(raw)
             except (TypeError, ValueError):
                 raise ValueError(f"{k}: expected a non-negative integer, got {raw!r}") from None
+        local_world = environ.get("LOCAL_WORLD_SIZE")
+        try:
+            local_world = None if local_world is None else int(local_world)
+            if local_world is not None and local_world < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"LOCAL_WORLD_SIZE: expected a positive integer, got {local_world!r}") from None
         env = cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], environ["MASTER_ADDR"],
-                  values["MASTER_PORT"])
+                  values["MASTER_PORT"], local_world)
         if not 0 <= env.rank < env.world_size:
             raise ValueError(f"RANK: must be in [0, WORLD_SIZE={env.world_size}), got {env.rank}")
         return env
 
+    @property
+    def ranks_on_node(self) -> int:
+        """How many ranks share this rank's machine (what its CPU threads and devices are divided among)."""
+        return self.local_world_size or self.world_size
+
     def as_environ(self) -> dict[str, str]:
-        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
-                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        out = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+               "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        if self.local_world_size is not None:
+            out["LOCAL_WORLD_SIZE"] = str(self.local_world_size)
+        return out
+
+
+def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is one rank of a world that a launcher (torchrun, a job scheduler's wrapper)
+    describes in the environment, rather than the engine's own launch."""
+    environ = os.environ if environ is None else environ
+    return "RANK" in environ and "WORLD_SIZE" in environ
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +124,9 @@ def init_world(config: ParallelConfig, device: str = "cpu", env: WorldEnv | None
         raise ValueError(f"WORLD_SIZE: {env.world_size} processes, but tensor_parallel_size x data_parallel_size = "
                          f"{config.world_size}")
     if device == "cuda":
+        if env.local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK: {env.local_rank}, but this node has {torch.cuda.device_count()} visible "
+                             "CUDA devices (one rank per device: start at most that many ranks per node)")
         torch.cuda.set_device(env.local_rank)
         dev, backend = torch.device("cuda", env.local_rank), "nccl"
     else:

@@ -120,5 +120,7 @@ class Intake:
                                             self.tokenizer.token_to_id(DSML))
         return self._grammars.compile(params.structured_outputs)
 
-    def masks(self, matchers: list) -> list[bytes]:
-        return self._grammars.masks(matchers)
+    @property
+    def grammars(self):
+        """The grammar backend (``structured/backend.py``), or None before the first structured request."""
+        return self._grammars

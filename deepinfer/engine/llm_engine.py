@@ -12,13 +12,16 @@ With speculative decoding (``speculative_config``) a step verifies each decoding
 returns its accepted tokens plus the next drafts; applying it rolls the rejected drafts back
 (``Scheduler.rollback``) before the tokens go through the usual stop checks one by one, so a stop or
 ``max_tokens`` reached mid-draft ends the sequence there and the rest is dropped.
+
+Structured outputs: the runner asks for the step's grammar masks once its forward is launched
+(``_StepGrammar.masks``); under async scheduling a constrained batch's step N-1 is applied right there,
+before N's masks, since they need its tokens. The matchers take the accepted tokens as they are applied.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 from deepinfer.config.engine import EngineArgs, EngineConfig
@@ -38,6 +41,7 @@ from deepinfer.runner.model_runner import ModelRunner, StepHandle
 from deepinfer.runner.mtp_graphs import MTPGraphs
 from deepinfer.sched.draft_length import update_rate
 from deepinfer.sched.scheduler import Schedule, Scheduler
+from deepinfer.structured.step_masks import mask_source, with_plan_masks
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer")
@@ -125,18 +129,27 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         touched: set[str] = set()
+        late = None
         if self._inflight is not None and any(s.grammar is not None for s in self.scheduler.running):
-            # A grammar's next mask needs the token in flight: this step waits for it (no overlap).
-            touched |= self._apply(*self._inflight)
-            self._inflight = None
-        schedule = self._with_grammar_masks(self.scheduler.schedule())
+            # A grammar's next mask needs the token in flight: that step is applied once this one's forward is
+            # launched, just before the masks are computed (the device runs the forward meanwhile).
+            late, self._inflight = self._inflight, None
+        schedule = self.scheduler.schedule()
         for seq in schedule.unschedulable:
             finish(seq, "length")
         touched |= {seq.request.request_id for seq in schedule.unschedulable}
-        if self.tiers is not None:  # before the step overwrites evicted blocks and reads loaded ones
+        # Before the step overwrites evicted blocks and reads copied or loaded ones; in this order, since a
+        # block evicted by this plan may be a copy's source or a load's destination.
+        if self.tiers is not None:
             self.tiers.save(list(schedule.saves))
+        for pool, src, dst in schedule.copies:
+            self.storage.copy_block(pool, src, dst)
+        if self.tiers is not None:
             self.tiers.load(list(schedule.loads))
-        handle = self.runner.submit(schedule.plan)  # an empty plan still carries departures
+        grammar = _StepGrammar(self, schedule, late)
+        # An empty plan still carries departures; grammar masks are computed once the forward is launched.
+        handle = self.runner.submit(schedule.plan, grammar.masks if grammar.needed else None)
+        touched |= grammar.settle()
         self.scheduler.commit(schedule)
         current = None if schedule.empty else (schedule, handle)
         if self.async_scheduling:
@@ -154,17 +167,9 @@ class LLMEngine:
         return outputs
 
     def _with_grammar_masks(self, schedule: Schedule) -> Schedule:
-        """The schedule with each constrained draw's allowed-token mask in its work item."""
-        rows = [i for i, (seq, w) in enumerate(zip(schedule.seqs, schedule.plan.work))
-                if w.num_samples and seq.grammar is not None and seq.grammar_after is None]
-        if not rows:
-            return schedule
-        work = list(schedule.plan.work)
-        if any(work[i].num_samples > 1 for i in rows):
-            raise ValueError("structured outputs: several draws of one sequence in a step are not supported")
-        for i, mask in zip(rows, self.intake.masks([schedule.seqs[i].grammar for i in rows])):
-            work[i] = replace(work[i], grammar_mask=mask)
-        return replace(schedule, plan=replace(schedule.plan, work=tuple(work)))
+        """The schedule with each constrained draw's allowed-token mask in its work item (the parallel engine:
+        its plans cross to the ranks whole)."""
+        return with_plan_masks(self.intake.grammars, schedule)
 
     def _apply(self, schedule: Schedule, handle: StepHandle) -> set[str]:
         """Fold a finished step's results into its sequences (waits for them to reach the host)."""
@@ -217,3 +222,29 @@ class LLMEngine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class _StepGrammar:
+    """A step's grammar masks, computed when the runner asks (its forward launched). With async scheduling a
+    constrained sequence's previous token is still in flight when the step is planned: that step is applied
+    first (``late``), here, or at ``settle`` when the runner asked for no masks (the step draws nothing)."""
+
+    def __init__(self, engine: LLMEngine, schedule: Schedule, late) -> None:
+        self.engine, self.schedule, self.late = engine, schedule, late
+        self.touched: set[str] = set()
+        self.needed = late is not None or any(seq.grammar is not None and w.num_samples
+                                              for seq, w in zip(schedule.seqs, schedule.plan.work))
+
+    def masks(self):
+        self._apply_late()
+        source = mask_source(self.engine.intake.grammars, self.schedule.seqs, self.schedule.plan.work)
+        return source() if source is not None else None
+
+    def settle(self) -> set[str]:
+        self._apply_late()
+        return self.touched
+
+    def _apply_late(self) -> None:
+        if self.late is not None:
+            self.touched |= self.engine._apply(*self.late)
+            self.late = None

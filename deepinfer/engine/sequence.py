@@ -44,6 +44,8 @@ class Sequence:
     draft_acceptance: float = 1.0
     # Prefix caching: the hash chain of the sequence's full blocks computed so far (``kv/prefix_hash.py``).
     block_hashes: tuple[bytes, ...] = ()
+    # Bounded replay after a prefix hit: the hit's boundary while positions before it are being recomputed.
+    emit_from: int = 0
     status: Status = Status.WAITING
     text: str = ""
     finish_reason: str | None = None

@@ -4,29 +4,31 @@ Each DP rank owns its sequences and its cache: rank 0 keeps one scheduler and ca
 (the cache sized by that rank's ``Ready`` report) and gives each new request to the least loaded one
 (fewest waiting + running sequences; ties to the lower rank). A step schedules every DP rank, broadcasts
 their plans in one ``RunStep``, runs rank 0's own share, and gathers the results; a DP rank without work
-runs an empty step while any other has work (the MoE collectives need every rank).
+runs an empty step while any other has work (the MoE collectives need every rank). With expert-parallel
+load balancing, every ``step_interval`` steps the experts are re-placed between two steps (``eplb.py``).
 
-Launch: ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each), or, under ``torchrun``
-(``RANK`` etc. set), joins the world it describes: rank 0 returns the engine, every other rank serves
-orders until the engine shuts down and then exits, so the same command runs on every node.
+Launch (``launch.py``): ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each); with
+``nnodes`` > 1, each node spawns its own share of the ranks; under ``torchrun`` (``RANK`` etc. set) it joins the
+world described there. Rank 0 returns the engine; every other rank serves orders until the engine shuts
+down and then its process exits, so the same command runs on every node.
 """
 
 from __future__ import annotations
 
 import atexit
-import multiprocessing
-import os
 import sys
 from typing import Any
 
 import torch
 
 from deepinfer.config.engine import EngineConfig
-from deepinfer.distributed.world import WorldEnv, close_world, free_port
+from deepinfer.distributed.world import WorldEnv, close_world, launched_by_torchrun
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, build_output, finish
+from deepinfer.executor.eplb import EplbDriver
+from deepinfer.executor.launch import follow, node_worlds, spawn_ranks
 from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
 from deepinfer.engine.sizing import build_prefix_hasher
@@ -49,23 +51,28 @@ class _Done:
 
 
 def launch_engine(config: EngineConfig) -> "ParallelLLMEngine":
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
+    """This node's share of the world (``launch.py``): on the engine's node, the engine; elsewhere, the
+    follower ranks, after which the process exits."""
+    if launched_by_torchrun():  # torchrun: this process is one rank
+        if config.launch.is_multi_node:
+            raise ValueError("nnodes: the launcher already describes the world (RANK, WORLD_SIZE in the "
+                             "environment); give the node count and rank to torchrun, not to deepinfer")
         env = WorldEnv.from_env()
         if env.rank != 0:
             rank_main(env, config)
             sys.exit(0)
+        _share_cores(config, env)
         return ParallelLLMEngine(config, env, [])
-    world = config.parallel.world_size
+    envs = node_worlds(config)
+    if config.launch.node_rank != 0:
+        sys.exit(follow(envs, config))
+    _share_cores(config, envs[0])
+    return ParallelLLMEngine(config, envs[0], spawn_ranks(envs[1:], config))
+
+
+def _share_cores(config: EngineConfig, env: WorldEnv) -> None:
     if config.device == "cpu":  # the ranks share this machine's cores (rank_main divides them likewise)
-        torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    port = free_port()
-    ctx = multiprocessing.get_context("spawn")
-    procs = []
-    for rank in range(1, world):
-        p = ctx.Process(target=rank_main, args=(WorldEnv(rank, world, rank, "127.0.0.1", port), config), daemon=True)
-        p.start()
-        procs.append(p)
-    return ParallelLLMEngine(config, WorldEnv(0, world, 0, "127.0.0.1", port), procs)
+        torch.set_num_threads(max(1, torch.get_num_threads() // env.ranks_on_node))
 
 
 class ParallelLLMEngine(LLMEngine):
@@ -89,6 +96,7 @@ class ParallelLLMEngine(LLMEngine):
         self._pending: list[RequestOutput] = []
         self._owner: dict[str, int] = {}  # request id -> DP rank
         self._closed = False
+        self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
         atexit.register(self.close)
 
     # What single-rank callers read (the server's metrics, tests): DP rank 0's scheduler and cache.
@@ -128,9 +136,12 @@ class ParallelLLMEngine(LLMEngine):
                 finish(seq, "length")
                 touched.add(seq.request.request_id)
         if any(s.plan != StepPlan() for s in schedules):  # work or departures somewhere
-            order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules))
+            order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules),
+                            copies=tuple(s.copies for s in schedules))
             self.worker.channel.broadcast(order)
             done = self.worker.channel.gather(self.worker.run(order))
+            if self.eplb is not None and order.busy:
+                self.eplb.after_step(self.worker)  # between this step and the next
         tp = self.config.parallel.tensor_parallel_size
         for d, (scheduler, schedule) in enumerate(zip(self.schedulers, schedules)):
             scheduler.commit(schedule)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.config.engine import RuntimeFacts
+from deepinfer.model.parallel.placement import ExpertPlacement
 from deepinfer.runner.model_runner import StepResult
 from deepinfer.sched.plan import StepPlan
 
@@ -25,6 +26,9 @@ class RunStep:
 
     plans: tuple[StepPlan, ...]
     busy: bool
+    # Per DP rank, cache blocks (pool, source, destination) to copy before the step: a prefix hit's bounded
+    # replay rewrites its private copy of a cached block.
+    copies: tuple[tuple[tuple[str, int, int], ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +40,36 @@ class StepDone:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectExpertLoad:
+    """Between steps: every rank reports its expert load counters (expert-parallel load balancing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLoad:
+    """A rank's counts, per MoE layer: (token, expert) pairs per logical expert over the window, and pairs
+    sent to each physical slot since the placement was last set."""
+
+    rank: int
+    window: tuple[tuple[int, ...], ...]
+    slots: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MoveExperts:
+    """Between steps: every rank moves expert weights to these placements (one per MoE layer) and routes
+    by them from the next step on."""
+
+    placements: tuple[ExpertPlacement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsMoved:
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-MESSAGES = (Ready, RunStep, StepDone, Shutdown)
+MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, Shutdown)

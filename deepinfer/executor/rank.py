@@ -1,7 +1,8 @@
 """One rank of a parallel engine: its share of the model, its DP group's cache and batch state, its runner.
 
 Rank 0 holds one of these inside the engine; every other rank runs ``rank_main``: join the world, load,
-report ``Ready``, then follow the engine's ``RunStep`` orders until ``Shutdown``. All TP ranks of a DP
+report ``Ready``, then follow the engine's orders (``RunStep``; between steps, with expert-parallel load
+balancing, ``CollectExpertLoad`` and ``MoveExperts``) until ``Shutdown``. All TP ranks of a DP
 group get the same plan and compute the same logits (the all-reduce gives every rank the same sums), so
 their seeded draws agree; only the group's first rank reports them.
 """
@@ -14,9 +15,11 @@ from deepinfer.config.engine import EngineConfig
 from deepinfer.distributed.world import WorldEnv, close_world, init_world
 from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
-from deepinfer.executor.messages import Ready, RunStep, Shutdown, StepDone
+from deepinfer.executor.messages import (CollectExpertLoad, ExpertLoad, ExpertsMoved, MoveExperts, Ready, RunStep,
+                                         Shutdown, StepDone)
 from deepinfer.kv.manager import cdiv
 from deepinfer.model.loader import load_model
+from deepinfer.model.parallel.eplb import ExpertBalancer
 from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, sharding_hook
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.input_batch import InputBatch
@@ -34,6 +37,8 @@ class RankWorker:
                                 progress=config.load_progress and env.rank == 0, ops=ops, cfg=config.model,
                                 load_format=config.load_format, seed=config.seed,
                                 shard_model=sharding_hook(self.pctx))
+        # Redundant expert slots before the cache is sized: they take their memory first.
+        self.balancer = ExpertBalancer(self.model, config.eplb) if config.eplb is not None else None
         _, self.storage, self.facts = build_cache(config, self.model)
         sc, mc = config.scheduler, config.model
         batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size), mc.vocab_size,
@@ -42,8 +47,24 @@ class RankWorker:
         self.runner = ModelRunner(self.model, self.storage, batch)
         self.reports = self.pctx.tp_rank == 0
 
+    def handle(self, order):
+        """Carry out one order of the engine; returns this rank's reply."""
+        if isinstance(order, RunStep):
+            return self.run(order)
+        if isinstance(order, CollectExpertLoad):
+            window, slots = self.balancer.report()
+            return ExpertLoad(self.pctx.rank, tuple(map(tuple, window)), tuple(map(tuple, slots)))
+        if isinstance(order, MoveExperts):
+            self.balancer.apply(order.placements)
+            return ExpertsMoved(self.pctx.rank)
+        raise TypeError(f"rank {self.pctx.rank}: unexpected order {type(order).__name__}")
+
     def run(self, order: RunStep) -> StepDone:
+        if self.balancer is not None:
+            self.balancer.advance()
         plan = order.plans[self.pctx.dp_rank]
+        for pool, src, dst in order.copies[self.pctx.dp_rank] if order.copies else ():
+            self.storage.copy_block(pool, src, dst)
         handle = self.runner.submit(plan)
         if plan.empty and order.busy and needs_empty_steps(self.model):
             empty_step(self.model)
@@ -54,12 +75,12 @@ class RankWorker:
 @torch.no_grad()
 def rank_main(env: WorldEnv, config: EngineConfig) -> None:
     """A worker rank (spawned by the engine, or started by torchrun on another node)."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.world_size))
+    torch.set_num_threads(max(1, torch.get_num_threads() // env.ranks_on_node))  # the node's ranks share its cores
     worker = RankWorker(config, env)
     worker.channel.gather(Ready(env.rank, worker.facts))
     while True:
         order = worker.channel.broadcast()
         if isinstance(order, Shutdown):
             break
-        worker.channel.gather(worker.run(order))
+        worker.channel.gather(worker.handle(order))
     close_world()

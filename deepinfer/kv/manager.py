@@ -33,12 +33,15 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
+from deepinfer.config.model import CSA
 from deepinfer.kv.block_pool import BlockPool, OutOfBlocks
 from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW, CacheLayout
 
 TAIL_POOLS = (WINDOW, STATE)  # pools whose old blocks are released as the sequence grows
 RELEASED = -1  # table entry of a released window/state block (what SeqRun.block_tables expects)
 FROM_TIER = -2  # prefix-hit table entry: a block a lower cache tier holds, loaded into a new block at admission
+COPY = -3  # prefix-hit table entry (bounded replay): a private copy of a cached block, which the replay rewrites
+FRESH = -4  # prefix-hit table entry (bounded replay): a new block the replay fills
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,6 +59,15 @@ class _Request:
 
 
 @dataclass(frozen=True, slots=True)
+class Admission:
+    """Work a prefix hit leaves for the owner of the storage, before the request's next step: ``fills``
+    (pool, new block, hash) to load from a lower tier, ``copies`` (pool, source block, new block) to copy."""
+
+    fills: tuple[tuple[str, int, bytes], ...] = ()
+    copies: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixHit:
     """Cached blocks that let a request start at ``num_tokens`` (a block boundary): per pool, the table it
     starts with (history: every block before the boundary; window/state: -1 up to the tail, then blocks).
@@ -65,10 +77,20 @@ class PrefixHit:
     num_tokens: int
     tables: dict[str, tuple[int, ...]]
     loads: tuple[tuple[str, int, bytes], ...] = ()
+    # Bounded replay: the request starts ``replay`` positions before the boundary and recomputes them (their
+    # compressor state was not retained); ``copies`` (pool, table index, cached block) are the COPY entries.
+    replay: int = 0
+    copies: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def start(self) -> int:
+        """The request's length after admission: the first position it computes."""
+        return self.num_tokens - self.replay
 
 
 class CacheManager:
-    def __init__(self, layout: CacheLayout, num_blocks: Mapping[str, int], spec_slack: int = 0) -> None:
+    def __init__(self, layout: CacheLayout, num_blocks: Mapping[str, int], spec_slack: int = 0,
+                 bounded_replay: bool = True) -> None:
         missing = [p for p in POOLS if p not in num_blocks]
         if missing:
             raise ValueError(f"num_blocks: missing pools {missing}")
@@ -82,6 +104,11 @@ class CacheManager:
         # Tail pools that hold rows at all: a layout without compressed layers has an empty state pool,
         # whose (zero-byte) blocks are still tracked for uniform tables but never limit a rollback.
         self._holds_rows = {p: any(t.pool == p for s in layout.layers for t in s.tensors) for p in TAIL_POOLS}
+        # Bounded replay (architecture note §3.5): at a block boundary P (a multiple of every ratio) the next
+        # position reads compressor state of [P - R, P) only, R the largest CSA ratio (the overlapping window;
+        # an HCA window starts afresh at P). Without cached state blocks a hit recomputes those R positions
+        # from the retained window KV, emitting no entry (they are cached), instead of giving up the boundary.
+        self.replay = replay_length(layout) if bounded_replay else 0
         self._reqs: dict[Hashable, _Request] = {}
         # (req, pool, start, ids, length) per table change, for a consumer that mirrors the tables (the
         # scheduler turns them into a plan's table edits); None: not recorded.
@@ -205,8 +232,9 @@ class CacheManager:
                 break
             blocks.append(b)
         # The history chain may reach further than any retained tail: try boundaries from the longest down.
+        bs = self.block_size
         for nb in range(len(blocks), 0, -1):
-            boundary = nb * self.block_size
+            boundary = nb * bs
             tables: dict[str, tuple[int, ...]] = {HISTORY: tuple(blocks[:nb])}
             for p in TAIL_POOLS:
                 first = self._first_tail_block(p, boundary)
@@ -217,30 +245,53 @@ class CacheManager:
             else:
                 loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
                 return PrefixHit(boundary, tables, loads)
+            hit = self._replay_hit(hashes, boundary, tables[HISTORY], find) if self.replay else None
+            if hit is not None:
+                return hit
         return None
+
+    def _replay_hit(self, hashes: tuple[bytes, ...], boundary: int, history: tuple[int, ...], find) -> PrefixHit | None:
+        """A hit at ``boundary`` that recomputes its last ``replay`` positions: the window blocks behind them
+        must be cached (those overlapping the replayed positions on the device: they are copied, as the
+        replay rewrites their rows); the state blocks it needs are new."""
+        bs, start, nb = self.block_size, boundary - self.replay, boundary // self.block_size
+        lo = max(0, start - self._tail[WINDOW]) // bs
+        window = [find(WINDOW, hashes[i]) for i in range(lo, nb)]
+        if None in window:
+            return None
+        copies = []
+        for i in range(start // bs, nb):  # blocks holding replayed positions: copy device-resident ones
+            b = window[i - lo]
+            if b < 0:
+                return None
+            copies.append((WINDOW, i, b))
+            window[i - lo] = COPY
+        state_lo = max(0, start - self._tail[STATE]) // bs
+        tables = {HISTORY: history, WINDOW: (RELEASED,) * lo + tuple(window),
+                  STATE: (RELEASED,) * state_lo + (FRESH,) * (nb - state_lo)}
+        loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
+        return PrefixHit(boundary, tables, loads, self.replay, tuple(copies))
 
     def _admission_need(self, hit: PrefixHit, num_new_tokens: int) -> dict[str, int]:
         """Per pool: blocks ``admit`` takes out of the available ones (new blocks, blocks to load from a
-        tier, and cached hit blocks, which leave the eviction order)."""
-        total = self.blocks_for_count(hit.num_tokens + num_new_tokens)
+        tier, copies and fresh blocks of a replay, and cached hit blocks, which leave the eviction order)."""
+        total = self.blocks_for_count(hit.start + num_new_tokens)
         need = {}
         for p in POOLS:
             table = hit.tables[p]
             revived = sum(1 for b in table if b >= 0 and self.pools[p].is_cached(b))
-            loaded = sum(1 for b in table if b == FROM_TIER)
-            need[p] = revived + loaded + max(0, total - len(table))
+            taken = sum(1 for b in table if b in (FROM_TIER, COPY, FRESH))
+            need[p] = revived + taken + max(0, total - len(table))
         return need
 
     def can_admit(self, hit: PrefixHit, num_new_tokens: int) -> bool:
         need = self._admission_need(hit, num_new_tokens)
         return all(need[p] <= self.pools[p].num_available for p in POOLS)
 
-    def admit(self, req_id: Hashable, hit: PrefixHit, num_new_tokens: int) -> list[tuple[str, int, bytes]]:
-        """Register a new request on a prefix hit: share the hit's blocks, start at length ``hit.num_tokens``,
-        and allocate blocks for its next ``num_new_tokens`` positions. All or nothing (OutOfBlocks).
-
-        Returns (pool, block id, hash) of each new block the caller must fill from a lower tier before the
-        request's next step reads it (already named by its hash: it holds that content from then on)."""
+    def admit(self, req_id: Hashable, hit: PrefixHit, num_new_tokens: int) -> Admission:
+        """Register a new request on a prefix hit: share the hit's blocks, start at length ``hit.start``, and
+        allocate blocks for its next ``num_new_tokens`` positions. All or nothing (OutOfBlocks). Returns what
+        the caller must do to the new blocks before the request's next step reads them."""
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} is already registered; a hit applies to a new request only")
         if num_new_tokens < 0:
@@ -249,22 +300,30 @@ class CacheManager:
         for p in POOLS:
             if need[p] > self.pools[p].num_available:
                 raise OutOfBlocks(p, need[p], self.pools[p].num_available)
-        r = self._reqs[req_id] = _Request(length=hit.num_tokens, num_hashed=hit.num_tokens // self.block_size)
+        # A replay's copies and fresh blocks are its own (never named: the blocks before the boundary are).
+        r = self._reqs[req_id] = _Request(length=hit.start, num_hashed=hit.num_tokens // self.block_size)
         filled: list[tuple[str, int, bytes]] = []
+        copies: list[tuple[str, int, int]] = []
         for p in POOLS:
             table = list(hit.tables[p])
             self.pools[p].touch([b for b in table if b >= 0])
-            for (pool, i, h), b in zip((x for x in hit.loads if x[0] == p),
-                                       self.pools[p].allocate(sum(1 for x in hit.loads if x[0] == p))):
+            loads = [x for x in hit.loads if x[0] == p]
+            for (_, i, h), b in zip(loads, self.pools[p].allocate(len(loads))):
                 table[i] = b
                 self.pools[p].set_hash(b, h)
                 filled.append((p, b, h))
+            own = [i for i, b in enumerate(table) if b in (COPY, FRESH)]
+            source = {i: src for pool, i, src in hit.copies if pool == p}
+            for i, b in zip(own, self.pools[p].allocate(len(own))):
+                if table[i] == COPY:
+                    copies.append((p, source[i], b))
+                table[i] = b
             if p in TAIL_POOLS:
                 r.first_live[p] = sum(1 for b in table if b == RELEASED)
             r.tables[p] = table
             self._edited(req_id, p, 0, table)
         self.allocate(req_id, num_new_tokens)
-        return filled
+        return Admission(tuple(filled), tuple(copies))
 
     def cache_blocks(self, req_id: Hashable, hashes: tuple[bytes, ...]) -> None:
         """Name the request's leading blocks by ``hashes`` (block i holds the rows of the prefix that
@@ -436,10 +495,23 @@ def tail_blocks_per_seq(layout: CacheLayout, pool: str, spec_slack: int = 0) -> 
     return cdiv(layout.tail(pool) + spec_slack + bs, bs) + 1
 
 
+def replay_length(layout: CacheLayout) -> int:
+    """Positions a bounded replay recomputes before a block boundary: the largest CSA ratio (0: none needed)."""
+    if not any(t.pool == STATE for s in layout.layers for t in s.tensors):
+        return 0
+    return max((s.ratio for s in layout.layers if s.kind == CSA), default=0)
+
+
 def tail_blocks_per_boundary(layout: CacheLayout, pool: str) -> int:
-    """Blocks of a tail pool that a prefix hit at a block boundary needs (those covering the tail behind it)."""
+    """Blocks of a tail pool that keep a block boundary usable by prefix hits: the window blocks covering the
+    window behind a bounded replay (state blocks are then not needed; without a replay, the state tail's)."""
     holds_rows = any(t.pool == pool for s in layout.layers for t in s.tensors)
-    return cdiv(layout.tail(pool), layout.block_size) if holds_rows else 0
+    if not holds_rows:
+        return 0
+    replay = replay_length(layout)
+    if pool == WINDOW:
+        return cdiv(layout.tail(WINDOW) + replay, layout.block_size)
+    return 0 if replay else cdiv(layout.tail(pool), layout.block_size)
 
 
 def retained_tail_blocks(layout: CacheLayout, memory_bytes: int, model_dtype_bytes: int) -> dict[str, int]:

@@ -69,6 +69,11 @@ class TierLink:
             return None
         return bytes(found.payload)
 
+    def prefetch(self, hashes: tuple[bytes, ...]) -> int:
+        """Queue the disk-resident history and window blocks of a prefix to be read into host memory in the
+        background (a request's lookup at admission then finds them there); returns how many were queued."""
+        return self.store.prefetch([self.key(p, h) for h in hashes for p in ("history", "window")])
+
     def save(self, blocks: list[tuple[str, int, bytes]]) -> None:
         """Write blocks (pool, block id, hash) down; their rows must still be intact (before the step)."""
         for pool, block, h in blocks:

@@ -39,6 +39,16 @@ class KVStorage:
     def get(self, layer_key: str, name: str) -> torch.Tensor:
         return self.tensors[(layer_key, name)]
 
+    def copy_block(self, pool: str, src: int, dst: int) -> None:
+        """Copy block ``src`` of ``pool`` onto block ``dst``, every tensor of every layer (a prefix hit's
+        private copy of a cached block that its replay rewrites)."""
+        for spec in self.layout.layers:
+            for t in spec.tensors:
+                if t.pool == pool:
+                    n = self.layout.rows_per_block(t)
+                    rows = self.tensors[(spec.key, t.name)]
+                    rows[dst * n:(dst + 1) * n] = rows[src * n:(src + 1) * n]
+
     def spare_row(self, pool: str) -> int:
         """First row of the spare block of ``pool`` for per-position (stride-1) tensors."""
         return self.num_blocks[pool] * self.layout.block_size

@@ -30,6 +30,7 @@ previous step: turning Python ints into int64 costs tens of ns each.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -82,6 +83,9 @@ class StepIndex:
     kinds: tuple[tuple[int, bool], ...]  # (ratio, overlap) of the compressed layers
     spare_window: int  # spare rows padding tokens write to
     spare_state: int
+    # [B] int64 or None: per sequence, windows closing before this position are not emitted (their entries
+    # are cached: a prefix hit's bounded replay recomputes those positions' window and state rows only).
+    emit_from: torch.Tensor | None = None
 
     def _tensors(self) -> list[str]:
         return [f.name for f in fields(self) if f.type == "torch.Tensor"]
@@ -101,6 +105,8 @@ class StepIndex:
             # as_strided offsets count from the start of the storage, not of ``dst``.
             base = dst.storage_offset() - lo
             moved.update({n: dst.as_strided(t.shape, t.stride(), base + t.storage_offset()) for n, t in filled.items()})
+        if self.emit_from is not None:
+            moved["emit_from"] = self.emit_from.to(device, non_blocking=True)
         return StepIndex(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **moved})
 
     def rows(self, derive: Callable = ref_step_rows) -> StepRows:
@@ -109,9 +115,13 @@ class StepIndex:
         window_rows, state_rows, window_keys, kinds = derive(
             self.token_seq, self.positions, self.window_table, self.state_table, self.history_table, self.seq_end,
             self.span, self.block_size, self.window, self.kinds, self.spare_window, self.spare_state)
+        compress = {kind: CompressIndex(*k) for kind, k in zip(self.kinds, kinds)}
+        if self.emit_from is not None:
+            done = self.positions < self.emit_from[self.token_seq]  # closes a window ending at or before it
+            compress = {kind: dataclasses.replace(ci, entry_rows=torch.where(done, -1, ci.entry_rows))
+                        for kind, ci in compress.items()}
         return StepRows(token_seq=self.token_seq, window_rows=window_rows, state_rows=state_rows,
-                        window_keys=window_keys,
-                        compress={kind: CompressIndex(*k) for kind, k in zip(self.kinds, kinds)})
+                        window_keys=window_keys, compress=compress)
 
 
 def compress_kinds(layout) -> tuple[tuple[int, bool], ...]:

@@ -14,11 +14,18 @@ are compared with its drafts (``runner/speculative.py``), only the accepted pref
 token reach the host, and the MTP layer then proposes the next drafts. On the GPU a full verify step (every
 sequence k drafts) replays a verify graph that keeps the final streams, and the MTP passes replay theirs
 (``runner/mtp_graphs.py``); other steps (prefill chunks, fewer drafts) run eagerly.
+
+Structured outputs: ``submit(plan, masks)`` launches the forward and the logits first and only then calls
+``masks()`` for the step's grammar masks ([drawn rows, words] int32, computed on the host by the engine), so
+on the GPU the grammar work overlaps the forward; the masks are uploaded like any other step input (pinned,
+queued) and applied just before the draw, adding no host sync (vLLM orders it the same way). With drafts,
+each verified row has its own mask: the grammar's state after the drafts before that row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -139,7 +146,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.window = model.cfg.sliding_window
 
-    def submit(self, plan: StepPlan) -> StepHandle:
+    def submit(self, plan: StepPlan, masks: Callable[[], np.ndarray] | None = None) -> StepHandle:
+        """Run ``plan``; ``masks`` (constrained steps): called once the forward is launched, it returns the
+        grammar masks of the step's drawn rows (rows without a constraint: all bits set)."""
         self.batch.apply(plan)
         if plan.empty:
             return StepHandle()
@@ -174,7 +183,7 @@ class ModelRunner:
         q = self.graphs.tokens_per_seq if self.graphs is not None else 0
         # Every sequence draws at each of its q inputs (decode; with speculation, a full verify step).
         graph_ok = (self.graphs is not None and not jobs and self.graphs.fits_slots(len(work), len(ids))
-                    and all(w.num_tokens == q == w.num_samples for w in work))
+                    and all(w.num_tokens == q == w.num_samples and not w.emit_from for w in work))
         streams = index = input_ids = None
         if graph_ok:
             logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders)
@@ -182,7 +191,8 @@ class ModelRunner:
                 g = self.graphs.bucket(len(work))
                 streams, index, input_ids = g.streams[: len(ids)], g.index, g.ids[: len(ids)]
         else:
-            streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders)
+            streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders,
+                                                      [w.emit_from for w in work])
             rows = draw_rows + prompt_rows
             logits = (self.model.logits(streams[to_device(rows, torch.int64, self.device)]) if rows
                       else streams.new_zeros(0, self.model.cfg.vocab_size))
@@ -191,8 +201,12 @@ class ModelRunner:
         tokens = accepted = None
         if nd:
             drawing = [w for w in work if w.num_samples]
+            # The host computes the masks now, while the device runs the forward launched above.
+            bitmask = masks() if masks is not None else None
+            if bitmask is None:
+                bitmask = self._plan_masks(drawing, last_rows, nd)
             tokens, extra = self._draw(logits[:nd], drawing, draw_slots, draw_pos, last_rows, counts,
-                                       history if any(w.num_drafts for w in drawing) else None)
+                                       history if any(w.num_drafts for w in drawing) else None, bitmask)
             handle_args.update(extra)
             if any(w.num_drafts for w in drawing):
                 v = verify(tokens, drawing, self.device)
@@ -219,14 +233,15 @@ class ModelRunner:
         return StepHandle(**handle_args, done=done)
 
     def _draw(self, logits: torch.Tensor, work, slots: list[int], positions: list[int], last_rows: list[int],
-              counts: list[int], history: list[tuple[int, ...]] | None) -> tuple[torch.Tensor, dict]:
+              counts: list[int], history: list[tuple[int, ...]] | None,
+              bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, dict]:
         """Draw a token from each row of ``logits`` (``work``: the drawing works, in order); the tokens and
-        the StepHandle fields that carry them to the host. ``history``: per row, drafts that precede it."""
+        the StepHandle fields that carry them to the host. ``history``: per row, drafts that precede it;
+        ``bitmask``: per row, the allowed tokens (structured outputs)."""
         batch = self.batch
         seq_ids = tuple(w.seq_id for w in work)
-        masks = [w.grammar_mask for w in work]
-        if any(m is not None for m in masks):
-            logits = self._apply_grammar_masks(logits.float(), masks, last_rows)
+        if bitmask is not None:
+            logits = self._apply_grammar_masks(logits.float(), bitmask)
         if batch.plain_greedy(slots, positions):
             # Greedy rows with nothing to apply: the sampler would return this argmax (the conversion to
             # float32 is exact, so it is skipped too); a dozen fewer small launches per step.
@@ -244,13 +259,22 @@ class ModelRunner:
                                                                     lp.top_ids)))
         return tokens, out
 
-    def _apply_grammar_masks(self, logits: torch.Tensor, masks: list[bytes | None], last_rows: list[int]):
+    def _plan_masks(self, drawing, last_rows: list[int], num_rows: int) -> np.ndarray | None:
+        """The masks a plan carries in its work items (the parallel engine's; one draw per sequence), as rows."""
+        if all(w.grammar_mask is None for w in drawing):
+            return None
+        host = np.full((num_rows, (self.model.cfg.vocab_size + 31) // 32), -1, dtype=np.int32)
+        for w, row in zip(drawing, last_rows):
+            if w.grammar_mask is not None:
+                host[row] = words_of(w.grammar_mask)[: host.shape[1]]
+        return host
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
         """Disallowed tokens of constrained draws to -inf (rows without a constraint: all bits set)."""
         words = (logits.shape[1] + 31) // 32
-        host = np.full((len(logits), words), -1, dtype=np.int32)
-        for mask, row in zip(masks, last_rows):
-            if mask is not None:
-                host[row] = words_of(mask)[:words]
+        if bitmask.shape[0] != len(logits) or bitmask.shape[1] < words:
+            raise ValueError(f"grammar masks: expected {len(logits)} rows of >= {words} words, got {bitmask.shape}")
+        host = bitmask[:, :words]
         flat = to_device(host.reshape(-1), torch.int32, self.device).view(len(logits), words)
         return apply_masks(logits, flat)
 
@@ -268,11 +292,13 @@ class ModelRunner:
         both = to_device(rows + owners, torch.int64, self.device)
         return both[: len(rows)], self.batch.last_tokens[both[len(rows) :]]
 
-    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders):
+    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders, emit_from: list[int]):
         """The target's final streams [T, N, H] of the step, with its index and input ids (the MTP layer
-        reuses both)."""
+        reuses both). ``emit_from``: per sequence, the bounded replay's boundary (0: none)."""
         index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
                                  pin_memory=self.device.type == "cuda").to(self.device)
+        if any(emit_from):
+            index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
         input_ids = to_device(ids, torch.int64, self.device)
         if placeholders is not None:
             input_ids[placeholders[0]] = placeholders[1]

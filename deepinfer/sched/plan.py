@@ -101,6 +101,9 @@ class SeqWork:
     num_drafts: int = 0  # the last num_drafts token_ids are drafts, verified by this step's draws
     num_proposals: int = 0  # drafts the MTP layer proposes for the next step (0: none)
     next_token: int = -1  # token after the last input when the step draws none (-1: it draws)
+    # Bounded replay of a prefix hit: windows closing before this position are cached already, so the step
+    # recomputes their positions' window and state rows but emits no compressed entry for them (0: none).
+    emit_from: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,10 @@ asking for prompt logprobs skip the lookup (the cached positions would have none
 ``n > 1`` request wait in the queue until the first sample has computed the prompt's full blocks, then hit.
 With cache tiers (``tiers``) the lookup also finds blocks in host memory or on disk: their payloads are
 fetched (and checked) at admission, and the schedule carries them (``loads``) with the cached blocks its
-allocations evicted (``saves``), for the engine to apply before the step.
+allocations evicted (``saves``), for the engine to apply before the step. A hit whose boundary kept its
+window blocks but not its compressor state is a bounded replay: the sequence starts a few positions early
+(``PrefixHit.start``), its first step emits no compressed entry before the boundary (``SeqWork.emit_from``),
+and the block it rewrites is a private copy (``copies``, applied by the engine before the step).
 
 ``schedule()`` returns a ``Schedule``: the self-contained ``StepPlan`` for the runner (``sched/plan.py``)
 plus the live sequences it covers, for the engine.
@@ -58,6 +61,8 @@ class Schedule:
     # plan evicts (pool, block, hash) and blocks of prefix hits to fill from a tier (pool, block, payload).
     saves: tuple[tuple[str, int, bytes], ...] = ()
     loads: tuple[tuple[str, int, bytes], ...] = ()
+    # Bounded replay of prefix hits: (pool, source block, new block) to copy before the step (after saves).
+    copies: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -74,6 +79,7 @@ class Scheduler:
         if tiers is not None:
             cache.record_evictions()
         self._loads: list[tuple[str, int, bytes]] = []
+        self._copies: list[tuple[str, int, int]] = []
         self.speculative = speculative
         self.cache = cache
         self.eos_token_ids = tuple(eos_token_ids)
@@ -85,12 +91,16 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.prefix_tier_hits = 0  # of those, tokens whose history blocks came from a lower tier
+        self.prefix_replayed = 0  # positions recomputed by bounded replays (not counted as hits)
         self._left: list[str] = []  # sequences that left the runner's batch since the last plan
 
     # ---- membership -----------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        if self.tiers is not None and seq.index == 0 and seq.request.params.prompt_logprobs is None:
+            # While it waits, warm host memory with the prompt's blocks the disk holds (background reads).
+            self.tiers.prefetch(self._chain(seq, seq.num_tokens - 1))
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence (finished or aborted) and release its cache blocks immediately."""
@@ -130,7 +140,7 @@ class Scheduler:
             if self._sibling_computing(seq):
                 break  # its prompt's blocks are being computed by sample 0: hit them next step
             hit = self._lookup(seq)
-            seq.num_computed = hit.num_tokens if hit else 0
+            seq.num_computed = hit.start if hit else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             extent = self._extent(seq, n)
             if not (self.cache.can_admit(hit, extent) if hit else self.cache.can_allocate(seq.seq_id, extent)):
@@ -142,8 +152,10 @@ class Scheduler:
                 continue
             self._count_hit(seq, hit)
             if hit:
-                filled = self.cache.admit(seq.seq_id, hit, extent)
-                self._loads += [(p, b, payloads[(p, h)]) for p, b, h in filled]
+                admission = self.cache.admit(seq.seq_id, hit, extent)
+                self._loads += [(p, b, payloads[(p, h)]) for p, b, h in admission.fills]
+                self._copies += admission.copies
+                seq.emit_from = hit.num_tokens if hit.replay else 0
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -159,7 +171,8 @@ class Scheduler:
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
         saves = tuple(self.cache.drain_evictions()) if self.tiers is not None else ()
         loads, self._loads = tuple(self._loads), []
-        return Schedule(plan, tuple(planned), tuple(preempted), stuck, saves, loads)
+        copies, self._copies = tuple(self._copies), []
+        return Schedule(plan, tuple(planned), tuple(preempted), stuck, saves, loads, copies)
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def _chain(self, seq: Sequence, num_tokens: int) -> tuple[bytes, ...]:
@@ -196,9 +209,10 @@ class Scheduler:
     def _count_hit(self, seq: Sequence, hit: PrefixHit | None) -> None:
         if self.prefix is None:
             return
-        cached = hit.num_tokens if hit else 0
+        cached = hit.start if hit else 0
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += cached
+        self.prefix_replayed += hit.replay if hit else 0
         if hit:
             self.prefix_tier_hits += sum(self.prefix.block_size for p, _, _ in hit.loads if p == HISTORY)
         if seq.index == 0 and seq.request.num_cached_tokens is None:  # the request's first admission
@@ -229,8 +243,8 @@ class Scheduler:
     def _proposals(self, seq: Sequence, n: int, draws: int) -> int:
         """Drafts the MTP layer proposes after a step of ``n`` inputs that draws ``draws`` tokens."""
         spec = self.speculative
-        if spec is None or not draws or seq.grammar is not None:
-            return 0  # constrained sequences draw one token per step (their mask needs the previous token)
+        if spec is None or not draws:
+            return 0
         want = draft_length(seq.draft_acceptance, spec.num_speculative_tokens) if spec.varlen else \
             spec.num_speculative_tokens
         # Useless past the output limit (the next step keeps at most max_output - num_output - 2 drafts);
@@ -267,10 +281,12 @@ class Scheduler:
     def _take(self, seq: Sequence, n: int) -> SeqWork:
         first, known = seq.num_computed, seq.num_tokens
         tokens = tuple(seq.token_ids[first : min(first + n, known)])
+        emit_from = seq.emit_from if first < seq.emit_from else 0
         if self.speculative is None:
             self.cache.allocate(seq.seq_id, n)
             samples = 1 if first + n == known + seq.num_pending else 0
-            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n))
+            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n),
+                           emit_from=emit_from)
         drafts = self._drafts(seq)[: max(0, first + n - known)]  # the budget may cut drafts off
         samples = self._num_draws(seq, n)
         proposals = self._proposals(seq, n, samples)
@@ -278,7 +294,7 @@ class Scheduler:
         nxt = -1 if samples else seq.token_ids[first + n]
         return SeqWork(seq.seq_id, first, tokens + drafts, n - len(tokens) - len(drafts), samples,
                        self._prompt_job(seq, first, n), num_drafts=len(drafts), num_proposals=proposals,
-                       next_token=nxt)
+                       next_token=nxt, emit_from=emit_from)
 
     def _prompt_job(self, seq: Sequence, first: int, n: int) -> PromptLogprobJob | None:
         req = seq.request
@@ -310,6 +326,7 @@ class Scheduler:
         self._left.append(seq.seq_id)
         seq.num_computed = 0
         seq.drafts = ()
+        seq.emit_from = 0
         seq.status = Status.WAITING
         # Back to the head of the queue in arrival order, ahead of everything that arrived later.
         items = sorted([*self.waiting, seq], key=lambda s: s.arrival)

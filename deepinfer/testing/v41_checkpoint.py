@@ -1,8 +1,10 @@
 """Write a DeepSeek-V4.1 checkpoint directory from given fp32 weights (released names), in the released
 quantized formats when the config has a ``quantization_config``: FP8 e4m3 dense weights with UE8M0 scales
 per 32x32 block, packed FP4 e2m1 experts with a UE8M0 scale per row and 32 columns, FP8 Engram tables with
-per-row, per-32-column scales. Returns the fp32 values a correct loader must produce (the weights after one
-quantization round trip), by native name. Optional extra tensors (e.g. ``vision.*``) are written as given.
+per-row, per-32-column scales. The DSpark drafter's ``mtp.*`` tensors, when given, are written the same way
+(dense projections and ``main_proj`` FP8, experts FP4, the confidence head fp32). Returns the fp32 values a
+correct loader must produce (the weights after one quantization round trip), by native name. Optional extra
+tensors (e.g. ``vision.*``) are written as given.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _NATIVE_TO_HF = tuple((re.compile(p), r) for p, r in (
     (r"^embed\.", "model.embed_tokens."),
     (r"^head\.", "lm_head."),
     (r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$", r"model.\1.\2_hc.\3"),
+    (r"^(mtp\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$", r"\1.\2_hc.\3"),  # NeMo's DSpark names: no "model."
     (r"\.attn\.attn_sink$", ".attn.sinks_param.weight"),
     (r"(\.ffn\.(?:experts\.\d+|shared_experts))\.w1\.", r"\1.gate_proj."),
     (r"(\.ffn\.(?:experts\.\d+|shared_experts))\.w3\.", r"\1.up_proj."),
@@ -51,7 +54,8 @@ def _encode(name: str, w: torch.Tensor, cfg: V41Config, store: torch.dtype
         q, s = quant_fp4(w.float())
         return q, s, dequant_fp4(q, s)
     keep = torch.float32 if w.dtype == torch.float32 and (name.endswith(("_fn", "_base", "_scale", "attn_sink"))
-                                                          or ".gate.bias" in name) else store
+                                                          or ".gate.bias" in name or ".confidence_head." in name
+                                                          ) else store
     stored = w.to(keep)
     return stored, None, stored.float()
 

@@ -1,20 +1,17 @@
 """The engine over a 2-process gloo world (TP2; DP2 with expert parallelism) draws the single-process
 engine's greedy tokens on the demo model, under chunked prefill (a 48-token step budget) and preemption
-(a small history pool), with requests arriving over several steps."""
+(a small history pool), with requests arriving over several steps. 4-process worlds:
+test_four_process_engine.py; ranks started as on several nodes (deepinfer's flags, torchrun):
+test_multi_node_launch.py."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.assets import demo_model_dir
-from deepinfer.distributed.world import free_port
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
@@ -76,21 +73,50 @@ def test_two_process_engine_equals_single_process(single, parallel) -> None:
     assert got == single
 
 
-def test_torchrun_style_launch_equals_single_process(tmp_path) -> None:
-    """Each rank started on its own with torchrun's variables (as on several nodes): rank 0 generates,
-    rank 1 follows its orders and exits when it is done."""
-    cmd = [sys.executable, "-m", "deepinfer.cli", "generate", "def f(x):", "--max-tokens", "6", "--device", "cpu",
-           "--quiet", "--output"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([*cmd, str(tmp_path / "single.jsonl")], env=env, timeout=120, check=True)
-    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    flags = ["--data-parallel-size", "2", "--enable-expert-parallel"]
-    ranks = [subprocess.Popen([*cmd, str(tmp_path / f"rank{r}.jsonl"), *flags],
-                              env={**env, **world, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+def test_data_parallel_prefix_hits_and_bounded_replay() -> None:
+    """DP2 + EP with prefix caching: requests sharing a 300-token prefix go to the rank whose cache holds it,
+    hit there (one of them by bounded replay: the state blocks were dropped) and draw the tokens of a
+    single-process engine without prefix caching."""
+    rng = random.Random(12)
+    shared = [rng.randrange(3, 4096) for _ in range(300)]
+    prompts = [shared + [rng.randrange(3, 4096) for _ in range(5 + 7 * i)] for i in range(3)]
+    # Logprobs too: random-id prompts leave the demo model's argmax insensitive to much of its context.
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    args = dict(ARGS, num_cache_blocks=16, max_num_batched_tokens=128)
+
+    def values(out):
+        return [lp[t].logprob for t, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+
+    def run(engine, ids, rid):
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        out = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out = o if o.finished else out
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        assert [p.wait(timeout=150) for p in ranks] == [0, 0]
+        plain = LLMEngine.from_engine_args(**args, enable_prefix_caching=False)
+        ref = [run(plain, ids, f"p{i}") for i, ids in enumerate(prompts)]
     finally:
-        for p in ranks:
-            p.kill()
-    assert single.returncode == 0 and not (tmp_path / "rank1.jsonl").exists()
-    assert (tmp_path / "rank0.jsonl").read_text() == (tmp_path / "single.jsonl").read_text()
+        torch.set_num_threads(threads)
+    engine = LLMEngine.from_engine_args(**args, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        first = run(engine, prompts[0], "r0")
+        second = run(engine, prompts[1], "r1")
+        for sched in engine.schedulers:  # drop every cached state block: the next hit must replay
+            sched.cache.pools["state"].reset_cache()
+        third = run(engine, prompts[2], "r2")
+        got = (first, second, third)
+        assert (first.num_cached_tokens, second.num_cached_tokens, third.num_cached_tokens) == (0, 256, 252)
+        assert sum(s.prefix_replayed for s in engine.schedulers) == 4
+        for sched in engine.schedulers:
+            sched.cache.check_integrity()
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert max(abs(x - y) for x, y in zip(values(a), values(b))) < 1e-4

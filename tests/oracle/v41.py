@@ -50,7 +50,8 @@ def tiny_text_config(tokenizer=None, **overrides) -> dict:
         index_topk=8, candidate_source_layer_id=5, candidate_topk_blocks=3, candidate_block_size=8,
         engram_layer_ids=[1, 4], engram_num_embeddings=[300, 320], engram_max_ngram_size=3, engram_vocab_size=50,
         engram_n_heads=2, engram_head_dim=32, num_nextn_predict_layers=3, dspark_target_layer_ids=[7, 8, 9],
-        dtype="float32",
+        dspark_block_size=5, dspark_noise_token_id=509, dspark_markov_rank=16, dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2, dtype="float32",
     )
     d.update(overrides)
     if "engram_compressed_vocab_size" not in d:
@@ -86,7 +87,12 @@ def build_oracle(text: dict, tokenizer, seed: int = 0):
     backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
     torch.manual_seed(seed)
     model = DeepseekV41ForCausalLM(cfg, backend=backend, tokenizer=fast).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    _randomize(model, torch.Generator().manual_seed(seed + 1))
+    return model
+
+
+def _randomize(model, g: torch.Generator) -> None:
+    """Every parameter and routing bias random; norms, mHC scales and sinks around 1."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "q_weight", "k_weight")):
@@ -102,7 +108,6 @@ def build_oracle(text: dict, tokenizer, seed: int = 0):
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "bias_vl")):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    return model
 
 
 def released_state(model) -> dict[str, torch.Tensor]:
@@ -112,15 +117,16 @@ def released_state(model) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def cache_quantization_off():
-    """Swap the oracle's cache quantize-dequantize for the identity (where its attention module imported it)."""
-    from nemo_automodel.components.models.deepseek_v41 import attention
+    """Swap the oracle's cache quantize-dequantize for the identity (where its attention and DSpark modules
+    imported it)."""
+    from nemo_automodel.components.models.deepseek_v41 import attention, dspark
 
     saved = attention.quantize_cache
-    attention.quantize_cache = lambda values, **_: values
+    attention.quantize_cache = dspark.quantize_cache = lambda values, **_: values
     try:
         yield
     finally:
-        attention.quantize_cache = saved
+        attention.quantize_cache = dspark.quantize_cache = saved
 
 
 @torch.no_grad()
@@ -131,3 +137,76 @@ def oracle_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
     with torch._dynamo.config.patch(disable=True):
         return model(ids.view(1, -1)).logits[0].float()
+
+
+# ---- DSpark -----------------------------------------------------------------------------------------------
+# The oracle's DSpark module is a training adapter (random anchors, no cache); these helpers run its backbone
+# for one fixed anchor, the way its own forward builds the inputs.
+
+
+def build_dspark_oracle(target, seed: int = 0):
+    """NeMo's ``DeepseekV41DSparkModel`` for ``target``'s config, eager, fp32, every parameter random, the
+    target's embedding and head copied in."""
+    _quiet_env()
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
+
+    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
+    torch.manual_seed(seed)
+    draft = DeepseekV41DSparkModel(target.config.text_config, backend, num_anchors=1,
+                                   enable_confidence_head=True).eval()
+    _randomize(draft.mtp, torch.Generator().manual_seed(seed + 7))
+    draft.initialize_embeddings_and_head(embed_tokens=target.get_input_embeddings(),
+                                         lm_head=target.get_output_embeddings())
+    return draft
+
+
+def dspark_released_state(draft) -> dict[str, torch.Tensor]:
+    """The drafter's own weights (``mtp.*``) under the released names."""
+    return {k: v for k, v in released_state(draft).items() if k.startswith("mtp.")}
+
+
+@torch.no_grad()
+def oracle_taps(target, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """ids [T] -> [T, len(layer_ids) * H]: the stream mean entering each tap layer's attention site, captured
+    where NeMo's DSpark trainer captures it (the inputs of ``get_dspark_target_feature_modules``)."""
+    captured: list[torch.Tensor] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, args: captured.append(args[0].mean(dim=2)))
+             for m in target.get_dspark_target_feature_modules(layer_ids)]
+    try:
+        oracle_logits(target, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat(captured, dim=-1)[0]
+
+
+@torch.no_grad()
+def oracle_draft(draft, taps: torch.Tensor, token: int, previous: list[int]):
+    """One block after the last position p of ``taps`` [p + 1, n * H], anchored on ``token`` (the target's token
+    at p + 1), with Markov inputs ``[token, *previous]`` (the drafts before each row) -> (draft logits [B, V],
+    confidence logits [B] as the oracle computes them (from the normed state), the pre-norm state [B, H])."""
+    import torch._dynamo
+
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkBackbone
+
+    cfg = draft.config
+    block, context = cfg.dspark_block_size, taps.shape[0]
+    anchor = torch.tensor([[context]])
+    ids = torch.full((1, block), cfg.dspark_noise_token_id)
+    ids[0, 0] = token
+    previous_ids = torch.tensor([[token, *previous]])
+    prenorm: list[torch.Tensor] = []
+    hook = draft.mtp[-1].norm.register_forward_pre_hook(lambda _m, args: prenorm.append(args[0]))
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            out = DeepseekV41DSparkBackbone.forward(
+                draft, draft.embed_tokens(ids), taps.unsqueeze(0),
+                position_ids=draft.build_position_ids(anchor, context),
+                attention_mask=draft.build_attention_mask(anchor, torch.ones(1, 1, dtype=torch.bool), context,
+                                                          taps.dtype),
+                previous_token_ids=previous_ids)
+    finally:
+        hook.remove()
+    logits = draft.compute_logits(out.normalized_hidden_states) + out.transition_logits.float()
+    return logits[0], out.confidence_pred[0], prenorm[0][0]

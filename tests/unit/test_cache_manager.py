@@ -30,9 +30,9 @@ def csa_only() -> CacheLayout:
     return lay
 
 
-def manager(lay: CacheLayout | None = None, n: int | dict = 16, slack: int = 0) -> CacheManager:
+def manager(lay: CacheLayout | None = None, n: int | dict = 16, slack: int = 0, replay: bool = True) -> CacheManager:
     counts = {p: n for p in POOLS} if isinstance(n, int) else n
-    return CacheManager(lay or layout(), counts, spec_slack=slack)
+    return CacheManager(lay or layout(), counts, spec_slack=slack, bounded_replay=replay)
 
 
 def frees(m: CacheManager) -> dict[str, int]:

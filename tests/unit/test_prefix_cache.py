@@ -61,9 +61,11 @@ def test_max_tokens_and_missing_tail_choose_an_earlier_boundary() -> None:
 
 
 def test_state_tail_shorter_than_window_tail() -> None:
-    """CSA-only layout (window tail 127, state tail 7): both still need the block before the boundary."""
+    """CSA-only layout (window tail 127, state tail 7): an exact hit needs the block before the boundary in
+    both pools; kept boundaries retain window blocks only (a bounded replay of 4 positions rebuilds the state,
+    from the window behind it: 131 positions, two 128-blocks)."""
     lay = csa_only()
-    assert tail_blocks_per_boundary(lay, WINDOW) == tail_blocks_per_boundary(lay, STATE) == 1
+    assert (tail_blocks_per_boundary(lay, WINDOW), tail_blocks_per_boundary(lay, STATE)) == (2, 0)
     m = manager(lay, n=8)
     h = chain("a", 2)
     run(m, "a", 2 * BS + 3, h)
@@ -113,7 +115,41 @@ def test_duplicate_content_keeps_one_copy() -> None:
 def test_retained_tail_budget() -> None:
     lay = layout()
     per = sum(tail_blocks_per_boundary(lay, p) * lay.bytes_per_block(p, 4) for p in (WINDOW, STATE))
-    assert retained_tail_blocks(lay, 10 * per + per - 1, 4) == {WINDOW: 10, STATE: 10}
+    assert per == 2 * lay.bytes_per_block(WINDOW, 4)  # window blocks behind a 4-position replay at 128-blocks
+    assert retained_tail_blocks(lay, 10 * per + per - 1, 4) == {WINDOW: 20, STATE: 0}
+
+
+def test_evicted_state_tail_gives_a_bounded_replay() -> None:
+    """Boundary 3*BS keeps its window blocks but not its state block: the hit starts 4 positions early with a
+    private copy of the window block it rewrites and new state blocks; the shared blocks are untouched."""
+    m = manager(n=16)
+    h = chain("a", 3)
+    run(m, "a", 3 * BS + 1, h)
+    m.free("a")
+    s2 = m.pools[STATE].lookup(h[2])
+    m.pools[STATE]._cached.move_to_end(s2, last=False)
+    m.pools[STATE].free(m.pools[STATE].allocate(m.pools[STATE].num_free + 1))  # evicts boundary 3*BS's state
+    hit = m.match_prefix(h, 10 * BS)
+    assert (hit.num_tokens, hit.replay, hit.start) == (3 * BS, 4, 3 * BS - 4)
+    w2 = m.pools[WINDOW].lookup(h[2])
+    assert hit.copies == ((WINDOW, 2, w2),)
+    admission = m.admit("b", hit, 10)
+    tables = m.block_tables("b")
+    (pool, src, dst), = admission.copies
+    assert (pool, src) == (WINDOW, w2) and tables[WINDOW][2] == dst != w2
+    assert tables[WINDOW][1] == m.pools[WINDOW].lookup(h[1])  # the window behind the replay is shared
+    assert RELEASED not in tables[STATE][2:] and m.pools[STATE].block_hash(tables[STATE][2]) is None
+    assert m.length("b") == 3 * BS - 4
+    m.commit("b", 3 * BS + 6, h)  # its own copy and state block stay unnamed: the cached ones keep the names
+    assert m.pools[WINDOW].block_hash(dst) is None and m.pools[WINDOW].lookup(h[2]) == w2
+    m.check_integrity()
+    no_replay = manager(n=16, replay=False)
+    run(no_replay, "a", 3 * BS + 1, h)
+    no_replay.free("a")
+    s2 = no_replay.pools[STATE].lookup(h[2])
+    no_replay.pools[STATE]._cached.move_to_end(s2, last=False)
+    no_replay.pools[STATE].allocate(no_replay.pools[STATE].num_free + 1)
+    assert no_replay.match_prefix(h, 10 * BS).num_tokens == 2 * BS
 
 
 def test_random_hits_and_releases_keep_integrity() -> None:

@@ -44,11 +44,55 @@ def test_params_validation_names_the_field() -> None:
 def test_async_scheduling_gives_the_synchronous_tokens() -> None:
     from deepinfer import LLM, SamplingParams
 
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24,
-                             structured_outputs={"regex": r"[a-z]{3}=[0-9]{1,4};"} if s % 2 else None)
-              for s in range(6)]
+    constraints = [{"regex": r"[a-z]{3}=[0-9]{1,4};"}, None, {"json": {"type": "object", "properties": {
+        "a": {"type": "integer"}}}}, {"choice": ["yes", "no"]}, None, {"grammar": 'start: "(" /[0-9]{1,3}/ ")"'}]
+    params = [SamplingParams(temperature=1.0 if s % 3 else 0.0, seed=s, max_tokens=24, n=1 + s % 2,
+                             stop=["="] if s == 4 else None, structured_outputs=c)
+              for s, c in enumerate(constraints)]
     runs = []
     for async_scheduling in (False, True):
         llm = LLM(device="cpu", load_progress=False, block_size=128, async_scheduling=async_scheduling)
-        runs.append([o.outputs[0].token_ids for o in llm.generate(["x = "] * 6, params, use_tqdm=False)])
+        outs = llm.generate(["x = ", "y = ", "z = "] * 2, params, use_tqdm=False)
+        runs.append([[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs])
     assert runs[0] == runs[1]
+    assert sum(c[1] == "stop" for o in runs[0] for c in o) >= 3
+
+
+def test_batched_draft_masks_equal_one_matcher_at_a_time() -> None:
+    """``fill`` (llguidance's parallel, draft-aware filler) writes, per job, the mask of the matcher advanced
+    over each prefix of its drafts, stops at a draft the grammar forbids, and leaves every matcher as it was."""
+    import random
+
+    from deepinfer.assets import demo_model_dir
+    from deepinfer.structured.backend import GrammarBackend, MaskJob
+    from deepinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer(str(demo_model_dir()))
+    backend = GrammarBackend(tok.backend.to_str(), 4096, 1)
+    grammars = [backend.compile(StructuredOutputsParams(**c)) for c in (
+        {"regex": r"[0-9]{3}-[a-z]{2,4}"}, {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        {"choice": ["yes", "no", "maybe so"]}, {"grammar": 'start: "(" N ("+" N)* ")"\nN: /[0-9]{1,3}/'})]
+    texts = ["123-abcd", '{"a":12}', "maybe so", "(1+22+333)"]
+    rng = random.Random(0)
+    for trial in range(40):
+        jobs, row, both = [], 0, []
+        for g, text in zip(grammars, texts):
+            ids = tok.encode(text, add_special_tokens=False)
+            pre = rng.randrange(len(ids))
+            drafts = list(ids[pre : pre + rng.randrange(0, 4)])
+            if drafts and rng.random() < 0.4:  # a draft the grammar (most likely) forbids
+                drafts[rng.randrange(len(drafts))] = rng.randrange(3, 4096)
+            pair = []
+            for _ in range(2):  # the same state twice: one for fill, one for the reference
+                m = backend.matcher(g)
+                assert m.consume_tokens(ids[:pre])
+                pair.append(m)
+            both.append(pair)
+            jobs.append((row, tuple(drafts)))
+            row += len(drafts) + 1 + rng.randrange(2)  # rows no job covers stay all allowed
+        got = backend.fill([MaskJob(p[0], r, d) for p, (r, d) in zip(both, jobs)], row)
+        want = backend.fill_one_at_a_time([MaskJob(p[1], r, d) for p, (r, d) in zip(both, jobs)], row)
+        assert (got == want).all(), trial
+        for m, ref in both:  # the matchers came back unchanged
+            assert (backend.fill([MaskJob(m, 0)], 1) == backend.fill([MaskJob(ref, 0)], 1)).all()
+            assert not m.is_error()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.config.v41 import V41Config
+from deepinfer.config.v41 import V41Config, V41LayerRole
 from deepinfer.model.linear import Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.v41.cache import LayerCache, write_rows
@@ -117,9 +117,10 @@ class Attention(nn.Module):
     """Checkpoint names under ``layers.N.attn.``: wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink,
     compressor.* (KV sources), indexer.* (index sources)."""
 
-    def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype, role: V41LayerRole | None = None) -> None:
+        """``role``: what the layer owns (default: the schedule's ``cfg.role(layer)``)."""
         super().__init__()
-        role = cfg.role(layer)
+        role = cfg.role(layer) if role is None else role
         self.ratio, self.kv_source, self.index_source = role.ratio, role.kv_source, role.index_source
         self.heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
         self.window = cfg.sliding_window
@@ -168,7 +169,11 @@ class Attention(nn.Module):
             chosen = torch.zeros(q.shape[0], width + 1, dtype=torch.bool, device=x.device)
             chosen = chosen.scatter(-1, torch.where(picked >= 0, picked, width), True)[:, :width]
             keys, allowed = torch.cat((keys, entries)), torch.cat((allowed, chosen), dim=-1)
-        out = self._attend(q, keys, allowed)
+        return self._output(self._attend(q, keys, allowed), ang)
+
+    def _output(self, out: torch.Tensor, ang: torch.Tensor) -> torch.Tensor:
+        """[Q, heads, D] attention output -> [Q, H]: inverse rope at the query positions, grouped low-rank wo_a,
+        wo_b."""
         out = apply_rope(out, ang, inverse=True)
         grouped = self.wo_a.grouped(out.reshape(out.shape[0], self.groups, -1).transpose(0, 1))
         return self.wo_b(grouped.transpose(0, 1).flatten(1))

@@ -4,6 +4,9 @@ by entry index), so a step over positions [S, S + Q) writes rows [S, S + Q) and 
 
 Nothing else crosses steps: the top-k selection and candidate blocks are recomputed for every query, the
 mHC ``pre`` is per token, and Engram's lookback reads the token history kept here.
+
+With the DSpark drafter, ``draft`` holds one window per stage: the context KV of every target position whose
+taps the drafter has seen (spec §5.2), by position too, so a rollback truncates it with the rest.
 """
 
 from __future__ import annotations
@@ -44,12 +47,16 @@ class LayerCache:
 @dataclass
 class V41Cache:
     num_layers: int
+    num_draft_layers: int = 0  # DSpark stages (their context KV in ``draft``)
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     layers: list[LayerCache] = field(default_factory=list)
+    draft: list[LayerCache] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.layers:
             self.layers = [LayerCache() for _ in range(self.num_layers)]
+        if not self.draft:
+            self.draft = [LayerCache() for _ in range(self.num_draft_layers)]
 
     @property
     def length(self) -> int:
@@ -68,6 +75,8 @@ class V41Cache:
         self.tokens = self.tokens[:length]
         for layer, ratio in zip(self.layers, ratios):
             layer.truncate(length, ratio)
+        for layer in self.draft:
+            layer.truncate(length, 0)
 
 
 write_rows = _put

@@ -4,8 +4,9 @@ The headers are checked against the model before any data is read: missing and u
 companions (a quantized weight without its scale, a scale for a tensor the config does not quantize),
 dtypes, shapes of weights and scales. Then each tensor's data: NaN/Inf (also after dequantization: a finite
 code times a huge scale), UE8M0 bytes that encode NaN. Every error is a ``CheckpointError`` naming the file
-and the tensor. Tensors of parts the text model does not build (vision tower, DSpark ``mtp.*``) are skipped
-and listed. This is the plain-PyTorch path: FP8 / FP4 weights are dequantized as they are read.
+and the tensor. Tensors of parts the text model does not build (vision tower, and DSpark ``mtp.*`` unless the
+drafter is asked for) are skipped and listed. This is the plain-PyTorch path: FP8 / FP4 weights are
+dequantized as they are read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from deepinfer.model.ckpt_files import CheckpointError, Files, TensorRef, _disco
 from deepinfer.model.ckpt_plan import _finite
 from deepinfer.model.quant import dequant_fp4, dequant_fp8_block, fp8_scale_shape, scale_to_float
 from deepinfer.model.v41.model import DeepseekV41
-from deepinfer.model.v41.names import NOT_BUILT, scale_name, storage_format, to_native
+from deepinfer.model.v41.names import NOT_BUILT, NOT_BUILT_WITH_DSPARK, scale_name, storage_format, to_native
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.float32)
@@ -37,12 +38,13 @@ class _Plan:
     block: tuple[int, int] | None = None
 
 
-def _sources(model_dir: Path, files: Files) -> tuple[dict[str, TensorRef], list[str]]:
+def _sources(model_dir: Path, files: Files, dspark: bool) -> tuple[dict[str, TensorRef], list[str]]:
     sources: dict[str, TensorRef] = {}
     ignored: list[str] = []
+    not_built = NOT_BUILT_WITH_DSPARK if dspark else NOT_BUILT
     for disk, rel in _discover(model_dir, files).items():
         native = to_native(disk)
-        if NOT_BUILT.match(native):
+        if not_built.match(native):
             ignored.append(disk)
             continue
         if native in sources:
@@ -86,7 +88,7 @@ def _plan_one(name: str, shape: tuple[int, ...], sources: dict[str, TensorRef], 
 
 def plan_v41_checkpoint(model_dir: Path, files: Files, model: DeepseekV41) -> tuple[dict[str, _Plan], list[str]]:
     """Native name -> what to read, for every model tensor, from the headers alone."""
-    sources, ignored = _sources(model_dir, files)
+    sources, ignored = _sources(model_dir, files, model.mtp is not None)
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     missing = [n for n in expected if n not in sources]
     if missing:
@@ -129,8 +131,10 @@ def load_tokenizer(model_dir: Path):
 
 
 def load_v41_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *, cfg: V41Config | None = None,
-                   tokenizer=None, cache_qdq: bool = True) -> tuple[DeepseekV41, tuple[str, ...]]:
-    """Build the model from ``model_dir``; returns it and the on-disk names that were skipped."""
+                   tokenizer=None, cache_qdq: bool = True, dspark: bool = False
+                   ) -> tuple[DeepseekV41, tuple[str, ...]]:
+    """Build the model from ``model_dir``; returns it and the on-disk names that were skipped. ``dspark``:
+    build and load the DSpark drafter too (its ``mtp.*`` tensors are then required, not skipped)."""
     if dtype not in FLOATS:
         raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     model_dir = Path(model_dir)
@@ -142,10 +146,10 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *
     if tokenizer is None and cfg.active_engram_layers:
         tokenizer = load_tokenizer(model_dir)
     with torch.device("meta"):
-        meta = DeepseekV41(cfg, dtype, shapes_only=True)
+        meta = DeepseekV41(cfg, dtype, shapes_only=True, dspark=dspark)
     files = Files(model_dir)
     plans, ignored = plan_v41_checkpoint(model_dir, files, meta)
-    model = DeepseekV41(cfg, dtype, tokenizer=tokenizer, cache_qdq=cache_qdq)
+    model = DeepseekV41(cfg, dtype, tokenizer=tokenizer, cache_qdq=cache_qdq, dspark=dspark)
     own = model.state_dict()
     with torch.no_grad():
         for name, plan in plans.items():

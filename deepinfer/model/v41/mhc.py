@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +66,17 @@ def one_hot_pre(tokens: int, n: int, device: torch.device) -> torch.Tensor:
     pre = torch.zeros(tokens, n, dtype=torch.float32, device=device)
     pre[:, 0] = 1
     return pre
+
+
+def add_site_parameters(module: nn.Module, site: str, n: int, h: int) -> None:
+    """A site's checkpoint parameters on ``module``: ``hc_{site}_fn`` [(2 + n) n, n h], ``_base``, ``_scale`` [3]."""
+    rows = (2 + n) * n
+    setattr(module, f"hc_{site}_fn", nn.Parameter(torch.zeros(rows, n * h, dtype=torch.float32)))
+    setattr(module, f"hc_{site}_base", nn.Parameter(torch.zeros(rows, dtype=torch.float32)))
+    setattr(module, f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+
+def site_mix(module: nn.Module, site: str, streams: torch.Tensor, iters: int, hc_eps: float, norm_eps: float) -> Mix:
+    """The coefficients of ``module``'s site ``site`` (parameters from ``add_site_parameters``)."""
+    fn, base, scale = (getattr(module, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
+    return mix(streams, fn, base, scale, iters, hc_eps, norm_eps)

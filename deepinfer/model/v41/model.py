@@ -4,8 +4,8 @@ single-pass mHC around CSA2 attention and MoE, final collapse with the last FFN 
 ``forward(input_ids, cache)`` runs the next chunk of one sequence (a whole prompt from an empty cache, or
 decode steps) and returns fp32 logits for the chunk. Parameter names are the released checkpoint's
 (``embed.weight``, ``layers.N.attn.wq_a.weight``, ``layers.N.hc_attn_fn``, ``layers.N.engram.embed.weight``,
-``head.weight`` ...). The DSpark drafter (``mtp.*``) and the vision tower are not part of this model: image
-input is refused.
+``head.weight`` ...). The DSpark drafter (``mtp.*``, dspark.py) is built on request; the vision tower is not
+part of this model: image input is refused.
 """
 
 from __future__ import annotations
@@ -20,16 +20,10 @@ from deepinfer.model.v41 import mhc
 from deepinfer.model.v41.attention import Attention
 from deepinfer.model.v41.cache import V41Cache
 from deepinfer.model.v41.context import SharedKV, StepContext
+from deepinfer.model.v41.dspark import DraftBlock, DSpark
 from deepinfer.model.v41.engram import Engram, EngramHasher, compressed_token_map
 from deepinfer.model.v41.moe import MoE
 from deepinfer.model.v41.rope import angles
-
-
-def _hc_params(module: nn.Module, site: str, n: int, h: int) -> None:
-    rows = (2 + n) * n
-    setattr(module, f"hc_{site}_fn", nn.Parameter(torch.zeros(rows, n * h, dtype=torch.float32)))
-    setattr(module, f"hc_{site}_base", nn.Parameter(torch.zeros(rows, dtype=torch.float32)))
-    setattr(module, f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
 
 class Block(nn.Module):
@@ -41,8 +35,8 @@ class Block(nn.Module):
         h = cfg.hidden_size
         self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps)
-        _hc_params(self, "attn", cfg.hc_mult, h)
-        _hc_params(self, "ffn", cfg.hc_mult, h)
+        mhc.add_site_parameters(self, "attn", cfg.hc_mult, h)
+        mhc.add_site_parameters(self, "ffn", cfg.hc_mult, h)
         self.attn = Attention(cfg, layer, dtype)
         self.ffn = MoE(cfg, dtype)
         if cfg.role(layer).engram:
@@ -50,16 +44,18 @@ class Block(nn.Module):
 
     def _mix(self, site: str, streams: torch.Tensor) -> mhc.Mix:
         c = self.cfg
-        fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
-        return mhc.mix(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return mhc.site_mix(self, site, streams, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
     def forward(self, streams: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext, layer: int,
-                shared: SharedKV, engram_rows: torch.Tensor | None, image_mask: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                shared: SharedKV, engram_rows: torch.Tensor | None, image_mask: torch.Tensor,
+                taps: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(streams [T, N, H], carried pre [T, N] fp32) -> the same after this block. Each collapse uses the
-        ``pre`` of the site before it; this block's FFN-site ``pre`` is returned for the next block."""
+        ``pre`` of the site before it; this block's FFN-site ``pre`` is returned for the next block. ``taps``:
+        gets the stream mean entering the attention site (after Engram), the DSpark drafter's feature."""
         if engram_rows is not None:
             streams = self.engram(streams, engram_rows)
+        if taps is not None:
+            taps.append(streams.mean(dim=1))
         attn_mix = self._mix("attn", streams)
         out = self.attn(self.attn_norm(mhc.collapse(streams, pre_in)), ctx, ctx.cache.layers[layer], shared)
         streams = mhc.expand(out, streams, attn_mix)
@@ -70,11 +66,12 @@ class Block(nn.Module):
 
 class DeepseekV41(nn.Module):
     def __init__(self, cfg: V41Config, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
-                 cache_qdq: bool = True, *, shapes_only: bool = False) -> None:
+                 cache_qdq: bool = True, *, shapes_only: bool = False, dspark: bool = False) -> None:
         """``tokenizer``: the checkpoint's ``tokenizers.Tokenizer`` (needed when Engram layers are active: its
         normalised vocabulary is part of the hash). ``cache_qdq``: keep the reference's FP8 / MXFP4 / NVFP4
         cache roundings in the forward (off only to compare with an unquantised oracle). ``shapes_only``: a
-        model for its parameter names and shapes (e.g. on the meta device), built without the hasher."""
+        model for its parameter names and shapes (e.g. on the meta device), built without the hasher.
+        ``dspark``: also build the DSpark drafter (``mtp.*``); every forward then writes its context."""
         super().__init__()
         self.cfg, self.dtype, self.cache_qdq = cfg, dtype, cache_qdq
         h = cfg.hidden_size
@@ -88,9 +85,11 @@ class DeepseekV41(nn.Module):
                 raise ValueError("tokenizer: the Engram layers hash normalised token ids; pass the checkpoint's "
                                  "tokenizer")
             self.hasher = EngramHasher(cfg, *compressed_token_map(tokenizer))
+        self.mtp = DSpark(cfg, dtype) if dspark else None
+        self._tap_layers = frozenset(cfg.dspark.target_layer_ids) if dspark else frozenset()
 
     def new_cache(self) -> V41Cache:
-        return V41Cache(self.cfg.num_hidden_layers)
+        return V41Cache(self.cfg.num_hidden_layers, len(self.mtp) if self.mtp is not None else 0)
 
     def _context(self, start: int, count: int, cache: V41Cache, device: torch.device) -> StepContext:
         positions = torch.arange(start, start + count, device=device)
@@ -123,11 +122,27 @@ class DeepseekV41(nn.Module):
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1)
         pre = mhc.one_hot_pre(x.shape[0], self.cfg.hc_mult, x.device)
         shared = SharedKV()
+        taps: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
             engram_rows = rows[:, block.engram.table_index] if hasattr(block, "engram") else None
-            streams, pre = block(streams, pre, ctx, i, shared, engram_rows, image_mask)
+            streams, pre = block(streams, pre, ctx, i, shared, engram_rows, image_mask,
+                                 taps if i in self._tap_layers else None)
+        if self.mtp is not None:
+            self.mtp.write_context(torch.stack(taps, dim=1), start, cache.draft, ctx.angles["main"], self.cache_qdq)
         h = self.norm(mhc.collapse(streams, pre))
         return self.head(h.float())
+
+    def propose(self, token: int, cache: V41Cache, *, temperature: float | None = None,
+                noise: torch.Tensor | None = None) -> DraftBlock:
+        """The DSpark block after the cache's last position, whose drawn token is ``token`` (dspark.py)."""
+        if self.mtp is None:
+            raise ValueError("dspark: this model was built without the DSpark drafter (DeepseekV41(..., "
+                             "dspark=True), load_v41_model(..., dspark=True))")
+        if cache.draft and cache.draft[0].window is not None and cache.draft[0].window.shape[0] != cache.length:
+            raise ValueError(f"cache: DSpark context covers {cache.draft[0].window.shape[0]} positions, the "
+                             f"target {cache.length}")
+        return self.mtp.propose(self.embed, self.head, cache.draft, token, self.cache_qdq, temperature=temperature,
+                                noise=noise)
 
     @torch.no_grad()
     def greedy(self, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:

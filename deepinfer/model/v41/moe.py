@@ -34,20 +34,25 @@ class Expert(nn.Module):
 class Gate(nn.Module):
     """``ffn.gate.``: weight [E, H], bias [E] fp32 (text tokens), bias_vl [E] fp32 (image-span tokens)."""
 
-    def __init__(self, cfg: V41Config, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, experts: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-        self.bias_vl = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.zeros(experts, hidden, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(experts, dtype=torch.float32))
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: V41Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V41Config, dtype: torch.dtype, experts: int | None = None, top_k: int | None = None
+                 ) -> None:
+        """``experts``/``top_k``: the routed experts and how many each token picks (default: the backbone's;
+        the DSpark stages have their own)."""
         super().__init__()
         self.cfg = cfg
+        experts = cfg.n_routed_experts if experts is None else experts
+        self.top_k = cfg.num_experts_per_tok if top_k is None else top_k
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
-        self.gate = Gate(cfg, dtype)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit, dtype) for _ in range(cfg.n_routed_experts))
+        self.gate = Gate(cfg.hidden_size, experts, dtype)
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit, dtype) for _ in range(experts))
         self.shared_experts = Expert(cfg.hidden_size, inter, limit, dtype)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
@@ -55,7 +60,7 @@ class MoE(nn.Module):
         c = self.cfg
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
         bias = torch.where(image_mask.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
-        weights, indices = route(logits, "sqrtsoftplus", c.num_experts_per_tok, c.norm_topk_prob,
+        weights, indices = route(logits, "sqrtsoftplus", self.top_k, c.norm_topk_prob,
                                  c.routed_scaling_factor, bias=bias)
         out = self.shared_experts(x).float()
         for e in torch.unique(indices).tolist():  # ascending expert order
