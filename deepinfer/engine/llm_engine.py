@@ -38,6 +38,7 @@ from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.model_runner import ModelRunner, StepHandle
+from deepinfer.runner.mtp_graphs import MTPGraphs
 from deepinfer.sched.draft_length import update_rate
 from deepinfer.sched.scheduler import Schedule, Scheduler
 from deepinfer.structured.step_masks import mask_source, with_plan_masks
@@ -61,15 +62,22 @@ class LLMEngine:
         # Host-memory / disk tiers below the device pools (None when not asked for).
         self.tiers = TierLink.open(config.cache.tiers, prefix, self.storage)
         self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative, prefix, self.tiers)
-        graphs = None
-        # Verify steps run eagerly: the MTP layer needs the target's streams, which the graphs do not return.
-        if config.device == "cuda" and not config.enforce_eager and config.speculative is None:
-            graphs = DecodeGraphs(self.model, self.storage, sc.max_model_len, default_sizes(sc.max_num_seqs))
-            graphs.capture()
+        graphs = mtp_graphs = None
+        if config.device == "cuda" and not config.enforce_eager:
+            sizes = default_sizes(sc.max_num_seqs)
+            if config.speculative is None:
+                graphs = DecodeGraphs(self.model, self.storage, sc.max_model_len, sizes)
+                graphs.capture()
+            else:  # verify steps of k drafts per sequence, and the MTP layer's passes
+                graphs = DecodeGraphs(self.model, self.storage, sc.max_model_len, sizes,
+                                      tokens_per_seq=config.speculative.num_speculative_tokens + 1, keep_streams=True)
+                graphs.capture()
+                mtp_graphs = MTPGraphs(self.model, self.storage, graphs, sc.max_model_len, sizes)
+                mtp_graphs.capture()
         self.input_batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size),
                                       mc.vocab_size, config.device)
         self.runner = ModelRunner(self.model, self.storage, self.input_batch, graphs,
-                                  speculative=config.speculative is not None)
+                                  speculative=config.speculative is not None, mtp_graphs=mtp_graphs)
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens if config.speculative else 0)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[Schedule, StepHandle] | None = None  # async: submitted, results not applied

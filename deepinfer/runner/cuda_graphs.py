@@ -42,8 +42,9 @@ class _Graph:
     out of ``host``."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, host: StepBuffer, device: torch.Tensor, index: StepIndex,
-                 logits: torch.Tensor) -> None:
+                 logits: torch.Tensor, streams: torch.Tensor | None = None) -> None:
         self.graph, self.host, self.device, self.index, self.logits = graph, host, device, index, logits
+        self.streams = streams  # the final streams (``keep_streams``): what the MTP layer reads
         self.ids = host.layout.ids(device)
         self.copied = torch.cuda.Event()
 
@@ -53,11 +54,13 @@ class DecodeGraphs:
     drafts), logits at every token, for B up to each bucket size."""
 
     def __init__(self, model: DeepseekV4, storage: KVStorage, max_model_len: int, sizes: Sequence[int],
-                 tokens_per_seq: int = 1) -> None:
+                 tokens_per_seq: int = 1, keep_streams: bool = False) -> None:
         if tokens_per_seq < 1:
             raise ValueError(f"tokens_per_seq: must be >= 1, got {tokens_per_seq}")
         self.model, self.storage = model, storage
         self.tokens_per_seq = tokens_per_seq
+        # Verify steps also return the final streams (static outputs) for the MTP layer's graphs.
+        self.keep_streams = keep_streams
         self.sizes = sorted(set(sizes))
         self.max_model_len = max_model_len
         self.device = next(model.buffers()).device
@@ -91,9 +94,10 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.logits(self.model(ids, None, self.storage, index))
+                streams = self.model(ids, None, self.storage, index)
+                logits = self.model.logits(streams)
             pool = graph.pool()
-            self._graphs[b] = _Graph(graph, host, flat, index, logits)
+            self._graphs[b] = _Graph(graph, host, flat, index, logits, streams if self.keep_streams else None)
         torch.cuda.synchronize()
 
     def fits_slots(self, num_seqs: int, num_tokens: int) -> bool:
@@ -108,6 +112,10 @@ class DecodeGraphs:
         g.host.write(batch, self.storage, self.model.cfg.sliding_window)
         return self._replay(g, n, input_ids)
 
+    def bucket(self, n: int) -> _Graph:
+        """The graph a step of ``n`` sequences replays (its static index, ids and outputs)."""
+        return self._graphs[next(s for s in self.sizes if s >= n)]
+
     def run_slots(self, input_ids, slots: np.ndarray, first: np.ndarray, tables: SlotTables,
                   placeholders: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``run`` for sequences kept in batch slots (the engine's runner): ``tokens_per_seq`` tokens each,
@@ -120,7 +128,7 @@ class DecodeGraphs:
         return self._replay(g, n, input_ids, placeholders)
 
     def _bucket(self, n: int) -> _Graph:
-        g = self._graphs[next(s for s in self.sizes if s >= n)]
+        g = self.bucket(n)
         # The last copy out of this bucket's pinned buffer may still be in flight (with async scheduling the
         # host builds step N+1 while N runs). Wait for that copy, not for the step, before rewriting.
         g.copied.synchronize()

@@ -11,8 +11,9 @@ the reference ops on the CPU); decode steps replay a CUDA graph when one is capt
 
 With speculative decoding (``drafter``) a verifying sequence draws at every one of its inputs, the draws
 are compared with its drafts (``runner/speculative.py``), only the accepted prefix plus the target's next
-token reach the host, and the MTP layer then proposes the next drafts; those steps run eagerly (the
-graphs return logits, not the streams the MTP layer reads).
+token reach the host, and the MTP layer then proposes the next drafts. On the GPU a full verify step (every
+sequence k drafts) replays a verify graph that keeps the final streams, and the MTP passes replay theirs
+(``runner/mtp_graphs.py``); other steps (prefill chunks, fewer drafts) run eagerly.
 
 Structured outputs: ``submit(plan, masks)`` launches the forward and the logits first and only then calls
 ``masks()`` for the step's grammar masks ([drawn rows, words] int32, computed on the host by the engine), so
@@ -36,6 +37,7 @@ from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.step_index import build_slot_index
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
+from deepinfer.runner.mtp_graphs import MTPGraphs
 from deepinfer.runner.speculative import MTPDrafter, verify
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling import TokenLogprobs
@@ -134,10 +136,13 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4, storage: KVStorage, batch: InputBatch,
-                 graphs: DecodeGraphs | None = None, speculative: bool = False) -> None:
+                 graphs: DecodeGraphs | None = None, speculative: bool = False,
+                 mtp_graphs: MTPGraphs | None = None) -> None:
         self.model, self.storage, self.batch, self.graphs = model, storage, batch, graphs
-        # Speculative decoding: the MTP layer runs after every step (its cache needs every position).
-        self.drafter = MTPDrafter(model, storage, batch) if speculative else None
+        # Speculative decoding: the MTP layer runs after every step (its cache needs every position). With
+        # graphs, ``graphs`` are the verify steps' (k + 1 tokens per sequence, streams kept) and
+        # ``mtp_graphs`` the MTP passes'.
+        self.drafter = MTPDrafter(model, storage, batch, mtp_graphs) if speculative else None
         self.device = next(model.parameters()).device
         self.window = model.cfg.sliding_window
 
@@ -176,12 +181,15 @@ class ModelRunner:
         prompt_rows = [start + w.prompt_logprobs.offset + i for w, start in jobs
                        for i in range(len(w.prompt_logprobs.targets))]
         q = self.graphs.tokens_per_seq if self.graphs is not None else 0
-        graph_ok = (self.graphs is not None and self.drafter is None and not jobs
-                    and self.graphs.fits_slots(len(work), len(ids))
+        # Every sequence draws at each of its q inputs (decode; with speculation, a full verify step).
+        graph_ok = (self.graphs is not None and not jobs and self.graphs.fits_slots(len(work), len(ids))
                     and all(w.num_tokens == q == w.num_samples and not w.emit_from for w in work))
         streams = index = input_ids = None
         if graph_ok:
             logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders)
+            if self.drafter is not None:  # the MTP graphs read the verify graph's streams, index and ids
+                g = self.graphs.bucket(len(work))
+                streams, index, input_ids = g.streams[: len(ids)], g.index, g.ids[: len(ids)]
         else:
             streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders,
                                                       [w.emit_from for w in work])
@@ -210,7 +218,7 @@ class ModelRunner:
                 batch.record([draw_slots[i] for i in last_rows], tokens, last_rows, None, draw_slots)
         if self.drafter is not None:
             drafts = self.drafter.propose(streams, input_ids, index, work, starts.tolist(), slots.tolist(),
-                                          draw_rows, tokens, accepted)
+                                          draw_rows, tokens, accepted, graphed=graph_ok)
             if drafts is not None:
                 handle_args["drafts"] = _to_host(drafts)
                 drawing_ids = [w for w in work if w.num_samples]

@@ -35,6 +35,7 @@ from deepinfer.kv.storage import KVStorage
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.step_index import StepIndex, build_slot_index
 from deepinfer.runner.input_batch import InputBatch
+from deepinfer.runner.mtp_graphs import MTPGraphs
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling.params import GREEDY_TEMPERATURE_EPS
 from deepinfer.sampling.rng import SALT_TARGET, gumbel_noise
@@ -85,19 +86,22 @@ def verify(tokens: torch.Tensor, work: list[SeqWork], device: torch.device) -> V
 class MTPDrafter:
     """Runs the MTP layer after a step's target forward and returns the next drafts."""
 
-    def __init__(self, model: DeepseekV4, storage: KVStorage, batch: InputBatch) -> None:
+    def __init__(self, model: DeepseekV4, storage: KVStorage, batch: InputBatch,
+                 graphs: MTPGraphs | None = None) -> None:
         self.model, self.storage, self.batch = model, storage, batch
+        self.graphs = graphs  # CUDA graphs of the MTP passes (``runner/mtp_graphs.py``), used when they fit
         self.window = model.cfg.sliding_window
         self.device = next(model.parameters()).device
 
     def propose(self, streams: torch.Tensor, input_ids: torch.Tensor, index: StepIndex, work, starts: list[int],
                 slots: list[int], draw_rows: list[int], tokens: torch.Tensor | None,
-                accepted: torch.Tensor | None) -> torch.Tensor | None:
+                accepted: torch.Tensor | None, graphed: bool = False) -> torch.Tensor | None:
         """Fill the MTP layer's cache for every row of the step and draft for the works that ask.
 
         ``draw_rows``/``tokens``: the step's drawn rows and their tokens; ``accepted``: per drawing work
-        (in order) its accepted drafts. Returns [proposers, max proposals] int64 (-1 past a work's count),
-        or None when no work asks."""
+        (in order) its accepted drafts; ``graphed``: the target ran in a verify graph (``streams`` and
+        ``index`` are its static ones), so the pass over the rows replays the matching MTP graph.
+        Returns [proposers, max proposals] int64 (-1 past a work's count), or None when no work asks."""
         dev = self.device
         next_ids = torch.empty_like(input_ids)
         next_ids[:-1] = input_ids[1:]
@@ -113,7 +117,10 @@ class MTPDrafter:
             next_ids[pairs[: len(fixed_rows)]] = pairs[len(fixed_rows) :]
         if draw_rows:
             next_ids[to_device(draw_rows, torch.int64, dev)] = tokens
-        mtp_streams = self.model.mtp_forward(streams, next_ids, None, self.storage, index=index)
+        if graphed:
+            mtp_streams = self.graphs.run_rows(len(work), next_ids)
+        else:
+            mtp_streams = self.model.mtp_forward(streams, next_ids, None, self.storage, index=index)
 
         drawing = [i for i, w in enumerate(work) if w.num_samples]
         props = [(d, i) for d, i in enumerate(drawing) if work[i].num_proposals]
@@ -143,12 +150,17 @@ class MTPDrafter:
                 sel = to_device(keep, torch.int64, dev)
                 x, draft = x[sel], draft[sel]
                 q = pos_host[active] + j  # the MTP position whose next token is the previous draft
-                index_j = build_slot_index(np.asarray([prop_slots[a] for a in active], dtype=np.int64), q,
-                                           np.ones(len(active), dtype=np.int64), self.batch.tables, self.storage,
-                                           self.window, pin_memory=dev.type == "cuda").to(dev)
-                x = self.model.mtp_forward(x, draft, None, self.storage, index=index_j)
+                chain_slots = np.asarray([prop_slots[a] for a in active], dtype=np.int64)
+                if self.graphs is not None and len(active) <= self.graphs.max_chain:
+                    x, logits = self.graphs.run_chain(x, draft, chain_slots, q, self.batch.tables)
+                else:
+                    index_j = build_slot_index(chain_slots, q, np.ones(len(active), dtype=np.int64),
+                                               self.batch.tables, self.storage, self.window,
+                                               pin_memory=dev.type == "cuda").to(dev)
+                    x = self.model.mtp_forward(x, draft, None, self.storage, index=index_j)
+                    logits = self.model.mtp_logits(x)
                 qpos = to_device(q + 2, torch.int64, dev)
-                draft = self._pick(self.model.mtp_logits(x), [prop_slots[a] for a in active], qpos)
+                draft = self._pick(logits, [prop_slots[a] for a in active], qpos)
                 out[to_device(active, torch.int64, dev), j] = draft
         return out
 
