@@ -215,3 +215,21 @@ def test_compressor_pooling_is_invariant_to_the_other_emitting_windows() -> None
 def test_log_softmax_for_logprobs_is_row_local() -> None:
     # Not a table entry: the sampler's log-softmax runs one row per program on the CPU; this guards it.
     _rows_invariant(lambda x: torch.log_softmax(x, dim=-1), lambda m, g: (torch.randn(m, 512, generator=g),))
+
+
+def test_mode_is_stated_in_the_start_up_line_and_the_metrics(monkeypatch) -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from deepinfer.engine.llm_engine import mode_line
+    from deepinfer.server.metrics import ServerMetrics
+
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    cfg = EngineConfig.create(EngineArgs(device="cpu"))
+    line = mode_line(cfg, select("cpu", cfg.batch_invariant))
+    assert "ops=ref-batch-invariant batch_invariant=1" in line and "do not depend on the batch" in line
+    metrics = ServerMetrics("demo")
+    metrics.publish_engine_info(cfg.mode_labels())
+    text = generate_latest(metrics.registry).decode()
+    assert ('deepinfer:engine_info{batch_invariant="1",device="cpu",dtype="float32",model_name="demo"} 1.0'
+            in text)
