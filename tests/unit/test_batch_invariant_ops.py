@@ -111,7 +111,8 @@ def test_mhc_and_norms_rows_are_invariant() -> None:
     s = torch.randn(9, n, h, generator=_g(12))
     for a, b in zip(bi.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6), REF.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    o, p, c = torch.randn(9, h, generator=_g(13)), torch.rand(9, n, generator=_g(14)), torch.rand(9, n, n, generator=_g(15))
+    o, p = torch.randn(9, h, generator=_g(13)), torch.rand(9, n, generator=_g(14))
+    c = torch.rand(9, n, n, generator=_g(15))
     torch.testing.assert_close(bi.hc_post(s, o, p, c), REF.hc_post(s, o, p, c), rtol=1e-5, atol=1e-6)
 
 

@@ -24,9 +24,10 @@ asserted where it is applied:
      the plain reference), the MoE combine adds a token's experts in a fixed order, and log-softmax is
      one row per program (row-local already; tested).
 
-Everything else of ``REF`` (RoPE, SwiGLU, the row-local norms, cache writes) is element-wise or row-local
-and is used as it is. Results equal ``REF`` within rounding, not bit for bit (different summation orders);
-the tests compare them with tolerances and compare this table with itself bitwise across batches.
+Everything else of ``REF`` (RoPE, the attention block's row-local norms, the row lists, cache writes) is
+exact element-wise arithmetic or row-local and is used as it is. Results equal ``REF`` within rounding, not
+bit for bit (different summation orders); the tests compare them with tolerances and compare this table with
+itself bitwise across batches.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from deepinfer.ops.ref.row_tiles import ROW_TILE, tiled_grouped, tiled_linear, t
 from deepinfer.ops.ref.sparse_attention import gather_keys
 
 __all__ = ["ROW_TILE", "KEY_CHUNK", "MAX_ROW_REDUCTION", "linear", "dense", "dense_grouped", "pointwise", "swiglu",
-           "moe_route", "fp8_linear",
-           "fp8_linear_grouped", "moe_experts_fp4", "sparse_attention_indexed", "indexer_topk", "attention",
+           "moe_route", "fp8_linear", "fp8_linear_grouped", "moe_experts_fp4", "sparse_attention_indexed",
+           "indexer_topk", "attention",
            "indexer_select", "hc_pre", "hc_post", "hc_head", "rms_norm", "compress_emit"]
 
 KEY_CHUNK = 64  # columns per attention / indexer reduction chunk (rule 2)
