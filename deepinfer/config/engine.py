@@ -135,6 +135,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     eplb: EplbConfig | None = None  # None: experts stay where expert parallelism put them
     launch: LaunchConfig = LaunchConfig()  # which of the world's ranks this node starts
+    # DEEPINFER_BATCH_INVARIANT: the batch-invariant op table (ops/table.py; README "Batch invariance").
+    batch_invariant: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -168,6 +170,9 @@ class EngineConfig:
         launch = LaunchConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port).validate(parallel)
         _check_parallel(parallel, launch, args, device)
         eplb = _eplb_config(args, parallel, model)
+        batch_invariant = env.batch_invariant()
+        if batch_invariant:
+            _check_batch_invariant(device, parallel)
         return cls(
             model_dir=model_dir,
             tokenizer_dir=args.tokenizer or model_dir,
@@ -187,7 +192,13 @@ class EngineConfig:
             speculative=speculative,
             eplb=eplb,
             launch=launch,
+            batch_invariant=batch_invariant,
         )
+
+    def mode_labels(self) -> dict[str, str]:
+        """What the engine runs as, for the start-up log and the /metrics info series."""
+        return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
+                "batch_invariant": "1" if self.batch_invariant else "0"}
 
 
 def _resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -225,6 +236,18 @@ def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: Engine
         name = "kv_host_cache_gb" if args.kv_host_cache_gb else "kv_cache_dir"
         raise ValueError(f"{name}: cache tiers are not supported with tensor_parallel_size or "
                          "data_parallel_size > 1 yet (each rank's blocks live in its own process)")
+
+
+def _check_batch_invariant(device: str, parallel: ParallelConfig) -> None:
+    if device == "cuda":
+        from deepinfer.ops.table import BATCH_INVARIANT_CUDA_ERROR
+
+        raise ValueError(BATCH_INVARIANT_CUDA_ERROR)
+    if not parallel.is_single:
+        # The worker processes build their models apart (deepinfer/executor/rank.py) and their
+        # collectives have no fixed-order variant yet.
+        raise ValueError("DEEPINFER_BATCH_INVARIANT=1: not supported with tensor_parallel_size or "
+                         "data_parallel_size > 1 yet; it runs on one CPU device (unset it for several)")
 
 
 def _eplb_config(args: EngineArgs, parallel: ParallelConfig, model: ModelConfig) -> EplbConfig | None:

@@ -34,6 +34,8 @@ from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.block_budget import cdiv
 from deepinfer.kv.offload import TierLink
 from deepinfer.model.loader import load_model
+from deepinfer.model.device import use_op_table
+from deepinfer.ops.table import REF
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
 from deepinfer.runner.input_batch import InputBatch
@@ -51,11 +53,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer_dir)
-        # CUDA: quantized-first, straight into the Triton kernels' layout; the CPU runs the reference ops.
-        ops = select_ops(config.device) if config.device == "cuda" else None
+        # CUDA: quantized-first, straight into the Triton kernels' layout; the CPU runs the reference ops (the
+        # batch-invariant ones with DEEPINFER_BATCH_INVARIANT=1), on the reference model's dequantized weights.
+        ops = select_ops(config.device, config.batch_invariant)
+        cuda = config.device == "cuda"
         self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
-                                progress=config.load_progress, ops=ops, cfg=config.model,
+                                progress=config.load_progress, ops=ops if cuda else None, cfg=config.model,
                                 load_format=config.load_format, seed=config.seed)
+        if not cuda and ops is not REF:
+            use_op_table(self.model, ops)
+        log.info("%s", mode_line(config, ops))
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
         prefix = build_prefix_hasher(config)
@@ -222,6 +229,17 @@ class LLMEngine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def mode_line(config: EngineConfig, ops) -> str:
+    """The start-up line stating the op table and what it promises (README "Batch invariance")."""
+    labels = config.mode_labels()
+    head = f"engine mode: device={labels['device']} dtype={labels['dtype']} ops={ops.name} "
+    if config.batch_invariant:
+        return head + ("batch_invariant=1: a request's tokens and logprobs do not depend on the batch, its order "
+                       "or the schedule (chunking, prefix hits, preemption, speculation)")
+    return head + ("batch_invariant=0: a request's logits may move in their last bits with the batch "
+                   "(DEEPINFER_BATCH_INVARIANT=1 on the CPU makes them invariant)")
 
 
 class _StepGrammar:

@@ -272,10 +272,18 @@ def finish_transform(model: DeepseekV4, ops: OpTable, overlap: bool | None | Bra
     and the streams (``overlap``, or the ``Branches`` to use) on every module."""
     branches = overlap if isinstance(overlap, Branches) else _branches(next(model.buffers()).device, overlap)
     fuse_projections(model)
-    for module in model.modules():  # after stacking: the stacks take the op table too
-        if hasattr(module, "ops"):
-            module.ops = ops
+    use_op_table(model, ops)  # after stacking: the stacks take the op table too
+    for module in model.modules():
         if hasattr(module, "branches"):
             module.branches = branches
+    return model
+
+
+def use_op_table(model: nn.Module, ops: OpTable) -> nn.Module:
+    """Point every module that calls the op table at ``ops`` (the reference model's modules default to
+    ``REF``): what the device transform does, and alone what the CPU's batch-invariant mode needs."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
     model.ops = ops
     return model

@@ -2,6 +2,8 @@
 
 Inference weights always come from a checkpoint, so these allocate with ``torch.empty`` and skip
 ``reset_parameters`` (which on the meta device pulls in torch's decomposition tables: seconds at start-up).
+The product itself is the op table's ``dense`` / ``dense_grouped`` (``ops/ref/linear.py``): ``F.linear`` and
+``torch.bmm`` in the reference and Triton tables, fixed row tiles in the batch-invariant one.
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.ops.table import REF, OpTable
+
 
 class Linear(nn.Module):
+    ops: OpTable = REF  # replaced on every module by model/device.py (use_op_table) for other tables
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
         assert not bias, "DeepSeek-V4 linears have no bias"
@@ -19,13 +25,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.ops.dense(x, self.weight)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal use: x [G, T, in] -> [G, T, out/G], group g through weight rows [g*r, (g+1)*r)."""
-        g = x.shape[0]
-        w = self.weight.view(g, -1, x.shape[-1]).transpose(1, 2)  # [G, in, r]
-        return torch.bmm(x, w)
+        return self.ops.dense_grouped(x, self.weight)
 
     def grouped_flat(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """``grouped`` on the flat layout: x [T, G*in] -> [T, G*r] (group g reads columns [g*in, (g+1)*in))."""

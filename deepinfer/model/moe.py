@@ -18,6 +18,8 @@ from deepinfer.ops.table import REF, OpTable
 class Expert(nn.Module):
     """Checkpoint names: ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
 
+    ops: OpTable = REF  # its ``pointwise`` applies SiLU (replaced by model/device.py for other tables)
+
     def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.limit = limit
@@ -28,7 +30,7 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x).clamp(max=self.limit)
         up = self.w3(x).clamp(min=-self.limit, max=self.limit)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.ops.pointwise(F.silu, gate) * up)
 
 
 class Gate(nn.Module):

@@ -7,9 +7,12 @@ from torch import nn
 
 from deepinfer.config.model import ModelConfig
 from deepinfer.ops.ref.rope import apply_rope, cos_sin, inv_freq
+from deepinfer.ops.table import REF, OpTable
 
 
 class RopeTables(nn.Module):
+    ops: OpTable = REF  # its ``pointwise`` applies cos/sin (replaced by model/device.py for other tables)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.factors = {"main": cfg.main_rope.attention_factor, "compress": cfg.compress_rope.attention_factor}
@@ -17,7 +20,7 @@ class RopeTables(nn.Module):
         self.register_buffer("compress_inv_freq", inv_freq(cfg.compress_rope), persistent=False)
 
     def cos_sin(self, table: str, positions: torch.Tensor, dtype: torch.dtype):
-        return cos_sin(positions, getattr(self, f"{table}_inv_freq"), self.factors[table], dtype)
+        return cos_sin(positions, getattr(self, f"{table}_inv_freq"), self.factors[table], dtype, self.ops.pointwise)
 
     def rotate(self, table: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos_sin(table, positions, x.dtype)

@@ -9,6 +9,10 @@ the Triton kernels, imported lazily so that only a CUDA process loads Triton. En
   fp8_linear_grouped(x [M,G*K], weight [G*r,K], scale, G) -> [M,G*r] (block-diagonal, one launch)
   moe_experts_fp4(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, out=None, add=None) -> [T,H]
   linear(x [M,K], weight [N,K]) -> [M,N]   (bf16 side projections and the MoE router)
+  dense(x [...,K], weight [N,K]) -> [...,N]   (every other ``model/linear.Linear``: LM head, MTP projections,
+      the CPU's dequantized weights; F.linear in REF and the Triton table)
+  dense_grouped(x [G,T,in], weight [G*r,in]) -> [G,T,r]   (``Linear.grouped``, block-diagonal)
+  pointwise(fn, x) -> fn(x)   (how the model applies SiLU / cos / sin outside the entries above)
 
 The index-list entries serve the batched step path (``model/attention_indexed.py``), which reads the paged
 cache through per-step row lists instead of gathered per-sequence tensors:
@@ -40,6 +44,10 @@ A step's cache row lists from its index tensors, once per step (``ops/ref/step_r
   step_rows(token_seq, positions, window_table, state_table, history_table, seq_end, span, block_size,
             window, kinds, spare_window, spare_state) -> (window_rows, state_rows, window_keys, [KindRows])
 
+``REF_BATCH_INVARIANT`` (``DEEPINFER_BATCH_INVARIANT=1`` on the CPU, ``ops/ref/batch_invariant.py``) is REF
+with every entry whose result row could depend on the batch replaced by a twin that computes each row the
+same way whatever the batch and the step's shape (fixed GEMM row tiles, fixed key/entry chunks, ordered sums).
+
 Weight layout, applied once when the model is prepared (not per call):
 
   fp4_expert_layout(codes int8 [E,N,K/2], scales [E,N,K/32]) -> (codes, scales) in the layout
@@ -49,12 +57,14 @@ Weight layout, applied once when the model is prepared (not per call):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from deepinfer.ops.ref import batch_invariant as ref_bi
 from deepinfer.ops.ref import compress_emit as ref_emit
 from deepinfer.ops.ref import compress_state as ref_state
 from deepinfer.ops.ref import fp8_linear as ref_fp8
@@ -63,6 +73,7 @@ from deepinfer.ops.ref import linear as ref_linear
 from deepinfer.ops.ref import mhc as ref_mhc
 from deepinfer.ops.ref import moe as ref_route
 from deepinfer.ops.ref import moe_experts as ref_moe
+from deepinfer.ops.ref import pointwise as ref_pointwise
 from deepinfer.ops.ref import rope_norm as ref_rn
 from deepinfer.ops.ref import sparse_attention as ref_attn
 from deepinfer.ops.ref import step_rows as ref_rows
@@ -100,6 +111,11 @@ class OpTable:
     linear: Callable
     # The kernels' per-device choices (tiles, splits; ops/tuning.py) bound into the entries above; None for REF.
     tuning: KernelTuning | None = None
+    dense: Callable = ref_linear.dense
+    dense_grouped: Callable = ref_linear.dense_grouped
+    pointwise: Callable = ref_pointwise.direct
+    # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
+    batch_invariant: bool = False
 
 
 def _checkpoint_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +135,18 @@ REF = OpTable("ref", sparse_attention, _ref_indexer_select, ref_fp8.fp8_linear, 
               moe_route=ref_route.route, swiglu=ref_swiglu.swiglu,
               fp4_expert_layout=_checkpoint_layout, step_rows=ref_rows.step_rows,
               linear=ref_linear.linear)
+
+
+# Entries not replaced are exact element-wise arithmetic or row-local (RoPE, the attention-block norms, the
+# row lists, cache writes): REF's own.
+REF_BATCH_INVARIANT = dataclasses.replace(
+    REF, name="ref-batch-invariant", attention=ref_bi.attention, indexer_select=ref_bi.indexer_select,
+    fp8_linear=ref_bi.fp8_linear, fp8_linear_grouped=ref_bi.fp8_linear_grouped,
+    moe_experts_fp4=ref_bi.moe_experts_fp4, sparse_attention_indexed=ref_bi.sparse_attention_indexed,
+    indexer_topk=ref_bi.indexer_topk, compress_emit=ref_bi.compress_emit, hc_pre=ref_bi.hc_pre,
+    hc_post=ref_bi.hc_post, hc_head=ref_bi.hc_head, rms_norm=ref_bi.rms_norm, linear=ref_bi.linear,
+    dense=ref_bi.dense, dense_grouped=ref_bi.dense_grouped, pointwise=ref_bi.pointwise,
+    moe_route=ref_bi.moe_route, swiglu=ref_bi.swiglu, batch_invariant=True)
 
 
 def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
@@ -164,5 +192,17 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning)
 
 
-def select(device: str) -> OpTable:
+def select(device: str, batch_invariant: bool = False) -> OpTable:
+    """The op table of ``device``, chosen once at start-up. ``batch_invariant`` (``DEEPINFER_BATCH_INVARIANT``):
+    the batch-invariant table; the CPU has one, the GPU not yet (an error, never a silent fallback)."""
+    if batch_invariant:
+        if device == "cuda":
+            raise ValueError(BATCH_INVARIANT_CUDA_ERROR)
+        return REF_BATCH_INVARIANT
     return triton_ops() if device == "cuda" else REF
+
+
+BATCH_INVARIANT_CUDA_ERROR = (
+    "DEEPINFER_BATCH_INVARIANT=1: the GPU has no batch-invariant kernels yet (its decode-sized fast paths and "
+    "the bf16 GEMMs change a row's bits with the batch); the batch-invariant mode exists on the CPU only "
+    "(device='cpu' / DEEPINFER_ACCELERATOR=cpu). Unset DEEPINFER_BATCH_INVARIANT to run on cuda.")

@@ -58,6 +58,7 @@ class ServerState:
 
     def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_request_bytes: int) -> None:
         self.metrics = ServerMetrics(model_name)
+        self.metrics.publish_engine_info(engine.config.mode_labels())
         self.bridge = AsyncEngine(engine, self.metrics)
         self.engine = engine
         self.model_name = model_name

@@ -8,7 +8,7 @@ objects are thread-safe.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Latency buckets for a CPU demo model up to a large model on a busy GPU.
@@ -76,6 +76,12 @@ class ServerMetrics:
         self._tier_used = Gauge("deepinfer:kv_tier_used_bytes", "Bytes a cache tier holds", ["model_name", "tier"],
                                 registry=r)
         self._tier_seen: dict[tuple[str, str], int] = {}
+        # How the engine runs (``EngineConfig.mode_labels``): deepinfer:engine_info{batch_invariant="1",...} 1.0
+        self._engine_info = Info("deepinfer:engine", "How the engine runs: device, dtype, batch-invariant mode",
+                                 list(labels), registry=r).labels(**labels)
+
+    def publish_engine_info(self, labels: dict[str, str]) -> None:
+        self._engine_info.info(labels)
 
     def publish_spec(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                      accepted_per_pos: list[int]) -> None:

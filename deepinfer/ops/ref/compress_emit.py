@@ -73,11 +73,12 @@ def gather_slots(state: torch.Tensor, slots: torch.Tensor, width: int, overlap: 
 
 def compress_emit(state: torch.Tensor, slot_rows: torch.Tensor, entry_rows: torch.Tensor, out: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                  overlap: bool) -> None:
-    """Write the entry of every window closed by a token of the batch into ``out`` (see module docstring)."""
+                  overlap: bool, *, pool=pool_windows) -> None:
+    """Write the entry of every window closed by a token of the batch into ``out`` (see module docstring).
+    ``pool``: the window pooling (the batch-invariant table passes its ordered-sum twin of ``pool_windows``)."""
     w, _, _ = check_compress_emit_args(state, slot_rows, entry_rows, out, norm_weight, cos, sin, overlap)
     emitting = entry_rows >= 0
     kv, gate = gather_slots(state, slot_rows[emitting], w, overlap)
-    entries = pool_windows(kv, gate, norm_weight, eps, out.dtype)
+    entries = pool(kv, gate, norm_weight, eps, out.dtype)
     entries = apply_rope(entries, cos[emitting], sin[emitting])
     out[entry_rows[emitting].long()] = entries

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.ops.ref.pointwise import direct
 
-def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+
+def score(logits: torch.Tensor, scoring_func: str, pointwise=direct) -> torch.Tensor:
     if scoring_func == "sqrtsoftplus":
-        return torch.nn.functional.softplus(logits).sqrt()
+        return pointwise(torch.nn.functional.softplus, logits).sqrt()
     if scoring_func == "sigmoid":
-        return torch.sigmoid(logits)
+        return pointwise(torch.sigmoid, logits)
     if scoring_func == "softmax":
         return torch.softmax(logits.float(), dim=-1).to(logits.dtype)
     raise ValueError(f"scoring_func: {scoring_func!r} is not one of sqrtsoftplus, sigmoid, softmax")
@@ -28,12 +30,15 @@ def route(
     routed_scaling_factor: float,
     bias: torch.Tensor | None = None,
     hash_indices: torch.Tensor | None = None,
+    *,
+    pointwise=direct,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k], expert indices [T, k]).
 
     ``hash_indices`` (from ``tid2eid[token_id]``) replaces the learned selection on hash layers.
+    ``pointwise``: how the score function is applied (``ops/ref/pointwise.py``).
     """
-    scores = score(logits, scoring_func)
+    scores = score(logits, scoring_func, pointwise)
     if hash_indices is not None:
         indices = hash_indices.long()
     else:

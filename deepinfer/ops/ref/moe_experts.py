@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.model.quant import dequant_fp4
+from deepinfer.ops.ref.pointwise import direct
 
 FP4_GROUP = 32
 
@@ -65,11 +66,15 @@ def check_moe_experts_args(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights
 def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                     limit: float, *, out: torch.Tensor | None = None, add: torch.Tensor | None = None,
-                    before_add: Callable[[], None] | None = None) -> torch.Tensor:
+                    before_add: Callable[[], None] | None = None,
+                    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.matmul,
+                    pointwise=direct) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype (written into ``out`` when given). ``add`` [T, H] in x.dtype (the
     shared expert's output) is added after the rounding to x.dtype: ``routed + add`` as two tensors.
     ``before_add`` is called right before ``add`` is first read (the GPU path passes a stream join there:
-    ``add`` may still be being computed on a side stream while the routed experts run)."""
+    ``add`` may still be being computed on a side stream while the routed experts run). ``matmul`` runs each
+    expert's [rows, K] x [K, N] products (the batch-invariant table passes its fixed-row-tile GEMM), ``pointwise``
+    applies SiLU (``ops/ref/pointwise.py``)."""
     n_exp, inter = check_moe_experts_args(x, topk_ids, topk_weights, w13, s13, w2, s2)
     t, h = x.shape
     k = topk_ids.shape[1]
@@ -80,9 +85,9 @@ def moe_experts_fp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     for e in torch.unique(topk_ids).tolist():
         tok, slot = torch.where(topk_ids == e)
         w13_e = dequant_fp4(w13[e], s13[e])  # fp32 [2I, H], exact
-        gate, up = (xf[tok] @ w13_e.t()).split(inter, dim=-1)
-        hid = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-        per_slot[tok, slot] = (hid @ dequant_fp4(w2[e], s2[e]).t()) * topk_weights[tok, slot, None].float()
+        gate, up = matmul(xf[tok], w13_e.t()).split(inter, dim=-1)
+        hid = pointwise(F.silu, gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        per_slot[tok, slot] = matmul(hid, dequant_fp4(w2[e], s2[e]).t()) * topk_weights[tok, slot, None].float()
     acc = per_slot[:, 0]
     for j in range(1, k):  # the combine: slot order, fp32
         acc = acc + per_slot[:, j]

@@ -12,6 +12,7 @@ import math
 import torch
 
 from deepinfer.config.model import RopeConfig
+from deepinfer.ops.ref.pointwise import direct
 
 
 def inv_freq(rope: RopeConfig) -> torch.Tensor:
@@ -38,10 +39,13 @@ def inv_freq(rope: RopeConfig) -> torch.Tensor:
     return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
 
 
-def cos_sin(positions: torch.Tensor, freqs: torch.Tensor, attention_factor: float, dtype: torch.dtype):
-    """cos/sin of shape [..., rope_dim // 2] for integer ``positions`` [...], cast to ``dtype``."""
+def cos_sin(positions: torch.Tensor, freqs: torch.Tensor, attention_factor: float, dtype: torch.dtype,
+            pointwise=direct):
+    """cos/sin of shape [..., rope_dim // 2] for integer ``positions`` [...], cast to ``dtype``.
+    ``pointwise``: the op table's way of applying cos and sin (``ops/ref/pointwise.py``)."""
     angles = positions.to(torch.float32)[..., None] * freqs.to(device=positions.device, dtype=torch.float32)
-    return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+    cos, sin = pointwise(torch.cos, angles), pointwise(torch.sin, angles)
+    return (cos * attention_factor).to(dtype), (sin * attention_factor).to(dtype)
 
 
 def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.ops.ref.pointwise import direct
 
-def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+
+def swiglu(gate_up: torch.Tensor, limit: float, *, pointwise=direct) -> torch.Tensor:
+    """``pointwise``: how SiLU is applied (``ops/ref/pointwise.py``)."""
     assert gate_up.shape[-1] % 2 == 0, f"gate_up last dim {gate_up.shape[-1]} must be even"
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return pointwise(F.silu, gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
