@@ -4,7 +4,10 @@ Each DP rank owns its sequences and its cache: rank 0 keeps one scheduler and ca
 (the cache sized by that rank's ``Ready`` report) and gives each new request to the least loaded one
 (fewest waiting + running sequences; ties to the lower rank). A step schedules every DP rank, broadcasts
 their plans in one ``RunStep``, runs rank 0's own share, and gathers the results; a DP rank without work
-runs an empty step while any other has work (the MoE collectives need every rank). With expert-parallel
+runs an empty step while any other has work (the MoE collectives need every rank). With context parallelism,
+each CP group's longest prefill chunk of at least ``context_parallel_min_tokens`` tokens is named in the step
+(``RunStep.context_parallel``) and every rank of the group runs its zigzag share of it beside its own work
+(``model/parallel/context.py``). With expert-parallel
 load balancing, every ``step_interval`` steps the experts are re-placed between two steps (``eplb.py``).
 
 Launch (``launch.py``): ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each); with

@@ -187,7 +187,8 @@ class ModelRunner:
                        for i in range(len(w.prompt_logprobs.targets))]
         q = self.graphs.tokens_per_seq if self.graphs is not None else 0
         # Every sequence draws at each of its q inputs (decode; with speculation, a full verify step).
-        graph_ok = (self.graphs is not None and share is None and not jobs and self.graphs.fits_slots(len(work), len(ids))
+        graph_ok = (self.graphs is not None and share is None and not jobs
+                    and self.graphs.fits_slots(len(work), len(ids))
                     and all(w.num_tokens == q == w.num_samples and not w.emit_from for w in work))
         streams = index = input_ids = None
         if graph_ok:
