@@ -97,9 +97,9 @@ def test_share_path_equals_the_batched_path() -> None:
     model = load_model(str(demo_model_dir()), dtype=torch.float32, progress=False)
     layout = build_layout(model.cfg, 128)
     rng = random.Random(4)
-    long_ids = [rng.randrange(3, 4096) for _ in range(330)]
+    long_ids = [rng.randrange(3, 4096) for _ in range(260)]
     other_ids = [rng.randrange(3, 4096) for _ in range(40)]
-    chunks = [(0, 100), (100, 230), (230, 330)]
+    chunks = [(0, 90), (90, 200), (200, 260)]  # the 2nd and 3rd read window rows and entries of earlier chunks
     plain, split = SequenceCache(layout, 8, torch.float32), SequenceCache(layout, 8, torch.float32)
     for cache in (plain, split):
         assert (cache.new_sequence(), cache.new_sequence()) == (0, 1)
