@@ -3,6 +3,8 @@
     python bench/multi_gpu.py --data-parallel-size 4 --enable-expert-parallel          # 4 GPUs, DP4 + EP
     python bench/multi_gpu.py --tensor-parallel-size 4                                  # 4 GPUs, TP4
     python bench/multi_gpu.py --tensor-parallel-size 2 --data-parallel-size 4 --enable-expert-parallel
+    python bench/multi_gpu.py --data-parallel-size 4 --enable-expert-parallel --context-parallel-size 4 \
+        --prefill 32768 --max-num-batched-tokens 8192                                    # + one long prompt, CP4
     python bench/multi_gpu.py --model deepinfer/assets/demo --layers 2 --device cpu \\
         --data-parallel-size 2 --enable-expert-parallel --batches 1 2 --prefill 64 --tokens 4   # CPU smoke test
 
@@ -19,7 +21,9 @@ Measured, after a warm-up request (kernel compilation):
     --prompt-len random prompt tokens, prefilled first, then --tokens greedy tokens each (ignore_eos); the
     decode steps alone are timed: per-step latency and output tokens/s over all ranks;
   * prefill: --prefill-seqs requests (default one per DP rank) of --prefill tokens each, one output token:
-    wall time to finish them and prompt tokens/s (chunked by --max-num-batched-tokens).
+    wall time to finish them and prompt tokens/s (chunked by --max-num-batched-tokens);
+  * with --context-parallel-size > 1, also one request of --prefill tokens alone (its chunks split over a CP
+    group: time to its first token, and how many chunks ran context-parallel).
 Writes ``multi_gpu_<layout>.json`` and ``.md`` into --out (default: $OUT when set, else bench/results).
 """
 
@@ -45,7 +49,8 @@ from deepinfer.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def _layout(a: argparse.Namespace) -> str:
-    return f"tp{a.tensor_parallel_size}-dp{a.data_parallel_size}" + ("-ep" if a.enable_expert_parallel else "")
+    cp = f"-cp{a.context_parallel_size}" if a.context_parallel_size > 1 else ""
+    return f"tp{a.tensor_parallel_size}-dp{a.data_parallel_size}" + ("-ep" if a.enable_expert_parallel else "") + cp
 
 
 def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[dict]:
@@ -81,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--context-parallel-size", type=int, default=1, help="DP ranks a long prefill chunk is split over")
+    p.add_argument("--context-parallel-min-tokens", type=int, default=1024)
     p.add_argument("--layers", type=int, default=None, help="num_hidden_layers override (default: all)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
@@ -98,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     budget = a.max_num_batched_tokens or max(a.prefill, a.prompt_len)
     args = dict(model=a.model, tokenizer=a.tokenizer, load_format="dummy", device=a.device, dtype=a.dtype,
                 tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
-                enable_expert_parallel=a.enable_expert_parallel, max_num_seqs=max(a.batches),
+                enable_expert_parallel=a.enable_expert_parallel, context_parallel_size=a.context_parallel_size,
+                context_parallel_min_tokens=a.context_parallel_min_tokens, max_num_seqs=max(a.batches),
                 max_num_batched_tokens=budget, max_model_len=max(a.prefill + 1, a.prompt_len + a.tokens) + 1,
                 gpu_memory_utilization=a.gpu_memory_utilization, seed=a.seed, load_progress=False,
                 hf_overrides={"num_hidden_layers": a.layers} if a.layers else None)
@@ -122,6 +130,15 @@ def main(argv: list[str] | None = None) -> dict:
         prefill = {"seqs": n, "tokens": a.prefill, "steps": psteps, "seconds": round(ttft, 4),
                    "tokens_per_s": round(n * a.prefill / ttft, 1)}
         print(f"prefill {n} x {a.prefill}: {prefill['seconds']} s, {prefill['tokens_per_s']} tok/s", flush=True)
+        long_prefill = None
+        if a.context_parallel_size > 1:
+            before = engine.context_parallel_chunks
+            ttft, psteps, _, _ = _run(engine, _prompts(1, a.prefill, cfg.vocab_size, rng), 1, "cp")
+            long_prefill = {"tokens": a.prefill, "steps": psteps, "seconds": round(ttft, 4),
+                            "tokens_per_s": round(a.prefill / ttft, 1),
+                            "cp_chunks": engine.context_parallel_chunks - before}
+            print(f"long prefill 1 x {a.prefill} (CP{a.context_parallel_size}): {long_prefill['seconds']} s, "
+                  f"{long_prefill['cp_chunks']} of {psteps} chunks split", flush=True)
     finally:
         engine.close()
     result = {
@@ -129,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": torch.cuda.get_device_name(0) if a.device == "cuda" else platform.processor() or "cpu",
         "world_size": a.tensor_parallel_size * a.data_parallel_size, "dtype": str(engine.config.dtype),
         "load_s": round(load_s, 2), "prompt_len": a.prompt_len, "tokens": a.tokens, "step_token_budget": budget,
-        "decode": decode, "prefill": prefill,
+        "decode": decode, "prefill": prefill, "context_parallel_size": a.context_parallel_size,
+        "long_prefill": long_prefill,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,6 +171,11 @@ def _markdown(r: dict) -> str:
     pf = r["prefill"]
     lines += ["", f"Prefill: {pf['seqs']} x {pf['tokens']} tokens in {pf['seconds']} s ({pf['steps']} steps of at "
               f"most {r['step_token_budget']} tokens): {pf['tokens_per_s']} prompt tok/s.", ""]
+    lp = r.get("long_prefill")
+    if lp:
+        lines += [f"Long prefill under context parallelism (CP{r['context_parallel_size']}): 1 x {lp['tokens']} tokens "
+                  f"in {lp['seconds']} s ({lp['cp_chunks']} of {lp['steps']} chunks split over the CP group): "
+                  f"{lp['tokens_per_s']} prompt tok/s.", ""]
     return "\n".join(lines)
 
 

@@ -48,6 +48,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention: this many groups, each with its own sequences and cache")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="spread the routed experts over all data x tensor parallel devices")
+    g.add_argument("--context-parallel-size", "-cp", type=int, default=1,
+                   help="split each long prefill chunk over this many data-parallel ranks (zigzag, causally "
+                        "balanced); must divide --data-parallel-size")
+    g.add_argument("--context-parallel-min-tokens", type=int, default=1024,
+                   help="prefill chunks of at least this many tokens use context parallelism")
     g.add_argument("--enable-eplb", action="store_true",
                    help="expert-parallel load balancing: replicate hot experts and re-place them between steps")
     g.add_argument("--eplb-config", default=None, metavar="JSON",
@@ -106,6 +111,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         kv_host_cache_gb=a.kv_host_cache_gb, kv_cache_dir=a.kv_cache_dir, kv_disk_cache_gb=a.kv_disk_cache_gb,
         tensor_parallel_size=a.tensor_parallel_size,
         data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
+        context_parallel_size=a.context_parallel_size, context_parallel_min_tokens=a.context_parallel_min_tokens,
         enable_eplb=a.enable_eplb, eplb_config=a.eplb_config,
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port,
         load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,

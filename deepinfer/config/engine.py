@@ -56,6 +56,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Context parallelism over the DP ranks (distributed/config.py): prefill chunks of at least
+    # context_parallel_min_tokens tokens are split over context_parallel_size DP ranks.
+    context_parallel_size: int = 1
+    context_parallel_min_tokens: int = 1024
     # Several nodes without torchrun (torchrun's names; distributed/config.py LaunchConfig): the same command
     # on every node, each with its node_rank; node 0 at master_addr:master_port is the rendezvous and serves.
     nnodes: int = 1
@@ -165,8 +169,8 @@ class EngineConfig:
             _check_speculative(speculative, model, args)
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
-        parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size,
-                                  args.enable_expert_parallel).validate(model)
+        parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel,
+                                  args.context_parallel_size, args.context_parallel_min_tokens).validate(model)
         launch = LaunchConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port).validate(parallel)
         _check_parallel(parallel, launch, args, device)
         eplb = _eplb_config(args, parallel, model)

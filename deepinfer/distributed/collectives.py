@@ -66,3 +66,13 @@ def all_gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     else:
         dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+
+def broadcast_rows(x: torch.Tensor, src: int, group) -> torch.Tensor:
+    """``x`` of global rank ``src`` on every rank of ``group`` (the others pass a tensor of the same shape and
+    dtype to receive into); returns it."""
+    if group is None:
+        return x
+    x = x.contiguous()
+    dist.broadcast(_bits(x) if _is_gloo(group) else x, src, group=group)
+    return x

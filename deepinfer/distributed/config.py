@@ -7,6 +7,10 @@
     (data-parallel attention).
   * ``enable_expert_parallel`` (EP): the routed experts are spread over all DP x TP ranks, whole; tokens go
     to their experts' ranks and come back (dispatch/combine). The shared expert is replicated.
+  * ``context_parallel_size`` (CP): a prefill chunk of at least ``context_parallel_min_tokens`` tokens is
+    split over this many DP ranks (consecutive DP groups form a CP group), its queries in a zigzag layout;
+    its cache stays with the DP rank that owns the sequence (``model/parallel/context.py``). CP borrows DP
+    ranks, so it adds no processes: it must divide ``data_parallel_size``.
 World size = DP x TP; rank = dp_rank x TP + tp_rank (TP ranks of one DP group are neighbours, as on one node).
 """
 
@@ -22,14 +26,24 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    context_parallel_size: int = 1
+    # Chunks shorter than this run on their owner alone (the collectives would cost more than they save).
+    context_parallel_min_tokens: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "context_parallel_size",
+                     "context_parallel_min_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel: must be true or false, got {self.enable_expert_parallel!r}")
+        cp, dp = self.context_parallel_size, self.data_parallel_size
+        if dp % cp:
+            raise ValueError(
+                f"context_parallel_size: {cp} does not divide data_parallel_size ({dp}); context parallelism "
+                f"splits a long prefill over the data-parallel attention ranks; allowed: "
+                f"{', '.join(map(str, _divisors(dp)))}")
 
     @property
     def world_size(self) -> int:
@@ -38,6 +52,11 @@ class ParallelConfig:
     @property
     def expert_parallel_size(self) -> int:
         return self.world_size if self.enable_expert_parallel else 1
+
+    @property
+    def cp_min_chunk(self) -> int:
+        """The shortest chunk split over the CP ranks: the threshold, and at least one token per zigzag piece."""
+        return max(self.context_parallel_min_tokens, 2 * self.context_parallel_size)
 
     @property
     def is_single(self) -> bool:

@@ -88,6 +88,8 @@ class ParallelContext:
     device: torch.device
     tp_group: dist.ProcessGroup | None = None  # the TP ranks of this rank's DP group
     ep_group: dist.ProcessGroup | None = None  # every rank, when expert parallel
+    # The ranks with this rank's tp_rank in the DP groups of its CP group (context parallel; None: no CP).
+    cp_group: dist.ProcessGroup | None = None
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":
@@ -112,6 +114,19 @@ class ParallelContext:
     @property
     def ep_rank(self) -> int:
         return self.rank if self.ep_size > 1 else 0
+
+    @property
+    def cp_size(self) -> int:
+        return self.config.context_parallel_size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its CP group (the DP groups of a CP group are consecutive)."""
+        return self.dp_rank % self.cp_size
+
+    def cp_global_rank(self, dp_rank: int) -> int:
+        """The global rank of DP group ``dp_rank``'s member with this rank's tp_rank (a CP group peer)."""
+        return dp_rank * self.tp_size + self.tp_rank
 
 
 def init_world(config: ParallelConfig, device: str = "cpu", env: WorldEnv | None = None,
@@ -141,7 +156,15 @@ def init_world(config: ParallelConfig, device: str = "cpu", env: WorldEnv | None
         if d == env.rank // tp:
             tp_group = group
     ep_group = dist.group.WORLD if config.expert_parallel_size > 1 else None
-    return ParallelContext(config, env.rank, dev, tp_group, ep_group)
+    cp, cp_group = config.context_parallel_size, None
+    if cp > 1:  # CP group g, TP rank t: rank t of each of the DP groups g*cp .. g*cp + cp - 1
+        for g in range(config.data_parallel_size // cp):
+            for t in range(tp):
+                ranks = [(g * cp + i) * tp + t for i in range(cp)]
+                group = dist.new_group(ranks)
+                if env.rank in ranks:
+                    cp_group = group
+    return ParallelContext(config, env.rank, dev, tp_group, ep_group, cp_group)
 
 
 def free_port() -> int:

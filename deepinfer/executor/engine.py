@@ -4,7 +4,10 @@ Each DP rank owns its sequences and its cache: rank 0 keeps one scheduler and ca
 (the cache sized by that rank's ``Ready`` report) and gives each new request to the least loaded one
 (fewest waiting + running sequences; ties to the lower rank). A step schedules every DP rank, broadcasts
 their plans in one ``RunStep``, runs rank 0's own share, and gathers the results; a DP rank without work
-runs an empty step while any other has work (the MoE collectives need every rank). With expert-parallel
+runs an empty step while any other has work (the MoE collectives need every rank). With context parallelism,
+each CP group's longest prefill chunk of at least ``context_parallel_min_tokens`` tokens is named in the step
+(``RunStep.context_parallel``) and every rank of the group runs its zigzag share of it beside its own work
+(``model/parallel/context.py``). With expert-parallel
 load balancing, every ``step_interval`` steps the experts are re-placed between two steps (``eplb.py``).
 
 Launch (``launch.py``): ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each); with
@@ -31,6 +34,7 @@ from deepinfer.executor.eplb import EplbDriver
 from deepinfer.executor.launch import follow, node_worlds, spawn_ranks
 from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
+from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.engine.sizing import build_prefix_hasher
 from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.spec import HISTORY, build_layout
@@ -97,6 +101,7 @@ class ParallelLLMEngine(LLMEngine):
         self._owner: dict[str, int] = {}  # request id -> DP rank
         self._closed = False
         self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
+        self.context_parallel_chunks = 0  # prefill chunks run split over a CP group
         atexit.register(self.close)
 
     # What single-rank callers read (the server's metrics, tests): DP rank 0's scheduler and cache.
@@ -137,7 +142,9 @@ class ParallelLLMEngine(LLMEngine):
                 touched.add(seq.request.request_id)
         if any(s.plan != StepPlan() for s in schedules):  # work or departures somewhere
             order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules),
-                            copies=tuple(s.copies for s in schedules))
+                            copies=tuple(s.copies for s in schedules),
+                            context_parallel=self._context_parallel([s.plan for s in schedules]))
+            self.context_parallel_chunks += len(order.context_parallel)
             self.worker.channel.broadcast(order)
             done = self.worker.channel.gather(self.worker.run(order))
             if self.eplb is not None and order.busy:
@@ -157,6 +164,26 @@ class ParallelLLMEngine(LLMEngine):
                 del self.requests[rid]
                 del self._owner[rid]
         return outputs
+
+    def _context_parallel(self, plans: list[StepPlan]) -> tuple[ContextParallelChunk, ...]:
+        """Per CP group, the longest prompt chunk of at least ``cp_min_chunk`` tokens among its DP ranks' plans
+        (ties: the lower rank, then the earlier work), to be split over the group."""
+        pc = self.config.parallel
+        cp = pc.context_parallel_size
+        if cp == 1:
+            return ()
+        out = []
+        for g in range(pc.data_parallel_size // cp):
+            best = None
+            for d in range(g * cp, (g + 1) * cp):
+                for w in plans[d].work:
+                    # Known tokens only (the chunk's ids go to every rank of the group), no verify runs.
+                    if w.num_tokens >= pc.cp_min_chunk and not w.num_placeholders and not w.num_drafts and (
+                            best is None or w.num_tokens > best[0]):
+                        best = (w.num_tokens, ContextParallelChunk(d, w.seq_id))
+            if best is not None:
+                out.append(best[1])
+        return tuple(out)
 
     def close(self) -> None:
         """Stop every rank and leave the world (also at interpreter exit)."""

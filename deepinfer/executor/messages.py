@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.config.engine import RuntimeFacts
+from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.model.parallel.placement import ExpertPlacement
 from deepinfer.runner.model_runner import StepResult
 from deepinfer.sched.plan import StepPlan
@@ -29,6 +30,8 @@ class RunStep:
     # Per DP rank, cache blocks (pool, source, destination) to copy before the step: a prefix hit's bounded
     # replay rewrites its private copy of a cached block.
     copies: tuple[tuple[tuple[str, int, int], ...], ...] = ()
+    # Context parallelism: at most one prefill chunk per CP group, split over the group's DP ranks.
+    context_parallel: tuple[ContextParallelChunk, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

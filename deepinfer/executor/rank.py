@@ -19,6 +19,7 @@ from deepinfer.executor.messages import (CollectExpertLoad, ExpertLoad, ExpertsM
                                          Shutdown, StepDone)
 from deepinfer.kv.block_budget import cdiv
 from deepinfer.model.loader import load_model
+from deepinfer.model.parallel.context import ContextShare
 from deepinfer.model.parallel.eplb import ExpertBalancer
 from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, sharding_hook
 from deepinfer.ops.table import select as select_ops
@@ -65,11 +66,24 @@ class RankWorker:
         plan = order.plans[self.pctx.dp_rank]
         for pool, src, dst in order.copies[self.pctx.dp_rank] if order.copies else ():
             self.storage.copy_block(pool, src, dst)
-        handle = self.runner.submit(plan)
-        if plan.empty and order.busy and needs_empty_steps(self.model):
+        share = self._share(order)
+        handle = self.runner.submit(plan, share=share)
+        if plan.empty and share is None and order.busy and needs_empty_steps(self.model):
             empty_step(self.model)
         result = handle.result()
         return StepDone(self.pctx.rank, result if self.reports else None)
+
+
+    def _share(self, order: RunStep) -> ContextShare | None:
+        """This rank's part in its CP group's chunk of the step, if the group has one."""
+        pctx = self.pctx
+        for chunk in order.context_parallel:
+            if chunk.owner // pctx.cp_size != pctx.dp_rank // pctx.cp_size:
+                continue
+            work = next(w for w in order.plans[chunk.owner].work if w.seq_id == chunk.seq_id)
+            return ContextShare(pctx.cp_group, pctx.cp_rank, pctx.cp_size, pctx.cp_global_rank(chunk.owner),
+                                chunk.owner == pctx.dp_rank, chunk.seq_id, work.first_pos, work.token_ids)
+        return None
 
 
 @torch.no_grad()

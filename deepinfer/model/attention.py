@@ -60,4 +60,6 @@ class Attention(nn.Module):
             setattr(self, attr, StackedLinear.side_by_side(parts))
 
     def forward(self, x: torch.Tensor, ctx: StepContext, layer_key: str, ropes: RopeTables) -> torch.Tensor:
+        if ctx.cp is not None:  # a context-parallel step (model/parallel/context.py)
+            return ctx.cp.attention(self, x, layer_key)
         return attention_indexed(self, x, ctx, layer_key)

@@ -21,6 +21,10 @@ class StepContext:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # table name ("main"/"compress") -> cos, sin [T, R/2]
     index: StepRows  # every cache row the step reads or writes (model/step_index.py)
     emit_rope: dict  # (ratio, overlap) -> cos, sin at each token's closing-window start
+    # A context-parallel step (``model/parallel/context.py`` ShareStep): the attention layers run this
+    # rank's own tokens and its share of a long chunk through it; the fields above are then unused but
+    # ``input_ids`` (own tokens, then the share's: what the MoE routes).
+    cp: object | None = None
 
     @property
     def layout(self) -> CacheLayout:

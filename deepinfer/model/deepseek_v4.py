@@ -123,8 +123,11 @@ class DeepseekV4(nn.Module):
 
         ``index`` (optional): prebuilt row lists of the batched path (CUDA graphs pass static ones; then
         ``batch`` may be None)."""
-        ctx = self.context(input_ids, batch, storage, index)
-        x = self.embed(input_ids)
+        return self.run_layers(self.context(input_ids, batch, storage, index))
+
+    def run_layers(self, ctx: StepContext) -> torch.Tensor:
+        """The decoder layers over ``ctx.input_ids`` -> final residual streams."""
+        x = self.embed(ctx.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             streams = layer(streams, ctx, f"layers.{i}", self.ropes)

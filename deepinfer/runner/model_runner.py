@@ -34,6 +34,7 @@ import torch
 
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.parallel.context import ContextShare, forward_with_share
 from deepinfer.model.step_index import build_slot_index
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
@@ -146,11 +147,15 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.window = model.cfg.sliding_window
 
-    def submit(self, plan: StepPlan, masks: Callable[[], np.ndarray] | None = None) -> StepHandle:
+    def submit(self, plan: StepPlan, masks: Callable[[], np.ndarray] | None = None,
+               share: ContextShare | None = None) -> StepHandle:
         """Run ``plan``; ``masks`` (constrained steps): called once the forward is launched, it returns the
-        grammar masks of the step's drawn rows (rows without a constraint: all bits set)."""
+        grammar masks of the step's drawn rows (rows without a constraint: all bits set). ``share``: this
+        rank's part in a context-parallel chunk (``model/parallel/context.py``), run with the plan's work."""
         self.batch.apply(plan)
         if plan.empty:
+            if share is not None:  # a helper without work of its own: its share of the chunk only
+                forward_with_share(self.model, self.storage, share)
             return StepHandle()
         batch, work = self.batch, plan.work
         slots = np.fromiter((batch.slot_of[w.seq_id] for w in work), dtype=np.int64, count=len(work))
@@ -182,7 +187,8 @@ class ModelRunner:
                        for i in range(len(w.prompt_logprobs.targets))]
         q = self.graphs.tokens_per_seq if self.graphs is not None else 0
         # Every sequence draws at each of its q inputs (decode; with speculation, a full verify step).
-        graph_ok = (self.graphs is not None and not jobs and self.graphs.fits_slots(len(work), len(ids))
+        graph_ok = (self.graphs is not None and share is None and not jobs
+                    and self.graphs.fits_slots(len(work), len(ids))
                     and all(w.num_tokens == q == w.num_samples and not w.emit_from for w in work))
         streams = index = input_ids = None
         if graph_ok:
@@ -191,8 +197,12 @@ class ModelRunner:
                 g = self.graphs.bucket(len(work))
                 streams, index, input_ids = g.streams[: len(ids)], g.index, g.ids[: len(ids)]
         else:
-            streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders,
-                                                      [w.emit_from for w in work])
+            emit_from = [w.emit_from for w in work]
+            if share is None:
+                streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders, emit_from)
+            else:
+                streams, index, input_ids = self._forward_share(ids, slots, first, lens, placeholders, emit_from,
+                                                                work, share)
             rows = draw_rows + prompt_rows
             logits = (self.model.logits(streams[to_device(rows, torch.int64, self.device)]) if rows
                       else streams.new_zeros(0, self.model.cfg.vocab_size))
@@ -303,6 +313,44 @@ class ModelRunner:
         if placeholders is not None:
             input_ids[placeholders[0]] = placeholders[1]
         return self.model(input_ids, None, self.storage, index), index, input_ids
+
+    def _forward_share(self, ids: np.ndarray, slots, first, lens, placeholders, emit_from: list[int], work,
+                       share: ContextShare):
+        """``_forward`` of a context-parallel step: on the chunk's owner the chunk's run is taken out of the
+        batch and comes back as the whole chunk's streams; the other runs (and a helper's) go as usual.
+        Returns the streams in the step's token order, no index (no drafter runs in such worlds)."""
+        k = next((i for i, w in enumerate(work) if w.seq_id == share.seq_id), None) if share.is_owner else None
+        if share.is_owner and k is None:
+            raise ValueError(f"context parallel: {share.seq_id!r} is not in this rank's step")
+        input_ids = to_device(ids, torch.int64, self.device)
+        if placeholders is not None:
+            input_ids[placeholders[0]] = placeholders[1]
+        starts = np.cumsum(lens) - lens
+        own = [i for i in range(len(work)) if i != k]
+        own_rows = np.concatenate([np.arange(starts[i], starts[i] + lens[i]) for i in own]) if own else None
+        own_ids = own_index = chunk_index = None
+        if own:
+            sel = np.array(own)
+            own_ids = input_ids[to_device(own_rows, torch.int64, self.device)]
+            own_index = self._index(slots[sel], first[sel], lens[sel], [emit_from[i] for i in own])
+        if k is not None:
+            chunk_index = self._index(slots[k : k + 1], first[k : k + 1], lens[k : k + 1], emit_from[k : k + 1])
+        own_streams, chunk_streams = forward_with_share(self.model, self.storage, share, own_ids, own_index,
+                                                        chunk_index)
+        if k is None:
+            return own_streams, None, input_ids
+        streams = chunk_streams.new_empty(len(ids), *chunk_streams.shape[1:])
+        streams[int(starts[k]) : int(starts[k] + lens[k])] = chunk_streams
+        if own:
+            streams[to_device(own_rows, torch.int64, self.device)] = own_streams
+        return streams, None, input_ids
+
+    def _index(self, slots, first, lens, emit_from: list[int]):
+        index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
+                                 pin_memory=self.device.type == "cuda").to(self.device)
+        if any(emit_from):
+            index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
+        return index
 
     def _prompt_logprobs(self, logits: torch.Tensor, work) -> tuple[LogprobTensors, list]:
         jobs = [w.prompt_logprobs for w in work]
