@@ -2,6 +2,7 @@
 
     python bench/prefix_cache.py [--device cuda] [--model deepinfer/assets/shapes/v4-flash --load-format dummy
         --layers 4] [--conversations 32] [--turns 6] [--first 2048] [--user 1024] [--output 64]
+        [--cache-gb 1 --kv-host-cache-gb 16]
 
 C conversations advance turn by turn: turn t of every conversation is submitted at once (prompt = the whole
 conversation so far: the previous prompt, the model's answer, a new user message of --user random tokens),
@@ -9,6 +10,10 @@ and the next turn starts when all have answered. The same trace runs on two engi
 caching on and off. Reports per turn: the hit rate as a fraction of the reusable tokens (positions the
 previous turn computed; the best possible is that rounded down to a block), mean and p90 TTFT, and whether
 the greedy tokens equal the cache-off run's; and the memory the retained window/state tails take.
+With --kv-host-cache-gb the cache-on engine has a host-memory tier: a small --cache-gb makes the device pool
+evict, so later turns find their prefixes partly in host memory. Then the tier traffic is timed too (the
+block copies device -> host at eviction and host -> device at admission, the device synchronized around
+each batch) and set against plain pinned and pageable copies of 256 MiB in the same run (the copy limit).
 Writes ``prefix_cache_{device}.{json,md}`` into --out.
 """
 
@@ -29,7 +34,8 @@ from deepinfer.kv.spec import POOLS
 
 
 def _engine(a, caching: bool) -> LLMEngine:
-    kw = dict(device=a.device, load_progress=False, block_size=a.block_size, max_num_seqs=a.conversations,
+    kw = dict(device=a.device, load_progress=False, block_size=a.block_size,
+              max_num_seqs=a.max_num_seqs or a.conversations,
               max_num_batched_tokens=a.batched_tokens, max_model_len=a.max_model_len,
               enable_prefix_caching=caching, tokenizer=str(demo_model_dir()))
     if a.model:
@@ -38,7 +44,57 @@ def _engine(a, caching: bool) -> LLMEngine:
         kw["hf_overrides"] = {"num_hidden_layers": a.layers}
     if a.cache_gb:
         kw["cache_memory_gb"] = a.cache_gb
+    if caching and a.kv_host_cache_gb:
+        kw["kv_host_cache_gb"] = a.kv_host_cache_gb
     return LLMEngine.from_engine_args(**kw)
+
+
+class TierTimer:
+    """Times the engine's tier copies (``TierLink.save``/``load``) by wrapping them; the device is
+    synchronized before and after each batch so the time is the copies' own."""
+
+    def __init__(self, engine: LLMEngine, device: str) -> None:
+        self.link, self.device = engine.tiers, device
+        self.seconds = {"save": 0.0, "load": 0.0}
+        self.bytes = {"save": 0, "load": 0}
+        save, load = self.link.save, self.link.load
+        self.link.save = lambda blocks: self._timed("save", save, blocks,
+                                                    sum(self.link._size[p] for p, _, _ in blocks))
+        self.link.load = lambda fills: self._timed("load", load, fills, sum(len(x) for _, _, x in fills))
+
+    def _timed(self, kind: str, fn, items, nbytes: int) -> None:
+        if not items:
+            return
+        _sync(self.device)
+        t0 = time.perf_counter()
+        fn(items)
+        _sync(self.device)
+        self.seconds[kind] += time.perf_counter() - t0
+        self.bytes[kind] += nbytes
+
+    def report(self) -> dict:
+        return {k: {"bytes": self.bytes[k], "seconds": self.seconds[k],
+                    "gb_s": self.bytes[k] / self.seconds[k] / 1e9 if self.seconds[k] else None} for k in self.seconds}
+
+
+def copy_limits(device: str, mib: int = 256) -> dict:
+    """Plain copies of ``mib`` MiB between the device and host memory, pinned and pageable (GB/s, best of 3)."""
+    if device != "cuda":
+        return {}
+    dev = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+    out = {}
+    for label, host in (("pinned", torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)),
+                        ("pageable", torch.empty(mib << 20, dtype=torch.uint8))):
+        for direction, (dst, src) in (("d2h", (host, dev)), ("h2d", (dev, host))):
+            best = float("inf")
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            out[f"{label}_{direction}_gb_s"] = (mib << 20) / best / 1e9
+    return out
 
 
 def _sync(device: str) -> None:
@@ -110,6 +166,8 @@ def main() -> None:
     p.add_argument("--batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--cache-gb", type=float, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --conversations (all at once)")
+    p.add_argument("--kv-host-cache-gb", type=float, default=None, help="host-memory tier of the cache-on engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()
@@ -120,11 +178,18 @@ def main() -> None:
         _turn(engine, {"warm": list(range(10, 10 + a.first))}, SamplingParams(max_tokens=2), a.device)  # compile
         if caching:
             engine.cache.reset_prefix_cache()
+        timer = TierTimer(engine, a.device) if caching and engine.tiers is not None else None
         label = "on" if caching else "off"
         print(f"prefix caching {label}")
         results[label] = run_trace(a, engine, vocab)
         if caching:
             results["memory"] = tail_memory(engine)
+            sc = engine.scheduler
+            results["prefix_tokens"] = {"queried": sc.prefix_queries, "hits": sc.prefix_hits,
+                                        "tier_hits": sc.prefix_tier_hits, "replayed": sc.prefix_replayed}
+        if timer:
+            results["tiers"] = {"copies": timer.report(), "limits": copy_limits(a.device),
+                                "saved_blocks": engine.tiers.saved, "loaded_blocks": engine.tiers.loaded}
         del engine
         if a.device == "cuda":
             torch.cuda.empty_cache()
@@ -148,6 +213,17 @@ def main() -> None:
     lines += ["", f"Retained window/state tails at the end: {mem['retained_tail_bytes'] / 2**20:.1f} MiB "
                   f"(cached history {mem['cached_history_bytes'] / 2**20:.1f} MiB); bytes per block "
                   f"{mem['bytes_per_block']}; pool blocks {mem['num_blocks']}."]
+    if "tiers" in results:
+        t = results["tiers"]
+        pt = results["prefix_tokens"]
+        lines += ["", f"Host tier: {t['saved_blocks']} blocks written down, {t['loaded_blocks']} brought back; "
+                      f"hit tokens {pt['hits']} of {pt['queried']} looked up, {pt['tier_hits']} of them from the tier."]
+        for kind, c in t["copies"].items():
+            rate = "-" if c["gb_s"] is None else f"{c['gb_s']:.2f} GB/s"
+            lines.append(f"- {kind}: {c['bytes'] / 2**20:.1f} MiB in {c['seconds'] * 1e3:.1f} ms = {rate}")
+        if t["limits"]:
+            lines.append("- copy limit, 256 MiB plain copies: " +
+                         ", ".join(f"{k.removesuffix('_gb_s')} {v:.1f} GB/s" for k, v in t["limits"].items()))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"prefix_cache_{a.device}.json").write_text(json.dumps(results, indent=1))

@@ -1,6 +1,7 @@
 """Speculative decoding with the MTP layer on the bundled demo model: speed and exactness in one run.
 
     python bench/spec_decode.py [--device cuda] [--batches 1 8 32] [--ks 0 1 2 3] [--tokens 128]
+                                [--profile]  # host profile (cProfile) of each timed loop, top functions printed
 
 For each batch size B and draft length k (0 = no speculation, with CUDA graphs on the GPU as served): B
 greedy requests with held-out Python prompts, --tokens tokens each (stopping at EOS like a user's request),
@@ -14,7 +15,9 @@ Writes ``spec_decode_{device}.{json,md}`` into --out.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -35,7 +38,7 @@ def _prompts(n: int) -> list[str]:
     return found[::7][:n]
 
 
-def run(device: str, batch: int, k: int, tokens: int) -> dict:
+def run(device: str, batch: int, k: int, tokens: int, profile: bool = False) -> dict:
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     engine = LLMEngine.from_engine_args(device=device, load_progress=False, block_size=128, max_num_seqs=max(batch, 1),
                                         max_num_batched_tokens=8192, max_model_len=2048, speculative_config=spec,
@@ -54,6 +57,9 @@ def run(device: str, batch: int, k: int, tokens: int) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     out: dict[str, list[int]] = {}
+    prof = cProfile.Profile() if profile else None
+    if prof:
+        prof.enable()
     steps, t0 = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -63,6 +69,12 @@ def run(device: str, batch: int, k: int, tokens: int) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+        print(f"--- host profile, batch {batch}, k {k} (times inflated by the profiler) ---")
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(20)
+        stats.sort_stats("cumulative").print_stats("deepinfer", 30)
     generated = sum(len(v) for v in out.values()) - batch  # the prefill step drew the first token of each
     stats = engine.spec_stats
     drafts, accepted = stats.num_drafts - warm[0], stats.num_accepted_tokens - warm[1]
@@ -78,12 +90,13 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--profile", action="store_true", help="print a host profile of each timed loop")
     a = ap.parse_args()
     rows = []
     for b in a.batches:
         base = None
         for k in sorted(set(a.ks) | {0}):
-            r = run(a.device, b, k, a.tokens)
+            r = run(a.device, b, k, a.tokens, a.profile)
             if k == 0:
                 base = r
             r["speedup"] = r["tok_s"] / base["tok_s"]

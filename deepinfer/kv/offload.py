@@ -20,7 +20,7 @@ import logging
 from deepinfer.kv.prefix_hash import BlockHasher
 from deepinfer.kv.spec import POOLS
 from deepinfer.kv.storage import KVStorage
-from deepinfer.kv.tiers import StoreIdentity, TieredStore, open_store, pack, payload_bytes, unpack
+from deepinfer.kv.tiers import StoreIdentity, TieredStore, open_store, pack_many, payload_bytes, unpack_many
 
 log = logging.getLogger("deepinfer")
 
@@ -56,7 +56,7 @@ class TierLink:
     def exists(self, pool: str, content_hash: bytes) -> bool:
         return self.store.exists(self.key(pool, content_hash))
 
-    def fetch(self, pool: str, content_hash: bytes) -> bytes | None:
+    def fetch(self, pool: str, content_hash: bytes) -> memoryview | None:
         """The block's payload, checked; None (and the object deleted when it is unusable) otherwise."""
         key = self.key(pool, content_hash)
         found = self.store.get(key)
@@ -67,7 +67,7 @@ class TierLink:
                         found.kind, len(found.payload), pool, self._size[pool])
             self.store.delete(key)
             return None
-        return bytes(found.payload)
+        return found.payload  # a view of the stored blob's bytes (immutable): no copy
 
     def prefetch(self, hashes: tuple[bytes, ...]) -> int:
         """Queue the disk-resident history and window blocks of a prefix to be read into host memory in the
@@ -75,18 +75,24 @@ class TierLink:
         return self.store.prefetch([self.key(p, h) for h in hashes for p in ("history", "window")])
 
     def save(self, blocks: list[tuple[str, int, bytes]]) -> None:
-        """Write blocks (pool, block id, hash) down; their rows must still be intact (before the step)."""
-        for pool, block, h in blocks:
-            if self._size[pool]:
-                self.store.put(self.key(pool, h), pool, self.storage.layout.block_size,
-                               pack(self.storage, pool, block))
-                self.saved += 1
+        """Write blocks (pool, block id, hash) down; their rows must still be intact (before the step).
+        Each pool's blocks leave the device in one batch (``pack_many``)."""
+        for pool in POOLS:
+            mine = [(b, h) for p, b, h in blocks if p == pool]
+            if not mine or not self._size[pool]:
+                continue
+            rows = pack_many(self.storage, pool, [b for b, _ in mine]).numpy()
+            for (_, h), payload in zip(mine, rows):
+                self.store.put(self.key(pool, h), pool, self.storage.layout.block_size, payload)
+            self.saved += len(mine)
 
     def load(self, fills: list[tuple[str, int, bytes]]) -> None:
-        """Write fetched payloads (pool, block id, payload) into their new blocks."""
-        for pool, block, payload in fills:
-            unpack(payload, self.storage, pool, block)
-            self.loaded += 1
+        """Write fetched payloads (pool, block id, payload) into their new blocks, a batch per pool."""
+        for pool in POOLS:
+            mine = [(b, x) for p, b, x in fills if p == pool]
+            if mine:
+                unpack_many([x for _, x in mine], self.storage, pool, [b for b, _ in mine])
+                self.loaded += len(mine)
 
     def close(self, cached: list[tuple[str, int, bytes]]) -> None:
         """Write the device's cached blocks down too, then flush and close the store (a restart finds all)."""

@@ -10,7 +10,8 @@ from deepinfer.assets import demo_model_dir
 from deepinfer.config.model import ModelConfig
 from deepinfer.kv.spec import POOLS, build_layout
 from deepinfer.kv.storage import KVStorage
-from deepinfer.kv.tiers import DiskTier, StoreIdentity, TieredStore, pack, payload_bytes, unpack
+from deepinfer.kv.tiers import (DiskTier, StoreIdentity, TieredStore, pack, pack_many, payload_bytes, unpack,
+                                unpack_many)
 
 BLOCKS = {p: 3 for p in POOLS}
 
@@ -53,6 +54,26 @@ def test_pack_unpack_is_bit_exact(dtype: torch.dtype, pool: str) -> None:
         if p != pool:
             assert all(not t.view(torch.uint8).any() for (key, name), t in dst.tensors.items()
                        if layout.layer(key).tensor(name).pool == p)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_batched_pack_and_unpack_equal_the_one_block_forms(pool: str) -> None:
+    layout = _layout()
+    blocks = {p: 6 for p in POOLS}
+    src, dst = KVStorage(layout, blocks, torch.bfloat16), KVStorage(layout, blocks, torch.bfloat16)
+    _random_bits(src, seed=3)
+    ids = [4, 0, 5, 2]
+    rows = pack_many(src, pool, ids)
+    assert [bytes(r.numpy()) for r in rows] == [pack(src, pool, b) for b in ids]
+    targets = [1, 3, 0, 5]
+    unpack_many([r.numpy() for r in rows], dst, pool, targets)
+    for s_id, d_id in zip(ids, targets):
+        assert all(torch.equal(a, b) for a, b in zip(_bits(src, pool, s_id), _bits(dst, pool, d_id)))
+    assert all(not b.any() for b in _bits(dst, pool, 2)) and all(not b.any() for b in _bits(dst, pool, 4))
+    with pytest.raises(ValueError, match="^block_id"):
+        pack_many(src, pool, [6])
+    with pytest.raises(ValueError, match="^payload"):
+        unpack_many([b"x"], dst, pool, [0])
 
 
 def test_errors_name_the_field() -> None:

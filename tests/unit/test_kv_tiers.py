@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from deepinfer.kv.tiers import BlobError, DiskTier, HostTier, StoreIdentity, TieredStore
-from deepinfer.kv.tiers.blob import HEADER_BYTES, decode, encode
+from deepinfer.kv.tiers.blob import HEADER_BYTES, decode, encode, seal
 
 ID = StoreIdentity(b"c" * 32, 128)
 N = 1000  # payload bytes
@@ -62,6 +62,26 @@ def test_blob_round_trip_and_checks() -> None:
             decode(*args)
     flipped = blob[:-1] + bytes([blob[-1] ^ 1])
     assert decode(ID, key(1), flipped, verify_payload=False).payload != payload(1)  # trusted memory only
+
+
+def test_unsealed_blobs_are_sealed_before_any_checked_read() -> None:
+    raw = encode(ID, key(1), "window", 127, payload(1), sealed=False)
+    assert len(raw) == len(encode(ID, key(1), "window", 127, payload(1)))
+    assert bytes(decode(ID, key(1), raw, verify_payload=False).payload) == payload(1)  # host memory reads it
+    with pytest.raises(BlobError, match="checksum"):  # a disk read never accepts an unsealed blob
+        decode(ID, key(1), raw)
+    sealed = seal(raw)
+    assert sealed == encode(ID, key(1), "window", 127, payload(1))
+    assert seal(sealed) is sealed
+
+
+def test_objects_put_in_host_memory_reach_the_disk_sealed(tmp_path) -> None:
+    with store(tmp_path, host_blobs=2, disk_blobs=8) as s:
+        fill(s, range(5))  # three spill from host memory to the disk, unsealed until the writer seals them
+        s.flush()
+    disk = DiskTier(tmp_path / "kv", 8 * BLOB)
+    for i in range(5):  # close() wrote the last two down as well
+        assert decode(ID, key(i), disk.get(key(i))).payload == payload(i)
 
 
 def test_bad_arguments_name_the_field(tmp_path) -> None:

@@ -20,6 +20,7 @@ MAGIC = b"DIKV"
 FORMAT_VERSION = 1
 _HEAD = struct.Struct("<4sHH32s32s16sIIQ")  # everything up to the checksum
 HEADER_BYTES = _HEAD.size + 32
+_UNSEALED = bytes(32)  # the checksum field of a blob that has not left host memory
 MAX_KEY_BYTES = 64
 _KINDS_MAX = 16
 
@@ -54,7 +55,10 @@ def check_key(key: bytes) -> None:
         raise ValueError(f"key: must be 1..{MAX_KEY_BYTES} bytes, got {key!r:.80}")
 
 
-def encode(identity: StoreIdentity, key: bytes, kind: str, num_tokens: int, payload: bytes) -> bytes:
+def encode(identity: StoreIdentity, key: bytes, kind: str, num_tokens: int, payload, sealed: bool = True) -> bytes:
+    """The blob of one object. ``sealed=False`` leaves the checksum field zero: for objects that start in
+    host memory, where it is never read (``verify_payload=False``) and hashing every saved block would
+    cost more than the copy; ``seal`` fills it in before the blob leaves memory (the disk writer does)."""
     check_key(key)
     raw_kind = kind.encode("ascii")
     if not 0 < len(raw_kind) <= _KINDS_MAX:
@@ -63,7 +67,16 @@ def encode(identity: StoreIdentity, key: bytes, kind: str, num_tokens: int, payl
         raise ValueError(f"num_tokens: must be >= 0, got {num_tokens}")
     head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, identity.config_digest, hashlib.sha256(key).digest(),
                       raw_kind, identity.block_size, num_tokens, len(payload))
-    return b"".join((head, _checksum(head, payload), payload))
+    return b"".join((head, _checksum(head, payload) if sealed else _UNSEALED, payload))
+
+
+def seal(blob: bytes) -> bytes:
+    """``blob`` with its checksum filled in (the same bytes when it already is). An unsealed blob that
+    reaches a disk unsealed fails every checked read there: a zero field never equals a SHA-256."""
+    view = memoryview(blob)
+    if len(blob) < HEADER_BYTES or view[_HEAD.size:HEADER_BYTES] != _UNSEALED:
+        return blob
+    return b"".join((view[:_HEAD.size], _checksum(view[:_HEAD.size], view[HEADER_BYTES:]), view[HEADER_BYTES:]))
 
 
 def decode(identity: StoreIdentity, key: bytes, blob: bytes, verify_payload: bool = True) -> StoredBlock:

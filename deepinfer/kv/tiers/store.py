@@ -13,6 +13,8 @@ host memory holds down to the disk, so that a restarted server finds it.
 Every read is checked (``blob.decode``): anything that fails is a miss, the object is deleted and the
 tier's ``checksum_failures`` counter moves; no exception reaches the caller and no wrong bytes either.
 One lock guards the recency lists, the queue map and the counters; file I/O and checksums run outside it.
+Objects are written unsealed (no checksum) into host memory, which never verifies one, and sealed by the
+writer thread on their way to the disk, so the engine's thread never hashes a payload.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, fields
 
 from deepinfer.config.engine import KVTierConfig
 from deepinfer.kv.tiers.base import Tier
-from deepinfer.kv.tiers.blob import BlobError, StoredBlock, StoreIdentity, decode, encode
+from deepinfer.kv.tiers.blob import BlobError, StoredBlock, StoreIdentity, decode, encode, seal
 from deepinfer.kv.tiers.disk import DiskTier
 from deepinfer.kv.tiers.host import HostTier
 from deepinfer.kv.tiers.stats import TierCounters, TierStats
@@ -112,7 +114,8 @@ class TieredStore:
             if key in self._host_lru:
                 self._host_lru.touch(key)
                 return
-        blob = encode(self.identity, key, kind, num_tokens, payload)  # hashes the payload: outside the lock
+        # Unsealed: host memory never verifies the checksum; the disk writer seals it in the background.
+        blob = encode(self.identity, key, kind, num_tokens, payload, sealed=False)
         with self._lock:
             if self._host is not None and len(blob) <= self._host.capacity_bytes:
                 if key not in self._host_lru:
@@ -312,7 +315,7 @@ class TieredStore:
             victims = self._make_disk_room(len(blob)) or []
         for victim in victims:
             self._disk.delete(victim)
-        ok = self._disk.put(key, blob)
+        ok = self._disk.put(key, seal(blob))  # the checksum is computed here, off the engine's thread
         with self._lock:
             current = self._pending.get(key)
             if current is blob:
