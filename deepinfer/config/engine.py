@@ -127,8 +127,9 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (checked against the activation dtype)
 
     @property
-    def quantized(self) -> bool:
-        """Whether the model's released cache formats are on (``auto``; V4 has none implemented)."""
+    def released_formats(self) -> bool:
+        """Whether the model's released cache formats are asked for (``auto``). V4.1 then rounds its cache rows;
+        V4's path implements none of its formats, so for V4 this changes nothing."""
         return self.kv_cache_dtype == "auto"
 
 

@@ -62,7 +62,7 @@ class LLMEngine:
             # DeepSeek-V4.1: its own batched step over the same paged cache (model/v41/paged.py; CPU only).
             from deepinfer.model.v41.paged import load_paged_v41
 
-            self.model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.quantized)
+            self.model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats)
         else:
             self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
                                     progress=config.load_progress, ops=ops if cuda else None, cfg=config.model,

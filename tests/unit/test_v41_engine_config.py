@@ -35,9 +35,9 @@ def _config(**kw) -> EngineConfig:
 
 def test_kv_cache_dtype_values_for_v4() -> None:
     assert KV_CACHE_DTYPES == ("auto", "bfloat16", "float32")
-    assert _config().cache.kv_cache_dtype == "auto" and _config().cache.quantized
+    assert _config().cache.kv_cache_dtype == "auto" and _config().cache.released_formats
     off = _config(dtype="float32", kv_cache_dtype="float32").cache
-    assert off.kv_cache_dtype == "float32" and not off.quantized
+    assert off.kv_cache_dtype == "float32" and not off.released_formats
 
 
 @pytest.mark.parametrize("kw, allowed", [
@@ -52,8 +52,8 @@ def test_bad_kv_cache_dtype_names_the_field_and_allowed_values(kw, allowed) -> N
 
 def test_v41_checkpoint_gets_its_config(v41_dir) -> None:
     cfg = _config(model=str(v41_dir), dtype="float32", kv_cache_dtype="float32")
-    assert isinstance(cfg.model, V41Config) and not cfg.cache.quantized
-    assert _config(model=str(v41_dir)).cache.quantized  # auto: the released cache formats
+    assert isinstance(cfg.model, V41Config) and not cfg.cache.released_formats
+    assert _config(model=str(v41_dir)).cache.released_formats  # auto: the released cache formats
 
 
 @pytest.mark.parametrize("kw, field", [
