@@ -88,7 +88,11 @@ class PagedV41(nn.Module):
         return self.model.logits(hidden)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, _unused, storage: KVStorage, index: StepIndex) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: None, storage: KVStorage, index: StepIndex) -> torch.Tensor:
+        """The runner's call (V4's signature; ``batch`` is V4's per-run form of the index, unused): the step's
+        tokens [T] -> the final collapsed residual [T, H] (``logits`` turns rows of it into logits)."""
+        if batch is not None or index is None:
+            raise ValueError("index: the V4.1 step takes a StepIndex (build_slot_index), not a ForwardBatch")
         m, cfg = self.model, self.cfg
         step = self._step(storage, index)
         engram = self._engram_rows(input_ids, step) if m.hasher is not None else None
