@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from deepinfer.config.engine import EngineArgs
+from deepinfer.config.engine import KV_CACHE_DTYPES, EngineArgs
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -66,6 +66,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="""config.json fields to change, e.g. '{"num_hidden_layers": 4}' (the first 4 layers)""")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (k 1..4)')
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="cache numerics: auto = the model's released cache formats (V4.1: FP8 window KV, MXFP4 "
+                        "index keys, NVFP4 compressed KV; V4: the activation dtype), bfloat16/float32 = no cache "
+                        "quantization (must equal --dtype)")
 
 
 def _node_flags(p: argparse.ArgumentParser) -> None:
@@ -115,6 +119,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         enable_eplb=a.enable_eplb, eplb_config=a.eplb_config,
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port,
         load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
 
 
@@ -215,6 +220,14 @@ def cmd_info(a: argparse.Namespace) -> int:
     from deepinfer.model.summary import parameter_specs, summarize
 
     model_dir = a.model or str(demo_model_dir())
+    from deepinfer.config.v41 import is_v41_config
+    from deepinfer.config.v41_engine import read_config_json
+
+    if is_v41_config(read_config_json(model_dir)):  # DeepSeek-V4.1: its layer plan and cache (no memory plan yet)
+        from deepinfer.model.v41.summary import summarize_v41
+
+        print(json.dumps(summarize_v41(model_dir, a.block_size), indent=2))
+        return 0
     cfg = ModelConfig.from_model_dir(model_dir)
     specs = parameter_specs(cfg)
     summary = summarize(model_dir, specs)

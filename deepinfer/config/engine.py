@@ -19,8 +19,16 @@ from deepinfer.config.eplb import EplbConfig
 from deepinfer.config.model import ModelConfig
 from deepinfer.distributed.config import LaunchConfig, ParallelConfig
 from deepinfer.config.speculative import SpeculativeConfig
+from deepinfer.config.v41 import V41Config, is_v41_config
 
 LOAD_FORMATS = ("auto", "dummy")  # how the weights are obtained (EngineArgs.load_format)
+# EngineArgs.kv_cache_dtype (vLLM's name). "auto": the model's released cache formats -- for DeepSeek-V4.1
+# the window KV rounded to FP8, indexer queries and keys to MXFP4 and compressed KV to NVFP4 as its reference
+# does; for DeepSeek-V4 what deepinfer has always done, rows kept in the activation dtype, unrounded (V4's own
+# FP8 cache rounding is not implemented). "bfloat16" / "float32": no cache quantization, rows in that dtype,
+# which must be the activation dtype (``dtype``). Rounded rows are stored dequantized in the activation dtype
+# too (exactly: every FP8/FP4 value with its scale fits); packed FP8/FP4 storage waits for the GPU kernels.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,6 +86,7 @@ class EngineArgs:
     # Speculative decoding with the checkpoint's MTP layer: {"method": "mtp", "num_speculative_tokens": k}
     # (or its JSON text); None: off.
     speculative_config: dict | str | None = None
+    kv_cache_dtype: str = "auto"  # cache numerics, vLLM's name; KV_CACHE_DTYPES says what each value means
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -119,13 +128,20 @@ class CacheConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool = True
     tiers: KVTierConfig = KVTierConfig()
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (checked against the activation dtype)
+
+    @property
+    def released_formats(self) -> bool:
+        """Whether the model's released cache formats are asked for (``auto``). V4.1 then rounds its cache rows;
+        V4's path implements none of its formats, so for V4 this changes nothing."""
+        return self.kv_cache_dtype == "auto"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_dir: str
     tokenizer_dir: str
-    model: ModelConfig
+    model: ModelConfig | V41Config  # V41Config: a DeepSeek-V4.1 checkpoint (model/v41/paged.py runs it)
     dtype: torch.dtype
     device: str
     scheduler: SchedulerConfig
@@ -153,11 +169,12 @@ class EngineConfig:
             raise ValueError(f"load_format: {args.load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
         if args.hf_overrides is not None and not isinstance(args.hf_overrides, dict):
             raise ValueError(f"hf_overrides: expected a dict of config.json fields, got {args.hf_overrides!r}")
-        model = ModelConfig.from_model_dir(model_dir, args.hf_overrides)
         device = args.device or env.accelerator()
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device: {device!r} is not supported; allowed: cpu, cuda")
+        model = _model_config(model_dir, args, device)
         dtype = _resolve_dtype(args.dtype, device)
+        kv_cache_dtype = _kv_cache_dtype(args.kv_cache_dtype, dtype)
         max_len = args.max_model_len or min(model.max_position_embeddings, 8192)
         _check_positive(args)
         if max_len > model.max_position_embeddings:
@@ -186,7 +203,8 @@ class EngineConfig:
             scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len),
             cache=CacheConfig(args.block_size, args.num_cache_blocks, args.cache_memory_gb,
                               args.gpu_memory_utilization,
-                              _check_bool("enable_prefix_caching", args.enable_prefix_caching), _tier_config(args)),
+                              _check_bool("enable_prefix_caching", args.enable_prefix_caching), _tier_config(args),
+                              kv_cache_dtype),
             seed=args.seed,
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
@@ -203,6 +221,26 @@ class EngineConfig:
         """What the engine runs as, for the start-up log and the /metrics info series."""
         return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."),
                 "batch_invariant": "1" if self.batch_invariant else "0"}
+
+
+def _model_config(model_dir: str, args: EngineArgs, device: str) -> ModelConfig | V41Config:
+    """The checkpoint's config: DeepSeek-V4 (``ModelConfig``) or V4.1 (``V41Config``), by ``model_type``."""
+    from deepinfer.config.v41_engine import check_v41_engine_args, read_config_json
+
+    if not is_v41_config(read_config_json(model_dir)):
+        return ModelConfig.from_model_dir(model_dir, args.hf_overrides)
+    check_v41_engine_args(args, device)
+    return V41Config.from_model_dir(model_dir)
+
+
+def _kv_cache_dtype(name: object, dtype: torch.dtype) -> str:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {name!r} is not supported; allowed: {', '.join(KV_CACHE_DTYPES)}")
+    if name != "auto" and _DTYPES[name] != dtype:
+        act = str(dtype).removeprefix("torch.")
+        raise ValueError(f"kv_cache_dtype: {name!r} differs from the activation dtype {act} (the cache keeps rows in "
+                         f"the activation dtype); allowed with dtype={act}: auto, {act}")
+    return name
 
 
 def _resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -310,8 +310,8 @@ def parse_model_config(d: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config: expected a dict, got {type(d).__name__}")
     model_type = d.get("model_type")
     if model_type == "deepseek_v41":
-        raise _err("model_type", "'deepseek_v41' (DeepSeek-V4.1) runs only in the plain-PyTorch model "
-                   "deepinfer.model.v41 (load_v41_model) so far; the engine does not serve it yet")
+        raise _err("model_type", "'deepseek_v41' (DeepSeek-V4.1) is not a DeepSeek-V4 config: read it with "
+                   "deepinfer.config.v41.V41Config (the engine picks the parser by model_type)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _err("model_type", f"{model_type!r} is not supported; this build supports {SUPPORTED_MODEL_TYPES}")
     n = _int(d, "num_hidden_layers")

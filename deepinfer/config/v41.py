@@ -233,6 +233,10 @@ class V41Config:
             raise _err("dspark_target_layer_ids", f"layers {bad} are not among the {self.num_hidden_layers} built "
                        "backbone layers (num_hidden_layers)")
 
+    def to_native_dict(self) -> dict[str, Any]:
+        """The config.json this config was read from (what the prefix cache's model fingerprint hashes)."""
+        return dict(self.raw)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "V41Config":
         return parse_v41_config(d)

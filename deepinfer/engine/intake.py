@@ -20,8 +20,10 @@ PromptInput = str | dict | list
 
 class Intake:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, max_cached_tokens: int,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, refused_token_id: int | None = None) -> None:
+        """``refused_token_id``: an id no prompt may hold (V4.1's image token: its vision encoder is not built)."""
         self.tokenizer = tokenizer
+        self.refused_token_id = refused_token_id
         self.eos_token_id = eos_token_id
         self._grammars = None  # GrammarBackend, built on the first structured request
         self.vocab_size = vocab_size
@@ -67,6 +69,9 @@ class Intake:
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.vocab_size)
         text, ids = self.tokenize(prompt)
+        if self.refused_token_id is not None and self.refused_token_id in ids:
+            raise ValueError(f"prompt: contains image_token_id {self.refused_token_id} (an image span); this model's "
+                             "vision encoder is not implemented, only text input is supported")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from deepinfer.config.engine import EngineArgs, EngineConfig
+from deepinfer.config.v41 import V41Config
 from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, append_token, build_output, finish, to_position_logprobs
@@ -57,9 +58,15 @@ class LLMEngine:
         # batch-invariant ones with DEEPINFER_BATCH_INVARIANT=1), on the reference model's dequantized weights.
         ops = select_ops(config.device, config.batch_invariant)
         cuda = config.device == "cuda"
-        self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
-                                progress=config.load_progress, ops=ops if cuda else None, cfg=config.model,
-                                load_format=config.load_format, seed=config.seed)
+        if isinstance(config.model, V41Config):
+            # DeepSeek-V4.1: its own batched step over the same paged cache (model/v41/paged.py; CPU only).
+            from deepinfer.model.v41.paged import load_paged_v41
+
+            self.model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats)
+        else:
+            self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
+                                    progress=config.load_progress, ops=ops if cuda else None, cfg=config.model,
+                                    load_format=config.load_format, seed=config.seed)
         if not cuda and ops is not REF:
             use_op_table(self.model, ops)
         log.info("%s", mode_line(config, ops))
@@ -89,7 +96,9 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[Schedule, StepHandle] | None = None  # async: submitted, results not applied
         max_cached = self.facts.num_blocks["history"] * config.cache.block_size
-        self.intake = Intake(self.tokenizer, mc.vocab_size, config.scheduler.max_model_len, max_cached, mc.eos_token_id)
+        image_id = mc.image_token_id if isinstance(mc, V41Config) else None  # text only: no vision encoder yet
+        self.intake = Intake(self.tokenizer, mc.vocab_size, config.scheduler.max_model_len, max_cached, mc.eos_token_id,
+                             refused_token_id=image_id)
         self.requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
 

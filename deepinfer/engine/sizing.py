@@ -13,10 +13,12 @@ import logging
 import torch
 
 from deepinfer.config.engine import EngineConfig, RuntimeFacts
+from deepinfer.config.v41 import V41Config
 from deepinfer.kv.block_budget import blocks_for_budget, cdiv, retained_tail_blocks, tail_blocks_per_seq
 from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.prefix_hash import BlockHasher, CacheNamespace, model_fingerprint
-from deepinfer.kv.spec import HISTORY, POOLS, build_layout
+from deepinfer.kv.spec import HISTORY, POOLS, CacheLayout, build_layout
+from deepinfer.kv.spec_v41 import build_v41_layout
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.batch import ForwardBatch
 from deepinfer.model.step_index import build_step_index
@@ -99,10 +101,17 @@ def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> d
                              max_num_batched_tokens=sc.max_num_batched_tokens, retained_fraction=retained)
 
 
+def cache_layout(config: EngineConfig) -> CacheLayout:
+    """The cache specs of the engine's model: V4's (the MTP layer's window rows live in the window pool beside
+    the target's, with speculative decoding only) or V4.1's (``kv/spec_v41.py``)."""
+    if isinstance(config.model, V41Config):
+        return build_v41_layout(config.model, config.cache.block_size)
+    return build_layout(config.model, config.cache.block_size, include_mtp=config.speculative is not None)
+
+
 def build_cache(config: EngineConfig, model=None) -> tuple[CacheManager, KVStorage, RuntimeFacts]:
     """``model`` (optional): profiled on CUDA to size the cache from ``gpu_memory_utilization``."""
-    # The MTP layer's window rows live in the window pool beside the target's (speculative decoding only).
-    layout = build_layout(config.model, config.cache.block_size, include_mtp=config.speculative is not None)
+    layout = cache_layout(config)
     dtype_bytes = torch.empty(0, dtype=config.dtype).element_size()
     counts = _num_blocks(config, layout, dtype_bytes, model)
     storage = KVStorage(layout, counts, config.dtype, config.device)
@@ -124,6 +133,8 @@ def build_prefix_hasher(config: EngineConfig) -> BlockHasher | None:
     kernels = f"{config.device}/{'triton' if config.device == 'cuda' else 'reference'}"
     if config.load_format != "auto":
         kernels += f"/{config.load_format}-weights-seed{config.seed}"
-    ns = CacheNamespace(model_fingerprint(config.model, model_dir), config.cache.block_size,
-                        str(config.dtype).removeprefix("torch."), kernels)
+    cache_dtype = str(config.dtype).removeprefix("torch.")
+    if isinstance(config.model, V41Config):  # V4.1 rows are rounded to the released formats under "auto"
+        cache_dtype += f"/kv_cache_dtype={config.cache.kv_cache_dtype}"
+    ns = CacheNamespace(model_fingerprint(config.model, model_dir), config.cache.block_size, cache_dtype, kernels)
     return BlockHasher(ns)

@@ -152,24 +152,38 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, lc: LayerCache, shared: SharedKV) -> torch.Tensor:
         ang = ctx.angles[self.table]
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ang)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), ang)
-        lc.window = write_rows(lc.window, ctx.start, qdq(kv, "fp8") if ctx.cache_qdq else kv)
+        q, qr, kv = self.project(x, ang, ctx.cache_qdq)
+        lc.window = write_rows(lc.window, ctx.start, kv)
         keys, allowed = lc.window, self._window_mask(ctx)
         if self.ratio:
             if self.kv_source:
                 self._publish_entries(x, ctx, lc, shared)
-            if shared.source is None or shared.ratio != self.ratio:
-                raise ValueError(f"a ratio-{self.ratio} layer found no preceding KV source of that ratio")
-            if self.index_source:
-                self.indexer.select(x, qr, ang, ctx, shared)
-            entries, picked = shared.source.entries, shared.topk
-            width = entries.shape[0]
-            chosen = torch.zeros(q.shape[0], width + 1, dtype=torch.bool, device=x.device)
-            chosen = chosen.scatter(-1, torch.where(picked >= 0, picked, width), True)[:, :width]
-            keys, allowed = torch.cat((keys, entries)), torch.cat((allowed, chosen), dim=-1)
+            keys, allowed = self.add_entries(x, qr, ang, ctx, shared, keys, allowed)
         return self._output(self._attend(q, keys, allowed), ang)
+
+    def project(self, x: torch.Tensor, ang: torch.Tensor, cache_qdq: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [Q, H] -> rope'd queries [Q, heads, D], the normed q latent [Q, q_lora] (the indexer's input) and
+        the rope'd window K=V rows [Q, D] as cached (FP8-rounded with ``cache_qdq``)."""
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ang)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), ang)
+        return q, qr, qdq(kv, "fp8") if cache_qdq else kv
+
+    def add_entries(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, ctx: StepContext, shared: SharedKV,
+                    keys: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compressed layer's keys: the window ``keys`` [K, D] / ``allowed`` [Q, K] followed by the KV source's
+        entries, of which each query sees its top-k (selected here by an index source, else the latest index
+        source's)."""
+        if shared.source is None or shared.ratio != self.ratio:
+            raise ValueError(f"a ratio-{self.ratio} layer found no preceding KV source of that ratio")
+        if self.index_source:
+            self.indexer.select(x, qr, ang, ctx, shared)
+        entries, picked = shared.source.entries, shared.topk
+        width = entries.shape[0]
+        chosen = torch.zeros(x.shape[0], width + 1, dtype=torch.bool, device=x.device)
+        chosen = chosen.scatter(-1, torch.where(picked >= 0, picked, width), True)[:, :width]
+        return torch.cat((keys, entries)), torch.cat((allowed, chosen), dim=-1)
 
     def _output(self, out: torch.Tensor, ang: torch.Tensor) -> torch.Tensor:
         """[Q, heads, D] attention output -> [Q, H]: inverse rope at the query positions, grouped low-rank wo_a,

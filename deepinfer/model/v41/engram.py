@@ -126,15 +126,19 @@ class EngramHasher(nn.Module):
         shift is blocked every longer shift is too."""
         if history.numel() and (int(history.min()) < 0 or int(history.max()) >= self.token_map.numel()):
             raise ValueError(f"input_ids: token ids must lie in [0, {self.token_map.numel()}) for Engram hashing")
-        compressed = self.token_map[history.long()]
         positions = torch.arange(start, history.numel(), device=history.device)
-        blocked = torch.zeros_like(positions, dtype=torch.bool)
-        tokens = []
-        for shift in range(self.max_ngram):
-            src = positions - shift
-            blocked = blocked | (src < 0)
-            tokens.append(torch.where(blocked, self.pad_id, compressed[src.clamp_min(0)]))
-        products = torch.stack(tokens, dim=-1).unsqueeze(1) * self.multipliers  # [Q, layers, shifts]
+        src = positions.unsqueeze(-1) - torch.arange(self.max_ngram, device=history.device)
+        return self.rows_from_lookback(torch.where(src < 0, -1, history.long()[src.clamp_min(0)]))
+
+    def rows_from_lookback(self, lookback: torch.Tensor) -> torch.Tensor:
+        """lookback [Q, max n-gram] (the token ids at positions p, p - 1, ..., -1 before position 0) -> rows
+        [Q, engram layers, hash heads]; the engine's paged step reads the lookback from its cache."""
+        if lookback.numel() and int(lookback.max()) >= self.token_map.numel():
+            raise ValueError(f"input_ids: token ids must lie in [0, {self.token_map.numel()}) for Engram hashing")
+        # A shift before position 0 is the pad id; positions only decrease with the shift, so once a shift is
+        # blocked every longer one is too.
+        tokens = torch.where(lookback < 0, self.pad_id, self.token_map[lookback.clamp_min(0)])
+        products = tokens.unsqueeze(1) * self.multipliers  # [Q, layers, shifts]
         rolling, columns = products[..., 0], []
         for shift in range(1, self.max_ngram):
             rolling = torch.bitwise_xor(rolling, products[..., shift])

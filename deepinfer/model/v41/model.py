@@ -10,6 +10,8 @@ part of this model: image input is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -52,12 +54,20 @@ class Block(nn.Module):
         """(streams [T, N, H], carried pre [T, N] fp32) -> the same after this block. Each collapse uses the
         ``pre`` of the site before it; this block's FFN-site ``pre`` is returned for the next block. ``taps``:
         gets the stream mean entering the attention site (after Engram), the DSpark drafter's feature."""
+        return self.run(streams, pre_in, lambda h: self.attn(h, ctx, ctx.cache.layers[layer], shared), engram_rows,
+                        image_mask, taps)
+
+    def run(self, streams: torch.Tensor, pre_in: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
+            engram_rows: torch.Tensor | None, image_mask: torch.Tensor, taps: list[torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with the attention given as ``attend`` (normed input [T, H] -> output [T, H]): this
+        cache's, or the engine's paged step (``paged.py``), around one copy of the block's mHC wiring."""
         if engram_rows is not None:
             streams = self.engram(streams, engram_rows)
         if taps is not None:
             taps.append(streams.mean(dim=1))
         attn_mix = self._mix("attn", streams)
-        out = self.attn(self.attn_norm(mhc.collapse(streams, pre_in)), ctx, ctx.cache.layers[layer], shared)
+        out = attend(self.attn_norm(mhc.collapse(streams, pre_in)))
         streams = mhc.expand(out, streams, attn_mix)
         ffn_mix = self._mix("ffn", streams)
         out = self.ffn(self.ffn_norm(mhc.collapse(streams, attn_mix.pre)), image_mask)
@@ -129,8 +139,11 @@ class DeepseekV41(nn.Module):
                                  taps if i in self._tap_layers else None)
         if self.mtp is not None:
             self.mtp.write_context(torch.stack(taps, dim=1), start, cache.draft, ctx.angles["main"], self.cache_qdq)
-        h = self.norm(mhc.collapse(streams, pre))
-        return self.head(h.float())
+        return self.logits(mhc.collapse(streams, pre))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final collapsed residual [T, H] -> fp32 logits [T, V] (final norm, then the fp32 head)."""
+        return self.head(self.norm(hidden).float())
 
     def propose(self, token: int, cache: V41Cache, *, temperature: float | None = None,
                 noise: torch.Tensor | None = None) -> DraftBlock:

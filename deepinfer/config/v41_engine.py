@@ -1,0 +1,45 @@
+"""What the engine supports for a DeepSeek-V4.1 checkpoint so far, checked before anything is loaded.
+
+The engine runs V4.1 through its CPU reference step (``model/v41/paged.py``) with continuous batching,
+chunked prefill, preemption, prefix caching, async scheduling and the cache tiers. Not yet: the GPU kernels,
+several ranks, DSpark speculative decoding, weight overrides and dummy weights, the batch-invariant op table
+(V4.1's path does not go through it). Each is refused here with the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """``model_dir``'s config.json, or {} when it is missing or unreadable (the V4 parser then says why)."""
+    try:
+        d = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def check_v41_engine_args(args, device: str) -> None:
+    """``args``: the ``EngineArgs``; raises ValueError naming the first unsupported field."""
+    from deepinfer import env
+
+    what = "DeepSeek-V4.1 (model_type deepseek_v41)"
+    if device != "cpu":
+        raise ValueError(f"device: {what} runs on the engine's CPU reference path only so far (its GPU kernels "
+                         f"are not written); allowed: cpu")
+    for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+        if getattr(args, name) != 1:
+            raise ValueError(f"{name}: {what} runs on one device so far; allowed: 1")
+    if args.speculative_config is not None:
+        raise ValueError(f"speculative_config: DSpark speculative decoding of {what} is not in the engine yet; "
+                         "allowed: None")
+    if args.hf_overrides is not None:
+        raise ValueError(f"hf_overrides: not supported for {what} yet; allowed: None")
+    if args.load_format != "auto":
+        raise ValueError(f"load_format: {args.load_format!r} is not supported for {what} yet; allowed: auto")
+    if env.batch_invariant():
+        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1: the batch-invariant op table does not cover {what} yet; "
+                         "unset it")

@@ -1,0 +1,63 @@
+"""DeepSeek-V4.1's per-sequence state as cache specs of the engine's three pools (``kv/spec.py``).
+
+V4.1 keeps the V4 principle: every row belongs to one absolute position (or one compressed entry), so any
+chunking writes the same rows and rolling back is "set n". What each layer stores (spec §2.4-§2.6):
+
+  * every layer: ``window_kv``, the rope'd shared K=V row of each position (``window`` pool; the last
+    ``sliding_window - 1`` positions behind the next token are read);
+  * KV sources (``kv_source_layer_ids``): ``entries``, the compressed KV, and ``index_keys``, the indexer's keys
+    of those entries (``history`` pool, one row per ``ratio`` positions: ratio 2 pools pairs, ratio 1 is one
+    entry per token). Reusing and re-indexing layers store nothing compressed: they read their source's rows;
+  * ratio-2 sources: ``compressor_state``, the fp32 value and gate projections of each position (``state``
+    pool): entry j pools positions 2j and 2j + 1, so a step that ends between them leaves one position for
+    the next step (``state_tail`` 1). At an even position nothing before it is read, so block boundaries
+    need no state (prefix hits stay exact without a replay: ``replay_length`` is 0 for V4.1);
+  * Engram (when a layer has it): ``token_ids``, the sequence's token ids (``window`` pool, float32: exact
+    for ids below 2**24), of which the n-gram hash reads the last ``engram_max_ngram_size - 1`` positions.
+    Kept in the cache rather than taken from the scheduler's token lists so that placeholder inputs (async
+    scheduling), prefix hits and recomputation after preemption need nothing else.
+
+The top-k selection and the candidate blocks are recomputed by every query and the mHC coefficients are per
+token, so nothing else crosses steps. The layer kinds are ``SWA`` (ratio 0) and ``CSA2`` (ratio 1 or 2): V4's
+step-row derivation (``compress_kinds``) and bounded replay (``replay_length``) look for V4's CSA/HCA only.
+"""
+
+from __future__ import annotations
+
+from deepinfer.config.model import SWA
+from deepinfer.config.v41 import V41Config
+from deepinfer.kv.spec import FLOAT32, HISTORY, MODEL_DTYPE, STATE, WINDOW, CacheLayout, LayerCacheSpec, TensorSpec
+
+CSA2 = "CSA2"  # a V4.1 layer that attends compressed entries too (of its own or of its KV source)
+ENGRAM_KEY = "engram"  # the layout entry holding the token ids Engram's lookback reads
+EXACT_FLOAT32_IDS = 1 << 24  # token ids below this are exact in float32
+
+
+def _layer_spec(cfg: V41Config, layer: int) -> LayerCacheSpec:
+    role = cfg.role(layer)
+    tensors = [TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, MODEL_DTYPE)]
+    state_tail = 0
+    if role.kv_source:
+        tensors += [TensorSpec("entries", HISTORY, role.ratio, cfg.head_dim, MODEL_DTYPE),
+                    TensorSpec("index_keys", HISTORY, role.ratio, cfg.index_head_dim, MODEL_DTYPE)]
+        if role.ratio > 1:
+            # [value | gate] projections of one position, fp32 as the reference pools them.
+            tensors.append(TensorSpec("compressor_state", STATE, 1, 2 * cfg.head_dim, FLOAT32))
+            state_tail = role.ratio - 1
+    kind = CSA2 if role.ratio else SWA
+    return LayerCacheSpec(f"layers.{layer}", kind, role.ratio, tuple(tensors), cfg.sliding_window - 1, state_tail)
+
+
+def build_v41_layout(cfg: V41Config, block_size: int = 256) -> CacheLayout:
+    """The engine's cache layout of a V4.1 backbone (the DSpark drafter's context is not cached yet)."""
+    if block_size <= 0 or block_size % 128:
+        raise ValueError(f"block_size: must be a positive multiple of 128, got {block_size}")
+    specs = [_layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)]
+    if cfg.active_engram_layers:
+        if cfg.vocab_size > EXACT_FLOAT32_IDS:
+            raise ValueError(f"vocab_size: {cfg.vocab_size} ids do not fit the float32 token-id cache of Engram "
+                             f"(at most {EXACT_FLOAT32_IDS})")
+        lookback = cfg.engram_max_ngram_size - 1
+        specs.append(LayerCacheSpec(ENGRAM_KEY, SWA, 0, (TensorSpec("token_ids", WINDOW, 1, 1, FLOAT32),),
+                                    lookback, 0))
+    return CacheLayout(block_size, tuple(specs))

@@ -1,0 +1,209 @@
+"""The engine's V4.1 step: one batched forward of many sequences' new tokens over the paged cache.
+
+The runner hands every model the same thing (``runner/model_runner.py``): the step's token ids, the cache
+storage and a ``StepIndex`` (each token's sequence and position, each sequence's block tables and end). V4
+turns that index into row lists that its batched attention kernels read (``StepIndex.rows``). V4.1 does not
+fit those lists: a compressed layer reads the entries of *another* layer (its KV source), the top-k and the
+candidate blocks are handed from layer to layer, compression groups are disjoint pairs or single tokens, and
+Engram hashes the token history. So V4.1 runs its own path here, on V4's index and pools
+(``kv/spec_v41.py``):
+
+  * token-wise work is batched over the whole step: embedding, Engram, mHC, the q/KV projections, the
+    compressors (their new entries and index keys go straight to the history pool, ratio-2 pair inputs
+    through the state pool), MoE and the head;
+  * the attention core runs per sequence, over that sequence's window rows and its KV source's entries
+    gathered from the pools, with the plain model's own code (``Attention.add_entries``, ``Indexer.select``,
+    ``_attend``): the same widths and the same operations as ``DeepseekV41.forward`` on one sequence, so the
+    discrete choices (indexer top-k, candidate blocks) see what the plain model sees, tie order included.
+
+This is the CPU reference path of the engine (one sequence loop per compressed layer); GPU kernels for it
+are future work. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
+``cache_qdq``: values are rounded as the reference does and stored in the activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.config.v41 import V41Config
+from deepinfer.kv.spec_v41 import ENGRAM_KEY
+from deepinfer.kv.storage import KVStorage
+from deepinfer.model.step_index import StepIndex
+from deepinfer.model.v41 import mhc
+from deepinfer.model.v41.attention import Attention
+from deepinfer.model.v41.cache import LayerCache
+from deepinfer.model.v41.cache_quant import qdq
+from deepinfer.model.v41.context import SharedKV, StepContext
+from deepinfer.model.v41.model import DeepseekV41
+from deepinfer.model.v41.rope import angles, apply_rope
+from deepinfer.ops.ref.step_rows import lookup
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """One sequence's tokens in the step: flat rows [lo, hi), positions [first, end), its table row."""
+
+    seq: int
+    lo: int
+    hi: int
+    first: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _Step:
+    index: StepIndex
+    storage: KVStorage
+    window_rows: torch.Tensor  # [T] where each token's per-position rows go (window pool)
+    state_rows: torch.Tensor  # [T] ... (state pool)
+    runs: tuple[_Run, ...]
+    angles: dict[str, torch.Tensor]  # "main" / "compress" -> [T, rope_dim / 2]
+    cache_qdq: bool
+
+
+def _resident(rows: torch.Tensor, wanted: torch.Tensor, what: str) -> torch.Tensor:
+    """``rows`` from ``lookup``; every wanted one must exist (the manager keeps what a step reads)."""
+    if bool((wanted & (rows < 0)).any()):
+        raise IndexError(f"{what}: a needed cache block was released or is missing")
+    return rows.clamp_min(0)
+
+
+class PagedV41(nn.Module):
+    """``DeepseekV41``'s weights run as the engine's model: ``forward(ids, None, storage, index)`` -> the final
+    collapsed residual [T, H]; ``logits(rows)`` -> fp32 logits."""
+
+    def __init__(self, model: DeepseekV41) -> None:
+        super().__init__()
+        if model.mtp is not None:
+            raise ValueError("dspark: the engine does not run the DSpark drafter yet; build the model without it")
+        self.model = model
+        self.cfg: V41Config = model.cfg
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, batch: None, storage: KVStorage, index: StepIndex) -> torch.Tensor:
+        """The runner's call (V4's signature; ``batch`` is V4's per-run form of the index, unused): the step's
+        tokens [T] -> the final collapsed residual [T, H] (``logits`` turns rows of it into logits)."""
+        if batch is not None or index is None:
+            raise ValueError("index: the V4.1 step takes a StepIndex (build_slot_index), not a ForwardBatch")
+        m, cfg = self.model, self.cfg
+        step = self._step(storage, index)
+        engram = self._engram_rows(input_ids, step) if m.hasher is not None else None
+        x = m.embed(input_ids)
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+        pre = mhc.one_hot_pre(x.shape[0], cfg.hc_mult, x.device)
+        image_mask = torch.zeros_like(input_ids, dtype=torch.bool)  # text only (the intake refuses image ids)
+        shared = [SharedKV() for _ in step.runs]  # the CSA2 state each sequence hands from layer to layer
+        for i, block in enumerate(m.layers):
+            rows = engram[:, block.engram.table_index] if hasattr(block, "engram") else None
+
+            def attend(h: torch.Tensor, att: Attention = block.attn, key: str = f"layers.{i}") -> torch.Tensor:
+                return self._attention(att, key, h, step, shared)
+
+            streams, pre = block.run(streams, pre, attend, rows, image_mask)
+        return mhc.collapse(streams, pre)
+
+    # ---- the step's shared facts ----------------------------------------------------------------------
+    def _step(self, storage: KVStorage, index: StepIndex) -> _Step:
+        rows = index.rows()
+        # The runner lays every sequence's tokens out contiguously, in table-row order.
+        lens = torch.bincount(index.token_seq, minlength=index.seq_end.numel()).tolist()
+        ends = index.seq_end.tolist()
+        runs, lo = [], 0
+        for s, (n, end) in enumerate(zip(lens, ends)):
+            if n:
+                runs.append(_Run(s, lo, lo + n, end - n, end))
+                lo += n
+        pos = index.positions
+        ang = {"main": angles(self.cfg.main_rope, pos), "compress": angles(self.cfg.compress_rope, pos)}
+        return _Step(index, storage, rows.window_rows, rows.state_rows, tuple(runs), ang, self.model.cache_qdq)
+
+    def _engram_rows(self, input_ids: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Write the step's token ids to the cache, read each token's n-gram lookback back, hash it."""
+        ids = step.storage.get(ENGRAM_KEY, "token_ids")
+        ids[step.window_rows] = input_ids.to(ids.dtype).unsqueeze(-1)
+        idx = step.index
+        back = idx.positions.unsqueeze(-1) - torch.arange(self.cfg.engram_max_ngram_size, device=ids.device)
+        rows = _resident(lookup(idx.window_table, idx.token_seq, back, idx.block_size), back >= 0, "engram lookback")
+        lookback = torch.where(back < 0, -1, ids[rows, 0].long())
+        return self.model.hasher.rows_from_lookback(lookback)
+
+    # ---- one layer's attention ------------------------------------------------------------------------
+    def _attention(self, att: Attention, key: str, x: torch.Tensor, step: _Step, shared: list[SharedKV]
+                   ) -> torch.Tensor:
+        ang = step.angles[att.table]
+        q, qr, kv = att.project(x, ang, step.cache_qdq)
+        window = step.storage.get(key, "window_kv")
+        window[step.window_rows] = kv
+        if att.kv_source:
+            self._publish_entries(att, key, x, step)
+        idx, out = step.index, []
+        for run, sh in zip(step.runs, shared):
+            rows = slice(run.lo, run.hi)
+            t = idx.positions[rows]
+            # Window keys: positions (first - W, end), of which each query sees (t - W, t].
+            kp = torch.arange(max(0, run.first - att.window + 1), run.end, device=x.device)
+            seq = torch.full_like(kp, run.seq)
+            keys = window[_resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window")]
+            allowed = (kp <= t.unsqueeze(1)) & (kp > t.unsqueeze(1) - att.window)
+            if att.ratio:
+                if att.kv_source:  # this sequence's entries after the step, for this layer and the ones reusing it
+                    sh.source, sh.ratio, sh.topk, sh.candidates = self._entries(key, att.ratio, run, step), \
+                        att.ratio, None, None
+                ctx = StepContext(t, run.first, {}, None, step.cache_qdq)
+                keys, allowed = att.add_entries(x[rows], qr[rows], ang[rows], ctx, sh, keys, allowed)
+            out.append(att._attend(q[rows], keys, allowed))
+        return att._output(torch.cat(out), ang)
+
+    def _publish_entries(self, att: Attention, key: str, x: torch.Tensor, step: _Step) -> None:
+        """A KV source: the entries the step's tokens close, with their index keys, into the history pool."""
+        idx, comp, ratio = step.index, att.compressor, att.ratio
+        pos, seq = idx.positions, idx.token_seq
+        if ratio == 1:  # one entry per token: a projection
+            latent = comp.norm(F.linear(x, comp.wkv.weight.to(x.dtype)))
+        else:
+            # Each position's fp32 value and gate rows go to the state pool; entry j pools positions
+            # j * r .. j * r + r - 1, closed by the last of them (earlier ones may be from an earlier step).
+            state = step.storage.get(key, "compressor_state")
+            state[step.state_rows] = torch.cat((F.linear(x.float(), comp.wkv.weight.float()),
+                                                F.linear(x.float(), comp.wgate.weight.float())), dim=-1)
+            closes = (pos + 1) % ratio == 0
+            pos, seq = pos[closes], seq[closes]
+            group = pos.unsqueeze(-1) - ratio + 1 + torch.arange(ratio, device=pos.device)
+            pair = state[_resident(lookup(idx.state_table, seq, group, idx.block_size), group >= 0, f"{key} state")]
+            values, scores = pair.split(att.head_dim, dim=-1)
+            latent = comp.norm((values * scores.softmax(dim=1)).sum(dim=1).to(x.dtype))
+        if not pos.numel():
+            return
+        entry = pos // ratio
+        ang = angles(att.rope, entry * ratio)
+        entries = apply_rope(latent, ang)
+        where = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
+        step.storage.get(key, "entries")[where] = qdq(entries, "nvfp4") if step.cache_qdq else entries
+        step.storage.get(key, "index_keys")[where] = att.indexer.keys(latent, ang, step.cache_qdq)
+
+    @staticmethod
+    def _entries(key: str, ratio: int, run: _Run, step: _Step) -> LayerCache:
+        """The sequence's compressed entries and index keys of source ``key`` after the step (its first
+        ``end // ratio``), as the plain model's per-sequence cache holds them."""
+        idx = step.index
+        entry = torch.arange(run.end // ratio, device=idx.positions.device)
+        rows = _resident(lookup(idx.history_table, torch.full_like(entry, run.seq), entry, idx.block_size // ratio),
+                         entry >= 0, f"{key} entries")
+        return LayerCache(entries=step.storage.get(key, "entries")[rows],
+                          index_keys=step.storage.get(key, "index_keys")[rows])
+
+
+def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool) -> PagedV41:
+    """The engine's V4.1 model from a checkpoint directory (its tokenizer.json is part of Engram's hash)."""
+    from deepinfer.model.v41.loader import load_v41_model
+
+    model, _ = load_v41_model(model_dir, dtype, cfg=cfg, cache_qdq=cache_quantization)
+    return PagedV41(model.eval())

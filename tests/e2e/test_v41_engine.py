@@ -1,0 +1,153 @@
+"""The engine serves DeepSeek-V4.1: greedy tokens equal the plain model's (and hence the oracle's).
+
+Tiny random V4.1 checkpoints (``v41_tiny.py``: window-only layers, ratio-2 sources and a reusing layer, a
+ratio-1 candidate source, reusing and re-indexing layers, Engram, mHC, MoE) run in float32 with cache
+quantization off (``kv_cache_dtype="float32"``). Prompts of many lengths arrive over several steps, with a
+small step budget (prefill split into chunks that differ per sequence and per run) and a cache too small for
+all of them (preemption and recomputation); every sequence's greedy tokens must equal
+``DeepseekV41.greedy`` on that prompt alone, which ``tests/unit/test_v41_parity.py`` ties to the oracle.
+Also: prefix-cache hits (exact for V4.1: a block boundary needs the window and Engram tails and no
+compressor state), async scheduling, and ``kv_cache_dtype="auto"`` (the released FP8 / MXFP4 / NVFP4 cache
+roundings, compared with the plain model's own roundings on one sequence, whose steps run the same shapes).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer import LLMEngine, SamplingParams
+from deepinfer.model.v41.cache_quant import qdq
+from deepinfer.model.v41.loader import load_v41_model
+from tests.e2e.v41_tiny import write_tiny_v41
+
+MAX_TOKENS = 12
+VOCAB = 4096  # the demo tokenizer's
+LENGTHS = [1, 3, 9, 17, 30, 64, 100, 127, 128, 129, 150, 200]
+CONFIGS = {
+    "flash_like": {},
+    # No candidate level, window 8, Engram (4-grams) only before a ratio-1 re-indexing layer.
+    "window8_4grams": dict(candidate_source_layer_id=-1, sliding_window=8, engram_layer_ids=[7],
+                           engram_num_embeddings=[700], engram_max_ngram_size=4, index_topk=6),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared machine: one thread is faster and keeps the timings steady."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory, one_thread):
+    path = write_tiny_v41(tmp_path_factory.mktemp(request.param), seed=len(request.param), **CONFIGS[request.param])
+    plain, _ = load_v41_model(path, torch.float32, cache_qdq=False)
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def reference(ids: list[int]) -> list[int]:
+        """The plain model's greedy tokens for ``ids`` alone (computed once per prompt)."""
+        if tuple(ids) not in memo:
+            memo[tuple(ids)] = plain.greedy(torch.tensor(ids), MAX_TOKENS)
+        return memo[tuple(ids)]
+
+    return path, reference
+
+
+def _engine(path, **kw) -> LLMEngine:
+    # A small cache: the default CPU budget's zero-fill would dominate these engines' start-up.
+    args = dict(model=str(path), device="cpu", dtype="float32", kv_cache_dtype="float32", block_size=128,
+                max_num_seqs=8, max_num_batched_tokens=48, max_model_len=512, num_cache_blocks=16,
+                load_progress=False)
+    args.update(kw)
+    return LLMEngine.from_engine_args(**args)
+
+
+def _drain(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int]]]]) -> dict[str, list[int]]:
+    done: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
+        for rid, ids in arrivals.pop(step, []):
+            engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        engine.cache.check_integrity()
+        step += 1
+    return done
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batched_chunked_preempted_equals_plain_greedy(tiny, async_scheduling) -> None:
+    path, reference = tiny
+    rng = random.Random(7 + async_scheduling)
+    budget = rng.choice([13, 29, 41])  # prefill chunks of every size, cut differently per run
+    # 4 history blocks of 128 positions for 12 sequences of up to 212: preemption and recomputation.
+    engine = _engine(path, max_num_batched_tokens=budget, num_cache_blocks=4, async_scheduling=async_scheduling)
+    prompts = _prompts(5)
+    arrivals: dict[int, list] = {}
+    for i in rng.sample(range(len(prompts)), len(prompts)):
+        arrivals.setdefault(rng.randrange(4), []).append((f"r{i}", prompts[i]))
+    got = _drain(engine, arrivals)
+    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert engine.cache.num_requests == 0
+    for i, ids in enumerate(prompts):
+        assert got[f"r{i}"] == reference(ids), f"prompt {i} ({len(ids)} tokens)"
+
+
+def test_prefix_hit_equals_plain_greedy(tiny) -> None:
+    path, reference = tiny
+    engine = _engine(path)
+    rng = random.Random(3)
+    shared = [rng.randrange(3, VOCAB) for _ in range(270)]
+    first = shared + [rng.randrange(3, VOCAB) for _ in range(5)]
+    second = shared[:260] + [rng.randrange(3, VOCAB) for _ in range(9)]
+    outs = {}
+    for rid, ids in (("a", first), ("b", second)):
+        engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[rid] = out
+    assert outs["a"].num_cached_tokens == 0
+    assert outs["b"].num_cached_tokens == 256  # the last full block boundary of the common prefix
+    for rid, ids in (("a", first), ("b", second)):
+        assert list(outs[rid].outputs[0].token_ids) == reference(ids), rid
+
+
+_ROUNDING = {"window_kv": "fp8", "entries": "nvfp4", "index_keys": "mxfp4"}
+
+
+def _rounded(engine: LLMEngine) -> dict[str, bool]:
+    """Per cache tensor kind: whether every stored row is a fixed point of its released format's rounding."""
+    out: dict[str, bool] = {}
+    for (_, name), t in engine.storage.tensors.items():
+        if name in _ROUNDING:
+            out[name] = out.get(name, True) and torch.equal(qdq(t, _ROUNDING[name]), t)
+    return out
+
+
+def test_kv_cache_dtype_auto_rounds_as_the_reference(tiny) -> None:
+    path, _ = tiny
+    ids = _prompts(9)[4]  # 30 tokens
+    tokens = {}
+    for kv in ("auto", "float32"):
+        engine = _engine(path, kv_cache_dtype=kv)  # the prompt in one chunk: the plain model's shapes
+        engine.add_request("a", {"prompt_token_ids": ids}, GREEDY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[kv] = list(out.outputs[0].token_ids)
+        assert _rounded(engine) == dict.fromkeys(_ROUNDING, kv == "auto")
+        plain, _ = load_v41_model(path, torch.float32, cache_qdq=kv == "auto")
+        assert tokens[kv] == plain.greedy(torch.tensor(ids), MAX_TOKENS), kv
