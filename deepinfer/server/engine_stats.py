@@ -51,10 +51,10 @@ def snapshot(engine) -> EngineStats:
     """``engine``'s counters now (an ``LLMEngine``; the parallel one reports DP rank 0's scheduler)."""
     sched, cache = engine.scheduler, engine.cache
     prefix = tiers = spec = None
-    if sched.prefix is not None:
+    if getattr(sched, "prefix", None) is not None:
         prefix = PrefixCounts(sched.prefix_queries, sched.prefix_hits,
                               {p: bp.num_evictions for p, bp in cache.pools.items()}, dict(cache.num_cached_blocks()))
-    if engine.tiers is not None:
+    if getattr(engine, "tiers", None) is not None:
         tiers = engine.tiers.store.stats()
     s = getattr(engine, "spec_stats", None)
     if s is not None and s.num_speculative_tokens:
