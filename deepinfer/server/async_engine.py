@@ -1,4 +1,6 @@
-"""The bridge between the asyncio HTTP loop and the (synchronous, not thread-safe) ``LLMEngine``.
+"""The bridge between the asyncio HTTP loop and the (synchronous, not thread-safe) ``LLMEngine`` in a thread
+of the server process (``deepinfer serve --no-engine-process``; by default the engine runs in its own
+process behind ``engine_client.EngineClient``, which keeps this interface).
 
 One engine thread owns the engine. Everything else talks to it through a command queue:
 

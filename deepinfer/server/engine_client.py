@@ -168,9 +168,11 @@ class EngineClient:
         try:
             call_id = self._register(lambda value, exc: self._on_loop(settle, value, exc))
         except EngineClosed:
-            settle(None, self.error)
+            for rid in ids:
+                self._streams.pop(rid, None)
             raise
-        self._send(Submit(call_id, tuple(requests)))
+        # Not strict: should the engine die from here on, its end fails the registered answer (and so fut).
+        self._send(Submit(call_id, tuple(requests)), strict=False)
         try:
             await fut
         except asyncio.CancelledError:
