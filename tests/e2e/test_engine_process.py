@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +60,39 @@ def test_engine_death_fails_requests_and_stops_the_server(server: Server) -> Non
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
                    headers=HEADERS, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine core among the server's child processes (multiprocessing's resource tracker is another)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError("no engine process among the server's children")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the engine process through /proc")
+def test_serve_cli_exits_1_when_the_engine_process_dies() -> None:
+    cmd = [sys.executable, "-m", "deepinfer.server", "--device", "cpu", "--block-size", "128", "--port", "0",
+           "--num-cache-blocks", "64", "--log-level", "info"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port, deadline = None, time.monotonic() + 90
+        while port is None:
+            line = proc.stderr.readline()
+            assert line and time.monotonic() < deadline, "server did not start"
+            m = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1
+        assert "the engine process died" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
