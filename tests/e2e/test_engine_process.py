@@ -1,7 +1,7 @@
 """`deepinfer serve` with the engine in its own process: what only that mode has. The engine death test
 kills the process mid-stream: the open stream ends with an error event and [DONE], /health and new requests
 answer 503, the server's death callbacks run (``serve`` stops and exits 1 on them), and its shutdown is
-clean. The broad tests (outputs equal to the offline LLM, greedy and seeded; aborts; errors; metrics) run
+clean. A data-parallel world runs behind the engine process as it does in-process. The broad tests (outputs equal to the offline LLM, greedy and seeded; aborts; errors; metrics) run
 in this mode in test_server.py and its sibling modules."""
 
 from __future__ import annotations
@@ -96,3 +96,32 @@ def test_serve_cli_exits_1_when_the_engine_process_dies() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_data_parallel_world_behind_the_engine_process() -> None:
+    """The engine process starts the ranks of a DP x EP world itself; greedy outputs equal the offline LLM's,
+    and shutdown stops the world (the process exits 0)."""
+    import asyncio
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.config.engine import EngineArgs, EngineConfig
+    from deepinfer.server.commands import EngineRequest
+    from tests.e2e.test_parallel_engine import ARGS
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["def f(x):", "import os", "class A:"]
+    client = EngineClient.launch(EngineConfig.create(EngineArgs.from_kwargs(
+        **ARGS, data_parallel_size=2, enable_expert_parallel=True)))
+
+    async def generate() -> list[tuple[int, ...]]:
+        client.start()
+        streams = [await client.submit([EngineRequest(f"r{i}", p, params)]) for i, p in enumerate(prompts)]
+        return [[o async for o in s][-1].outputs[0].token_ids for s in streams]
+
+    try:
+        got = asyncio.run(generate())
+        assert client.call_sync(num_unfinished) == 0
+    finally:
+        client.shutdown()
+    assert client.process.exitcode == 0
+    assert got == [o.outputs[0].token_ids for o in LLM(**ARGS).generate(prompts, params, use_tqdm=False)]
