@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `deepinfer serve` on the bundled demo model under `deepinfer bench serve`: random prompts of INPUTS tokens,
-# 128 output tokens, at each CONCURRENCY, once per scheduling loop in LOOPS (default: async, then sync), each
-# server warmed up first. One JSON per run under
+# 128 output tokens, at each CONCURRENCY, once per engine mode in MODES (default: "thread process": the engine
+# in a thread of the server, --no-engine-process, and in its own process, the default) and scheduling loop
+# in LOOPS (default: async, then sync), each server warmed up first. One JSON per run under
 # $OUT/serve; `python bench/serve_report.py $OUT/serve` writes bench/results/serve_demo.md from them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,13 +12,17 @@ INPUTS=${INPUTS:-"512 1024"}
 PORT=${PORT:-8123}
 SERVER_ARGS=${SERVER_ARGS:-"--max-num-seqs 256 --max-model-len 2048 --max-num-batched-tokens 8192 --block-size 256 --cache-memory-gb 8"}
 LOOPS=${LOOPS:-"async sync"}
+MODES=${MODES:-"thread process"}
+for mode in $MODES; do
 for loop in $LOOPS; do
   flag=--async-scheduling; [ "$loop" = sync ] && flag=--no-async-scheduling
+  engine=--engine-process; [ "$mode" = thread ] && engine=--no-engine-process
+  run="${mode}_$loop"
   # shellcheck disable=SC2086
-  python3 -m deepinfer.server --port "$PORT" $SERVER_ARGS "$flag" > "$OUT/serve/server_$loop.log" 2>&1 &
+  python3 -m deepinfer.server --port "$PORT" $SERVER_ARGS "$flag" "$engine" > "$OUT/serve/server_$run.log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do
-    kill -0 "$pid" 2>/dev/null || { echo "server ($loop) exited:"; tail -n 20 "$OUT/serve/server_$loop.log"; exit 1; }
+    kill -0 "$pid" 2>/dev/null || { echo "server ($run) exited:"; tail -n 20 "$OUT/serve/server_$run.log"; exit 1; }
     python3 -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
     sleep 1
   done
@@ -33,8 +38,9 @@ for loop in $LOOPS; do
       python3 -m deepinfer.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --dataset-name random \
         --random-input-len "$in_len" --random-output-len 128 --random-range-ratio 0 --num-prompts "$n" \
         --max-concurrency "$c" --ignore-eos --seed 0 --disable-tqdm --save-result --result-dir "$OUT/serve" \
-        --result-filename "${loop}_${in_len}_${c}.json" --metadata "loop=$loop" 2>&1 | tail -n 4
+        --result-filename "${run}_${in_len}_${c}.json" --metadata "loop=$loop" --metadata "mode=$mode" 2>&1 | tail -n 4
     done
   done
   kill "$pid"; wait "$pid"
+done
 done

@@ -194,17 +194,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"error: {e.name} is missing; install the server extra: pip install 'deepinfer[serve]'", file=sys.stderr)
         return 2
+    from deepinfer.config.engine import EngineConfig
     from deepinfer.engine.llm_engine import LLMEngine
+    from deepinfer.server.engine_client import EngineClient, serves_here
 
     if a.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes: must be >= 1, got {a.max_request_bytes}")
-    engine = LLMEngine.from_engine_args(_engine_args(a))
+    config = EngineConfig.create(_engine_args(a))  # bad arguments are refused here, before anything starts
+    if a.engine_process and serves_here(config):
+        engine = EngineClient.launch(config)  # the engine core in its own process (server/engine_process.py)
+    else:
+        engine = LLMEngine.from_config(config)  # a follower node's ranks never return from here
     app = build_app(engine, served_model_name=a.served_model_name, api_key=a.api_key,
                     max_request_bytes=a.max_request_bytes)
     # SIGINT/SIGTERM: stop accepting, let in-flight requests run for --graceful-shutdown-timeout seconds,
-    # abort what is left (clients get finish_reason "abort"), stop the engine thread, exit 0.
-    serve(app, host=a.host, port=a.port, log_level=a.log_level, graceful_timeout=a.graceful_shutdown_timeout)
-    return 0
+    # abort what is left (clients get finish_reason "abort"), stop the engine, exit 0 (1: the engine died).
+    return serve(app, host=a.host, port=a.port, log_level=a.log_level, graceful_timeout=a.graceful_shutdown_timeout)
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
@@ -274,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM before they are aborted")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, so the HTTP work (parsing, streaming every "
+                        "token) does not share a GIL with the engine loop (default: on); --no-engine-process "
+                        "runs it in a thread of the server process")
     _engine_flags(s)
     s.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="model summary and the memory plan per device (nothing is loaded)")

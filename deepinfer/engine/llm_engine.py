@@ -104,7 +104,11 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> "LLMEngine":
-        config = EngineConfig.create(args or EngineArgs.from_kwargs(**kwargs))
+        return cls.from_config(EngineConfig.create(args or EngineArgs.from_kwargs(**kwargs)))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        """The engine for ``config``: this class on one device, the executor's over a world of ranks."""
         if not config.parallel.is_single:  # one worker process per device (deepinfer/executor/)
             from deepinfer.executor.engine import launch_engine
 

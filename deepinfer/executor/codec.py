@@ -1,5 +1,7 @@
-"""The one codec of the engine <-> rank messages: pickle, restricted on decoding to deepinfer's own types,
-plain Python containers and torch dtypes, and checked to be one of ``messages.MESSAGES``."""
+"""The one codec of deepinfer's inter-process messages: pickle, restricted on decoding to deepinfer's own
+types, plain Python containers and torch dtypes, and checked to be one of a closed set of message types:
+``messages.MESSAGES`` (engine <-> ranks) by default, ``server.core_messages.MESSAGES`` (server <-> engine
+core process) where that channel passes its own set."""
 
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"message codec: {module}.{name} is not a message type")
 
 
-def encode(message) -> bytes:
-    if not isinstance(message, MESSAGES):
+def encode(message, kinds: tuple[type, ...] = MESSAGES) -> bytes:
+    if not isinstance(message, kinds):
         raise TypeError(f"message codec: {type(message).__name__} is not a message type")
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def decode(data: bytes):
+def decode(data: bytes, kinds: tuple[type, ...] = MESSAGES):
     message = _Unpickler(io.BytesIO(data)).load()
-    if not isinstance(message, MESSAGES):
+    if not isinstance(message, kinds):
         raise TypeError(f"message codec: decoded a {type(message).__name__}, not a message")
     return message

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP app: routes, authentication, streaming, disconnects, lifespan.
 
-    app = build_app(LLMEngine.from_engine_args(...), api_key="sk-...")
+    app = build_app(EngineClient.launch(EngineConfig.create(args)), api_key="sk-...")  # engine process
+    app = build_app(LLMEngine.from_engine_args(...), api_key="sk-...")  # engine thread
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Each route reads and validates the body (size limit, strict types), turns it into engine requests, submits
-them to the engine thread through :class:`AsyncEngine`, and then either streams server-sent events or
+them to the engine (its own process through :class:`EngineClient`, the default of ``deepinfer serve``, or a
+thread of this one through :class:`AsyncEngine`), and then either streams server-sent events or
 waits for the final outputs. Whatever way a request ends (done, client gone, error, shutdown) its engine
 requests are closed in a ``finally``, which aborts the unfinished ones and frees their cache blocks.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +36,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server.async_engine import AsyncEngine, EngineClosed, RequestStream
 from deepinfer.server.commands import EngineRequest
+from deepinfer.server.engine_client import EngineClient
 from deepinfer.server.completions import CompletionBuilder
 from deepinfer.server.errors import (ApiError, api_error_handler, bad_request, error_body, http_error_handler,
                                      internal_error_handler, not_found_model, parse_body, read_body)
@@ -47,7 +51,7 @@ _DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
 
 
-def default_model_name(engine: LLMEngine) -> str:
+def default_model_name(engine: LLMEngine | EngineClient) -> str:
     """The model directory's basename; the bundled demo model is "deepinfer-demo"."""
     path = Path(engine.config.model_dir).resolve()
     return DEMO_MODEL_NAME if path == demo_model_dir().resolve() else path.name
@@ -56,11 +60,17 @@ def default_model_name(engine: LLMEngine) -> str:
 class ServerState:
     """Everything the routes share; ``app.state.server`` (tests reach the engine through it)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_request_bytes: int) -> None:
+    def __init__(self, engine: LLMEngine | EngineClient, model_name: str, api_key: str | None,
+                 max_request_bytes: int) -> None:
         self.metrics = ServerMetrics(model_name)
         self.metrics.publish_engine_info(engine.config.mode_labels())
-        self.bridge = AsyncEngine(engine, self.metrics)
-        self.engine = engine
+        self.bridge: AsyncEngine | EngineClient
+        if isinstance(engine, EngineClient):
+            engine.metrics = self.metrics
+            self.bridge = engine
+        else:
+            self.bridge = AsyncEngine(engine, self.metrics)
+        self.config, self.tokenizer = engine.config, engine.tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
@@ -86,7 +96,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.scheduler.max_model_len
+        return self.config.scheduler.max_model_len
 
     async def submit(self, requests: list[EngineRequest], renames: dict[str, str]) -> RequestStream:
         try:
@@ -184,13 +194,13 @@ async def _finals(request: Request, stream: RequestStream) -> list[RequestOutput
         stream.close()  # client gone (or any error): abort and free the cache now
 
 
-def _render_chat(req: ChatCompletionRequest, engine: LLMEngine, thinking: bool) -> dict[str, Any]:
+def _render_chat(req: ChatCompletionRequest, tokenizer, thinking: bool) -> dict[str, Any]:
     """DeepSeek-V4 prompt text and ids (as llm.py: the text carries BOS, so no special tokens are added)."""
-    return chat_prompt(engine.tokenizer, req.messages, thinking=thinking, tools=req.active_tools(),
+    return chat_prompt(tokenizer, req.messages, thinking=thinking, tools=req.active_tools(),
                        reasoning_effort=req.effort(), response_format=req.schema())
 
 
-def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: LLMEngine | EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     state = ServerState(engine, served_model_name or default_model_name(engine), api_key or None,
                         max_request_bytes)
@@ -219,7 +229,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         raw, params = req.prompts(), req.sampling_params()
         # Tokenizing (and, for echo, decoding) long prompts is CPU work: keep it off the event loop.
         prompts = await asyncio.to_thread(
-            resolve_completion_prompts, raw, engine.tokenizer, engine.config.model.vocab_size, echo=req.echo,
+            resolve_completion_prompts, raw, state.tokenizer, state.config.model.vocab_size, echo=req.echo,
             token_strings=req.echo and req.logprobs is not None, skip_special_tokens=req.skip_special_tokens)
         check_context([p.num_tokens for p in prompts], [p.field for p in prompts], req.max_tokens,
                       state.max_model_len, max_tokens_param="max_tokens")
@@ -240,7 +250,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         state.check_model(req.model)
         thinking, params = req.thinking(), req.sampling_params()
         try:  # rendering and tokenizing a long conversation is CPU work: keep it off the event loop
-            prompt = await asyncio.to_thread(_render_chat, req, engine, thinking)
+            prompt = await asyncio.to_thread(_render_chat, req, state.tokenizer, thinking)
         except ValueError as e:
             raise bad_request(e) from None
         limit, limit_name = req.completion_limit()
@@ -259,7 +269,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
     async def models(request: Request) -> JSONResponse:
         state.check_auth(request)
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "deepinfer",
-                "max_model_len": engine.config.scheduler.max_model_len}
+                "max_model_len": state.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
@@ -276,12 +286,13 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
 
 
 def serve(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          graceful_timeout: float = 30.0) -> None:
-    """Run ``app`` under uvicorn until SIGINT/SIGTERM, then shut down gracefully and return.
+          graceful_timeout: float = 30.0) -> int:
+    """Run ``app`` under uvicorn until SIGINT/SIGTERM, then shut down gracefully and return 0.
 
     On the signal uvicorn stops accepting connections and waits for the open ones; meanwhile the engine lets
     in-flight requests run for ``graceful_timeout`` seconds and then aborts them, so every client gets a
-    final response. The lifespan shutdown then stops the engine thread.
+    final response. The lifespan shutdown then stops the engine. If the engine dies, its clients get errors,
+    the server stops the same way and this returns 1 (a supervisor restarts it).
     """
     import signal
 
@@ -301,4 +312,13 @@ def serve(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level:
     # uvicorn's own graceful timeout is only the backstop for a request that ignores the abort.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=graceful_timeout + 10)
-    _Server(config).run()
+    server = _Server(config)
+    died = threading.Event()
+
+    def stop() -> None:  # any thread: uvicorn polls should_exit
+        died.set()
+        server.should_exit = True
+
+    bridge.on_death(stop)
+    server.run()
+    return 1 if died.is_set() else 0

@@ -1,4 +1,6 @@
-"""The bridge between the asyncio HTTP loop and the (synchronous, not thread-safe) ``LLMEngine``.
+"""The bridge between the asyncio HTTP loop and the (synchronous, not thread-safe) ``LLMEngine`` in a thread
+of the server process (``deepinfer serve --no-engine-process``; by default the engine runs in its own
+process behind ``engine_client.EngineClient``, which keeps this interface).
 
 One engine thread owns the engine. Everything else talks to it through a command queue:
 
@@ -19,12 +21,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server.commands import Abort, Call, Command, EngineRequest, Reply, Submit
+from deepinfer.server.engine_stats import EngineStats, RequestTiming, observe, publish, snapshot
 from deepinfer.server.metrics import ServerMetrics
 
 log = logging.getLogger("deepinfer.server")
@@ -32,12 +34,6 @@ log = logging.getLogger("deepinfer.server")
 
 class EngineClosed(RuntimeError):
     """The engine thread has stopped (shutdown) or died (an exception in ``step()``)."""
-
-
-@dataclass
-class _Timing:
-    arrival: float
-    first_token: float | None = None
 
 
 class RequestStream:
@@ -50,7 +46,7 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.request_ids: list[str] = []
         self.unfinished: set[str] = set()
-        self.timing: dict[str, _Timing] = {}  # engine-thread only
+        self.timing: dict[str, RequestTiming] = {}  # the bridge's thread only
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -76,15 +72,6 @@ class RequestStream:
             self.unfinished.clear()
 
 
-@dataclass
-class EngineStats:
-    """A snapshot the engine thread publishes after each step; read by /metrics and /health."""
-
-    running: int = 0
-    waiting: int = 0
-    cache_usage: dict[str, float] = field(default_factory=dict)
-
-
 def _put_all(items: list) -> None:
     for queue, item in items:
         queue.put_nowait(item)
@@ -103,6 +90,7 @@ class AsyncEngine:
         self._drain_at: float | None = None  # monotonic time after which every request is aborted
         self.error: BaseException | None = None
         self.stats = EngineStats()
+        self._death: list[Callable[[], None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,6 +102,10 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stop
+
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (on the engine thread) if the engine dies; not at a requested shutdown."""
+        self._death.append(callback)
 
     def drain(self, grace: float) -> None:
         """Shutdown has begun: requests may run on for ``grace`` seconds, then the engine thread aborts them
@@ -240,6 +232,8 @@ class AsyncEngine:
                 self._deliver(stream, err)
             self._streams.clear()
             self._refuse_commands(err)
+            for callback in self._death:
+                callback()
 
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, Abort):
@@ -272,7 +266,7 @@ class AsyncEngine:
         now = time.monotonic()
         for rid in added:
             self._streams[rid] = stream
-            stream.timing[rid] = _Timing(now)
+            stream.timing[rid] = RequestTiming(now)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -298,19 +292,9 @@ class AsyncEngine:
 
     def _observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         assert self.metrics is not None
-        timing = stream.timing[out.request_id]
-        new_tokens = sum(len(d) for d in out.delta_token_ids)
-        self.metrics.generation_tokens.inc(new_tokens)
-        if timing.first_token is None and new_tokens:
-            timing.first_token = now
-            self.metrics.ttft.observe(now - timing.arrival)
+        observe(self.metrics, stream.timing[out.request_id], out, now)
         if out.finished:
             del stream.timing[out.request_id]
-            self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-            self.metrics.e2e.observe(now - timing.arrival)
-            produced = max((len(c.token_ids) for c in out.outputs), default=0)
-            if timing.first_token is not None and produced > 1:
-                self.metrics.tpot.observe((now - timing.first_token) / (produced - 1))
 
     @staticmethod
     def _deliver(stream: RequestStream, item: RequestOutput | BaseException) -> None:
@@ -320,26 +304,10 @@ class AsyncEngine:
             pass
 
     def _publish_stats(self) -> None:
-        sched = self.engine.scheduler
-        stats = EngineStats(
-            running=len({s.request.request_id for s in sched.running}),
-            waiting=len({s.request.request_id for s in sched.waiting}),
-            cache_usage=dict(self.engine.cache.usage()),
-        )
+        stats = snapshot(self.engine)
         self.stats = stats  # one reference assignment: readers see the old or the new snapshot
         if self.metrics is not None:
-            self.metrics.publish(stats.running, stats.waiting, stats.cache_usage)
-            sched, cache = self.engine.scheduler, self.engine.cache
-            if sched.prefix is not None:
-                self.metrics.publish_prefix(sched.prefix_queries, sched.prefix_hits,
-                                            {p: bp.num_evictions for p, bp in cache.pools.items()},
-                                            cache.num_cached_blocks())
-            if self.engine.tiers is not None:
-                self.metrics.publish_tiers(self.engine.tiers.store.stats())
-            spec = self.engine.spec_stats
-            if spec.num_speculative_tokens:
-                self.metrics.publish_spec(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                                          spec.accepted_per_pos)
+            publish(self.metrics, stats)
 
     def _abort_all(self, commands_left: bool) -> None:
         """Abort every request and hand each client its final "abort" output; at shutdown (``commands_left``)

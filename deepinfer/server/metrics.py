@@ -1,9 +1,9 @@
 """Prometheus metrics of one server, in a registry of its own (so several apps can live in one process,
 as they do in tests), plus the pure-ASGI middleware that counts requests by endpoint and status.
 
-The engine thread observes latencies and token counts as it dispatches outputs (it is the one place that
-sees every token as it is produced); the middleware observes HTTP statuses. prometheus_client's metric
-objects are thread-safe.
+The bridge observes latencies and token counts as it dispatches outputs (the engine thread, or the event
+loop when the engine runs in its own process; ``engine_stats.py``) and publishes the engine's counters after
+each step; the middleware observes HTTP statuses. prometheus_client's metric objects are thread-safe.
 """
 
 from __future__ import annotations

@@ -35,8 +35,11 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from deepinfer import LLM, LLMEngine, SamplingParams  # noqa: E402
 from deepinfer.chat import encode_messages  # noqa: E402
+from deepinfer.config.engine import EngineArgs, EngineConfig  # noqa: E402
 from deepinfer.server import build_app  # noqa: E402
 from deepinfer.server.app import ServerState  # noqa: E402
+from deepinfer.server.engine_client import EngineClient  # noqa: E402
+from deepinfer.server.engine_queries import check_cache_integrity, idle_state  # noqa: E402
 
 API_KEY = "sk-test-key"
 MODEL = "deepinfer-demo"
@@ -56,16 +59,16 @@ class Server:
     url: str
     state: ServerState
 
-    def engine_call(self, fn):
-        return self.state.bridge.call_sync(fn)
+    def engine_call(self, fn, *args):
+        return self.state.bridge.call_sync(fn, *args)
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
         """Poll (bounded) until the engine has no request and every cache pool is empty; then check the pools."""
         deadline = time.monotonic() + timeout
         while True:
-            busy, usage = self.engine_call(lambda e: (e.has_unfinished_requests(), e.cache.usage()))
+            busy, usage = self.engine_call(idle_state)
             if not busy and not any(usage.values()):
-                self.engine_call(lambda e: e.cache.check_integrity())
+                self.engine_call(check_cache_integrity)
                 return usage
             assert time.monotonic() < deadline, f"engine still busy after {timeout}s: usage {usage}"
             time.sleep(0.05)
@@ -76,12 +79,38 @@ def offline() -> LLM:
     return LLM(**ENGINE)
 
 
+def launch(mode: str, **engine_args) -> LLMEngine | EngineClient:
+    """The engine a server runs in ``mode``: "process" (its own process, deepinfer serve's default) or
+    "thread" (``--no-engine-process``)."""
+    if mode == "process":
+        return EngineClient.launch(EngineConfig.create(EngineArgs.from_kwargs(**engine_args)))
+    return LLMEngine.from_engine_args(**engine_args)
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    yield from serve(LLMEngine.from_engine_args(**ENGINE))
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The server of the broad tests, in the mode of ``--server-mode`` (default: the engine process)."""
+    yield from serve(launch(request.config.getoption("--server-mode"), **ENGINE))
 
 
-def serve(engine: LLMEngine) -> Iterator[Server]:
+@pytest.fixture(scope="module")
+def thread_server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    yield from serve(launch("thread", **ENGINE))
+
+
+@pytest.fixture(params=["default", "thread"])
+def any_server(request: pytest.FixtureRequest) -> Server:
+    """The representative tests run on both engine modes: ``server``'s, and the engine thread."""
+    if request.param == "thread" and request.config.getoption("--server-mode") == "thread":
+        pytest.skip("--server-mode=thread: the default server already runs the engine thread")
+    return request.getfixturevalue("server" if request.param == "default" else "thread_server")
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def serve(engine: LLMEngine | EngineClient) -> Iterator[Server]:
     """Serve ``engine`` from a background thread until the generator is closed (a fixture's teardown)."""
     app = build_app(engine, api_key=API_KEY)
     sock = socket.socket()
@@ -95,16 +124,19 @@ def serve(engine: LLMEngine) -> Iterator[Server]:
         time.sleep(0.02)
     state: ServerState = app.state.server
     yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", state)
+    died = state.bridge.error is not None  # a test killed it
     srv.should_exit = True
     thread.join(30)
     assert not thread.is_alive()
-    assert not state.bridge.alive  # the lifespan shutdown stopped the engine thread
+    assert not state.bridge.alive  # the lifespan shutdown stopped the engine
+    if isinstance(engine, EngineClient) and not died:
+        assert engine.process.exitcode == 0  # the engine process exited by itself
     sock.close()
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return _client(server)
 
 
 def _greedy(llm: LLM, prompts: list, max_tokens: int) -> list[str]:
@@ -119,7 +151,8 @@ def test_health_and_models(server: Server, client: openai.OpenAI) -> None:
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_completions_greedy_equal_offline(server: Server, client: openai.OpenAI, offline: LLM) -> None:
+def test_completions_greedy_equal_offline(any_server: Server, offline: LLM) -> None:
+    client = _client(any_server)
     prompts = PROMPTS[:3]
     r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, **GREEDY)
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.created > 0
@@ -236,7 +269,8 @@ def test_thinking_mode_fills_reasoning_content(client: openai.OpenAI, offline: L
 
 
 # ---- load, disconnects, bad input --------------------------------------------------------------------------
-def test_32_concurrent_streams_equal_offline(server: Server, offline: LLM) -> None:
+def test_32_concurrent_streams_equal_offline(any_server: Server, offline: LLM) -> None:
+    server = any_server
     expected = _greedy(offline, PROMPTS, 8)
 
     async def one(aclient: openai.AsyncOpenAI, prompt: str) -> tuple[str, bool]:
@@ -261,7 +295,8 @@ def test_32_concurrent_streams_equal_offline(server: Server, offline: LLM) -> No
     assert set(server.wait_idle().values()) == {0.0}
 
 
-def test_disconnect_frees_the_cache(server: Server) -> None:
+def test_disconnect_frees_the_cache(any_server: Server) -> None:
+    server = any_server
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as h:
@@ -311,7 +346,8 @@ BAD = [  # (path, body, status, param)
 ]
 
 
-def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Server, client: openai.OpenAI) -> None:
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(any_server: Server) -> None:
+    server, client = any_server, _client(any_server)
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     with httpx.Client(base_url=server.url, timeout=60) as h:
         for path, body, status, param in BAD:
@@ -346,7 +382,8 @@ def _metrics(url: str) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def test_metrics_move(server: Server, client: openai.OpenAI) -> None:
+def test_metrics_move(any_server: Server) -> None:
+    server, client = any_server, _client(any_server)
     before = _metrics(server.url)
     client.completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=4, **GREEDY)
     after = _metrics(server.url)

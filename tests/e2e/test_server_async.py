@@ -18,16 +18,17 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from deepinfer import LLMEngine, SamplingParams  # noqa: E402
-from tests.e2e.test_server import API_KEY, ENGINE, MODEL, PROMPTS, Server, offline, serve  # noqa: E402,F401
+from deepinfer import SamplingParams  # noqa: E402
+from deepinfer.server.engine_queries import async_scheduling  # noqa: E402
+from tests.e2e.test_server import API_KEY, ENGINE, MODEL, PROMPTS, Server, launch, offline, serve  # noqa: E402,F401
 
 CASES = [(PROMPTS[i], {"temperature": 0}) for i in range(0, 8, 2)] + \
     [(PROMPTS[i], {"temperature": 0.9, "top_p": 0.9, "seed": 11 + i}) for i in range(1, 8, 2)]
 
 
 @pytest.fixture(scope="module")
-def async_server() -> Iterator[Server]:
-    yield from serve(LLMEngine.from_engine_args(**ENGINE, async_scheduling=True))
+def async_server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    yield from serve(launch(request.config.getoption("--server-mode"), **ENGINE, async_scheduling=True))
 
 
 def _complete(client: openai.OpenAI, prompt: str, params: dict, stream: bool) -> str:
@@ -39,7 +40,7 @@ def _complete(client: openai.OpenAI, prompt: str, params: dict, stream: bool) ->
 
 def test_served_async_equals_offline_sync(async_server: Server, offline) -> None:
     client = openai.OpenAI(base_url=async_server.url + "/v1", api_key=API_KEY, max_retries=0)
-    assert not offline.engine.async_scheduling
+    assert not offline.engine.async_scheduling and async_server.engine_call(async_scheduling)
     want = [offline.generate(p, SamplingParams(max_tokens=24, stop=["\n\n"], **kw), use_tqdm=False)[0].outputs[0].text
             for p, kw in CASES]
     with ThreadPoolExecutor(len(CASES)) as pool:

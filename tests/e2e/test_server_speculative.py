@@ -16,17 +16,17 @@ pytest.importorskip("uvicorn")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from deepinfer import LLMEngine, SamplingParams  # noqa: E402
-from tests.e2e.test_server import API_KEY, ENGINE, MODEL, PROMPTS, Server, offline, serve  # noqa: E402,F401
+from deepinfer import SamplingParams  # noqa: E402
+from tests.e2e.test_server import API_KEY, ENGINE, MODEL, PROMPTS, Server, launch, offline, serve  # noqa: E402,F401
 
 CASES = [(PROMPTS[0], {"temperature": 0}), (PROMPTS[2], {"temperature": 0}),
          (PROMPTS[1], {"temperature": 0.9, "seed": 12}), (PROMPTS[3], {"temperature": 0.8, "top_p": 0.9, "seed": 4})]
 
 
 @pytest.fixture(scope="module")
-def spec_server() -> Iterator[Server]:
-    yield from serve(LLMEngine.from_engine_args(
-        **ENGINE, speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'))
+def spec_server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    yield from serve(launch(request.config.getoption("--server-mode"), **ENGINE,
+                            speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'))
 
 
 def _complete(client: openai.OpenAI, prompt: str, params: dict, stream: bool) -> str:

@@ -1,0 +1,98 @@
+"""What /metrics shows of the engine, in one place for both ways of running it (a thread of the server,
+or its own process): the engine-side counters as one frozen snapshot taken after a step, and the
+per-request latencies observed as outputs reach the server.
+
+The snapshot is plain data, so the engine core process sends it with each step's outputs and the server
+publishes it exactly as the in-process bridge publishes its own; the counters are the engine's running
+totals (``ServerMetrics.publish_*`` turn them into Prometheus increments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.kv.tiers.stats import TierStats
+
+if TYPE_CHECKING:  # the engine process builds snapshots without the HTTP side's prometheus_client
+    from deepinfer.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCounts:
+    queries: int  # prompt tokens looked up
+    hits: int  # prompt tokens found
+    evictions: dict[str, int]  # per pool, blocks
+    cached: dict[str, int]  # per pool, unused blocks kept for reuse
+
+
+@dataclass(frozen=True, slots=True)
+class SpecCounts:
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine after a step; read by /metrics (and tests)."""
+
+    running: int = 0  # requests with a sequence in the running set
+    waiting: int = 0
+    cache_usage: dict[str, float] = field(default_factory=dict)
+    prefix: PrefixCounts | None = None  # None: prefix caching is off
+    tiers: TierStats | None = None  # None: no cache tiers
+    spec: SpecCounts | None = None  # None: no speculative decoding
+
+
+def snapshot(engine) -> EngineStats:
+    """``engine``'s counters now (an ``LLMEngine``; the parallel one reports DP rank 0's scheduler)."""
+    sched, cache = engine.scheduler, engine.cache
+    prefix = tiers = spec = None
+    if getattr(sched, "prefix", None) is not None:
+        prefix = PrefixCounts(sched.prefix_queries, sched.prefix_hits,
+                              {p: bp.num_evictions for p, bp in cache.pools.items()}, dict(cache.num_cached_blocks()))
+    if getattr(engine, "tiers", None) is not None:
+        tiers = engine.tiers.store.stats()
+    s = getattr(engine, "spec_stats", None)
+    if s is not None and s.num_speculative_tokens:
+        spec = SpecCounts(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))
+    return EngineStats(
+        running=len({s.request.request_id for s in sched.running}),
+        waiting=len({s.request.request_id for s in sched.waiting}),
+        cache_usage=dict(cache.usage()), prefix=prefix, tiers=tiers, spec=spec)
+
+
+def publish(metrics: ServerMetrics, stats: EngineStats) -> None:
+    metrics.publish(stats.running, stats.waiting, stats.cache_usage)
+    if stats.prefix is not None:
+        p = stats.prefix
+        metrics.publish_prefix(p.queries, p.hits, p.evictions, p.cached)
+    if stats.tiers is not None:
+        metrics.publish_tiers(stats.tiers)
+    if stats.spec is not None:
+        s = stats.spec
+        metrics.publish_spec(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))
+
+
+@dataclass
+class RequestTiming:
+    arrival: float
+    first_token: float | None = None
+
+
+def observe(metrics: ServerMetrics, timing: RequestTiming, out: RequestOutput, now: float) -> None:
+    """Token counts and latencies of one output of a request admitted at ``timing.arrival``."""
+    new_tokens = sum(len(d) for d in out.delta_token_ids)
+    metrics.generation_tokens.inc(new_tokens)
+    if timing.first_token is None and new_tokens:
+        timing.first_token = now
+        metrics.ttft.observe(now - timing.arrival)
+    if out.finished:
+        metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        metrics.e2e.observe(now - timing.arrival)
+        produced = max((len(c.token_ids) for c in out.outputs), default=0)
+        if timing.first_token is not None and produced > 1:
+            metrics.tpot.observe((now - timing.first_token) / (produced - 1))

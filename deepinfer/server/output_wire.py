@@ -1,0 +1,116 @@
+"""A request's outputs across the process boundary as deltas.
+
+The engine's ``RequestOutput`` is cumulative (every sample's whole text, token ids and logprobs so far),
+so sending it as is costs O(length) per step and request: O(length^2) bytes over a generation, and worse
+with logprobs. The core sends what is new since its previous message for that request (``DeltaEncoder``)
+and the server rebuilds the very same cumulative ``RequestOutput`` (``OutputAssembler``); the engine's
+outputs only ever grow, which is what makes this exact (tests/unit/test_output_wire.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class SampleDelta:
+    index: int
+    text: str  # appended to the text
+    token_ids: tuple[int, ...]  # appended to the token ids
+    logprobs: tuple[PositionLogprobs, ...] | None  # appended; None: the request asked for none
+    finish_reason: str | None
+    stop_reason: str | int | None
+    cumulative_logprob: float | None
+    delta_text: str  # the engine's own streaming deltas (what the response builders read)
+    delta_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputDelta:
+    request_id: str
+    samples: tuple[SampleDelta, ...]
+    finished: bool
+    num_cached_tokens: int
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None  # appended; None: not asked for
+    # The request's first message only: the prompt (never changes afterwards).
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+
+
+class DeltaEncoder:
+    """The core side: remembers, per request, how much of each sample and of the prompt logprobs was sent."""
+
+    def __init__(self) -> None:
+        # request id -> (prompt logprobs sent, per sample (chars, token ids, logprobs) sent)
+        self._sent: dict[str, tuple[int, list[tuple[int, int, int]]]] = {}
+
+    def encode(self, out: RequestOutput) -> OutputDelta:
+        first = out.request_id not in self._sent
+        n_prompt_lp, samples_sent = self._sent.get(out.request_id) or (0, [(0, 0, 0)] * len(out.outputs))
+        samples, now_sent = [], []
+        for c, (chars, ids, lps), dt, dids in zip(out.outputs, samples_sent, out.delta_text, out.delta_token_ids):
+            samples.append(SampleDelta(c.index, c.text[chars:], c.token_ids[ids:],
+                                       None if c.logprobs is None else c.logprobs[lps:], c.finish_reason,
+                                       c.stop_reason, c.cumulative_logprob, dt, dids))
+            now_sent.append((len(c.text), len(c.token_ids), len(c.logprobs or ())))
+        plp = out.prompt_logprobs
+        if out.finished:
+            self._sent.pop(out.request_id, None)
+        else:
+            self._sent[out.request_id] = (len(plp or ()), now_sent)
+        return OutputDelta(out.request_id, tuple(samples), out.finished, out.num_cached_tokens,
+                           None if plp is None else plp[n_prompt_lp:],
+                           out.prompt if first else None, out.prompt_token_ids if first else None)
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+@dataclass
+class _Request:
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    prompt_logprobs: list | None
+    texts: list[str]
+    token_ids: list[list[int]]
+    logprobs: list[list | None]
+
+
+class OutputAssembler:
+    """The server side: the cumulative ``RequestOutput`` of each delta, as the engine built it."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _Request] = {}
+
+    def assemble(self, d: OutputDelta) -> RequestOutput:
+        r = self._requests.get(d.request_id)
+        if r is None:
+            assert d.prompt_token_ids is not None, f"{d.request_id}: the first delta carries the prompt"
+            r = _Request(d.prompt, d.prompt_token_ids, None, [""] * len(d.samples), [[] for _ in d.samples],
+                         [None] * len(d.samples))
+            if not d.finished:
+                self._requests[d.request_id] = r
+        elif d.finished:
+            del self._requests[d.request_id]
+        if d.prompt_logprobs is not None:
+            r.prompt_logprobs = r.prompt_logprobs or []
+            r.prompt_logprobs.extend(d.prompt_logprobs)
+        outputs = []
+        for k, s in enumerate(d.samples):
+            r.texts[k] += s.text
+            r.token_ids[k].extend(s.token_ids)
+            if s.logprobs is not None:
+                r.logprobs[k] = r.logprobs[k] or []
+                r.logprobs[k].extend(s.logprobs)
+            outputs.append(CompletionOutput(
+                s.index, r.texts[k], tuple(r.token_ids[k]), s.finish_reason, s.stop_reason,
+                None if s.logprobs is None else tuple(r.logprobs[k]), s.cumulative_logprob))
+        return RequestOutput(
+            d.request_id, r.prompt, r.prompt_token_ids, tuple(outputs), d.finished,
+            None if d.prompt_logprobs is None else tuple(r.prompt_logprobs),
+            tuple(s.delta_text for s in d.samples), tuple(s.delta_token_ids for s in d.samples), d.num_cached_tokens)
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
