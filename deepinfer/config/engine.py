@@ -58,7 +58,7 @@ class EngineArgs:
     # The cache tiers below the device pools (sizes in GiB, like cache_memory_gb; kv/offload.py): evicted
     # prefix-cache blocks go to host memory, then to the disk directory, and come back on a hit.
     kv_cache_dir: str | None = None  # local directory of the disk tier (kept across restarts)
-    kv_host_cache_gb: float = 0.0  # host-memory tier (pinned on CUDA); 0 = none
+    kv_host_cache_gb: float = 0.0  # host-memory tier (device copies staged in pinned buffers); 0 = none
     kv_disk_cache_gb: float | None = None  # size limit of kv_cache_dir; required with it
     # Parallelism (vLLM's names; deepinfer/distributed/config.py): world size = DP x TP worker processes.
     tensor_parallel_size: int = 1

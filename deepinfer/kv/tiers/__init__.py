@@ -1,4 +1,4 @@
-"""Cache storage below the device pools: pinned host memory and a local disk directory.
+"""Cache storage below the device pools: host memory and a local disk directory.
 
 ``TieredStore`` keeps self-checking objects (``blob``) by key in ``Tier``s (``HostTier``, ``DiskTier``)
 with an LRU across them; ``payload.pack`` / ``payload.unpack`` turn one block of a pool into bytes and back.
