@@ -22,13 +22,7 @@ QUANT = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32], "s
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's small GEMMs are many times faster single-threaded on a shared 2-core machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _text(**kw) -> dict:

@@ -43,7 +43,7 @@ from deepinfer.ops.ref import moe_experts as ref_moe
 from deepinfer.ops.ref import norm as ref_norm
 from deepinfer.ops.ref import swiglu as ref_swiglu
 from deepinfer.ops.ref.fp8_linear import dequant_weight
-from deepinfer.ops.ref.indexer import topk_with_tiebreak
+from deepinfer.ops.ref.indexer_topk import indexer_topk_with
 from deepinfer.ops.ref.row_tiles import ROW_TILE, tiled_grouped, tiled_linear, tiled_matmul, whole_lanes
 from deepinfer.ops.ref.sparse_attention import gather_keys
 
@@ -163,14 +163,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
                  query_rows: torch.Tensor | None = None, as_rows: bool = False,
                  weight_scale: float = 1.0) -> torch.Tensor:
     """``ops/ref/indexer_topk.indexer_topk`` (same contract) over the chunked scores."""
-    if query_rows is not None:
-        key_rows = key_rows[query_rows.long()]
-    scores = _indexer_scores(q, weights.float() * weight_scale, keys, key_rows, softmax_scale)
-    picks = topk_with_tiebreak(scores, limits.to(scores.device).long(), topk)
-    if not as_rows:
-        return picks
-    rows = key_rows.long().gather(1, picks.clamp(min=0))
-    return torch.where(picks >= 0, rows, -1).to(torch.int32)
+    return indexer_topk_with(_indexer_scores, q, weights, keys, key_rows, limits, topk, softmax_scale,
+                             query_rows, as_rows, weight_scale)
 
 
 def attention(q, keys, visible, sinks, scale):

@@ -41,9 +41,17 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key
     ``as_rows``: return each pick's row id ``key_rows[., pick]`` instead of its entry number (-1 stays -1),
     as int32 like every row list: what the sparse attention reads (entries and index keys share rows).
     """
+    return indexer_topk_with(indexer_scores_indexed, q, weights, keys, key_rows, limits, topk, softmax_scale,
+                             query_rows, as_rows, weight_scale)
+
+
+def indexer_topk_with(score, q, weights, keys, key_rows, limits, topk: int, softmax_scale: float,
+                      query_rows=None, as_rows: bool = False, weight_scale: float = 1.0) -> torch.Tensor:
+    """``indexer_topk`` with the scoring function ``score`` (same signature as ``indexer_scores_indexed``)
+    passed in: the batch-invariant table scores in fixed chunks and shares everything else."""
     if query_rows is not None:
         key_rows = key_rows[query_rows.long()]
-    scores = indexer_scores_indexed(q, weights.float() * weight_scale, keys, key_rows, softmax_scale)
+    scores = score(q, weights.float() * weight_scale, keys, key_rows, softmax_scale)
     picks = topk_with_tiebreak(scores, limits.to(scores.device).long(), topk)
     if not as_rows:
         return picks
