@@ -74,7 +74,7 @@ class LLMEngine:
         mc, sc = config.model, config.scheduler
         prefix = build_prefix_hasher(config)
         # Host-memory / disk tiers below the device pools (None when not asked for).
-        self.tiers = TierLink.open(config.cache.tiers, prefix, self.storage)
+        self.tiers = TierLink.open(config.cache.tiers, prefix, self.storage, replay=self.cache.replay > 0)
         self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative, prefix, self.tiers)
         graphs = mtp_graphs = None
         if config.device == "cuda" and not config.enforce_eager:

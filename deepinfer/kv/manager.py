@@ -67,7 +67,8 @@ class PrefixHit:
     """Cached blocks that let a request start at ``num_tokens`` (a block boundary): per pool, the table it
     starts with (history: every block before the boundary; window/state: -1 up to the tail, then blocks).
     ``FROM_TIER`` entries are blocks found in a lower tier (host memory, disk): ``loads`` names them
-    (pool, table index, hash); ``admit`` gives each a new block, which the caller fills before the step."""
+    (pool, table index, hash); ``admit`` gives each a new block, which the caller fills before the step, and
+    names it by its hash, unless a replay rewrites its rows (then the block is the request's own)."""
 
     num_tokens: int
     tables: dict[str, tuple[int, ...]]
@@ -247,8 +248,9 @@ class CacheManager:
 
     def _replay_hit(self, hashes: tuple[bytes, ...], boundary: int, history: tuple[int, ...], find) -> PrefixHit | None:
         """A hit at ``boundary`` that recomputes its last ``replay`` positions: the window blocks behind them
-        must be cached (those overlapping the replayed positions on the device: they are copied, as the
-        replay rewrites their rows); the state blocks it needs are new."""
+        must be cached, on the device or in a lower tier; the state blocks it needs are new. The replay rewrites
+        the rows of the window blocks holding replayed positions, so the request gets them privately: a device
+        block is copied (COPY), a tier block is loaded into a new block that ``admit`` leaves unnamed."""
         bs, start, nb = self.block_size, boundary - self.replay, boundary // self.block_size
         lo = max(0, start - self._tail[WINDOW]) // bs
         window = [find(WINDOW, hashes[i]) for i in range(lo, nb)]
@@ -257,15 +259,18 @@ class CacheManager:
         copies = []
         for i in range(start // bs, nb):  # blocks holding replayed positions: copy device-resident ones
             b = window[i - lo]
-            if b < 0:
-                return None
-            copies.append((WINDOW, i, b))
-            window[i - lo] = COPY
+            if b >= 0:
+                copies.append((WINDOW, i, b))
+                window[i - lo] = COPY
         state_lo = max(0, start - self._tail[STATE]) // bs
         tables = {HISTORY: history, WINDOW: (RELEASED,) * lo + tuple(window),
                   STATE: (RELEASED,) * state_lo + (FRESH,) * (nb - state_lo)}
         loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
         return PrefixHit(boundary, tables, loads, self.replay, tuple(copies))
+
+    def _replay_rewrites(self, hit: PrefixHit, pool: str, index: int) -> bool:
+        """Whether the hit's replay rewrites rows of block ``index`` of a tail pool (one holding a replayed position)."""
+        return bool(hit.replay) and pool in TAIL_POOLS and index >= hit.start // self.block_size
 
     def _admission_need(self, hit: PrefixHit, num_new_tokens: int) -> dict[str, int]:
         """Per pool: blocks ``admit`` takes out of the available ones (new blocks, blocks to load from a
@@ -305,7 +310,8 @@ class CacheManager:
             loads = [x for x in hit.loads if x[0] == p]
             for (_, i, h), b in zip(loads, self.pools[p].allocate(len(loads))):
                 table[i] = b
-                self.pools[p].set_hash(b, h)
+                if not self._replay_rewrites(hit, p, i):  # else private: the index never names rows a replay rewrites
+                    self.pools[p].set_hash(b, h)
                 filled.append((p, b, h))
             own = [i for i, b in enumerate(table) if b in (COPY, FRESH)]
             source = {i: src for pool, i, src in hit.copies if pool == p}

@@ -10,6 +10,13 @@ object carries the store identity (config digest, block size) and a payload chec
 a payload whose size does not match this engine's block is deleted and treated as a miss. Fetching happens
 during admission, before a hit is committed to: an object that is gone or fails its check shrinks the hit
 instead of ever reaching the model.
+
+State blocks (compressor state, the largest blocks of a V4 layout) are written down only when prefix hits
+cannot do without them. With bounded replay (``CacheManager.replay`` > 0, any V4 layout with CSA layers) a
+hit rebuilds a boundary's state by recomputing its last few positions from the window blocks, which a tier
+holds, so the link keeps history and window blocks only and a lookup never asks the store for a state block.
+Without replay (``bounded_replay=False``, or a state pool without CSA layers) every pool goes down, as a hit
+then needs the boundary's state block itself.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import hashlib
 import logging
 
 from deepinfer.kv.prefix_hash import BlockHasher
-from deepinfer.kv.spec import POOLS
+from deepinfer.kv.spec import POOLS, STATE
 from deepinfer.kv.storage import KVStorage
 from deepinfer.kv.tiers import StoreIdentity, TieredStore, open_store, pack_many, payload_bytes, unpack_many
 
@@ -34,27 +41,30 @@ def store_identity(hasher: BlockHasher, storage: KVStorage) -> StoreIdentity:
 
 
 class TierLink:
-    def __init__(self, store: TieredStore, storage: KVStorage) -> None:
+    def __init__(self, store: TieredStore, storage: KVStorage, replay: bool = False) -> None:
+        """``replay``: prefix hits can rebuild a boundary's state by a bounded replay; state blocks then stay
+        out of the tiers (see the module docstring)."""
         self.store = store
         self.storage = storage
         self._size = {p: payload_bytes(storage, p) for p in POOLS}
+        self.pools = tuple(p for p in POOLS if not (replay and p == STATE))  # the pools written down
         self.saved = 0  # blocks written down (lifetime)
         self.loaded = 0  # blocks brought back up (lifetime)
 
     @classmethod
-    def open(cls, tiers, hasher: BlockHasher | None, storage: KVStorage) -> "TierLink | None":
+    def open(cls, tiers, hasher: BlockHasher | None, storage: KVStorage, replay: bool = False) -> "TierLink | None":
         """The link the engine arguments ask for (None without tiers or without prefix caching)."""
         if hasher is None or not tiers.enabled:
             return None
         store = open_store(tiers, store_identity(hasher, storage))
-        return None if store is None else cls(store, storage)
+        return None if store is None else cls(store, storage, replay)
 
     @staticmethod
     def key(pool: str, content_hash: bytes) -> bytes:
         return pool[0].encode() + content_hash
 
     def exists(self, pool: str, content_hash: bytes) -> bool:
-        return self.store.exists(self.key(pool, content_hash))
+        return pool in self.pools and self.store.exists(self.key(pool, content_hash))
 
     def fetch(self, pool: str, content_hash: bytes) -> memoryview | None:
         """The block's payload, checked; None (and the object deleted when it is unusable) otherwise."""
@@ -76,8 +86,9 @@ class TierLink:
 
     def save(self, blocks: list[tuple[str, int, bytes]]) -> None:
         """Write blocks (pool, block id, hash) down; their rows must still be intact (before the step).
-        Each pool's blocks leave the device in one batch (``pack_many``)."""
-        for pool in POOLS:
+        Each pool's blocks leave the device in one batch (``pack_many``); blocks of a pool the link does not
+        write down (state, with replay) are dropped."""
+        for pool in self.pools:
             mine = [(b, h) for p, b, h in blocks if p == pool]
             if not mine or not self._size[pool]:
                 continue

@@ -28,7 +28,9 @@ fetched (and checked) at admission, and the schedule carries them (``loads``) wi
 allocations evicted (``saves``), for the engine to apply before the step. A hit whose boundary kept its
 window blocks but not its compressor state is a bounded replay: the sequence starts a few positions early
 (``PrefixHit.start``), its first step emits no compressed entry before the boundary (``SeqWork.emit_from``),
-and the block it rewrites is a private copy (``copies``, applied by the engine before the step).
+and the block it rewrites is private: a copy of a device block (``copies``, applied by the engine before
+the step) or a block loaded from a tier. With replay the tiers hold no state blocks at all (``TierLink.pools``),
+so a boundary whose state block left the device comes back from a tier as a replay.
 
 ``schedule()`` returns a ``Schedule``: the self-contained ``StepPlan`` for the runner (``sched/plan.py``)
 plus the live sequences it covers, for the engine.
@@ -169,7 +171,9 @@ class Scheduler:
         left, self._left = tuple(self._left), []
         edits = tuple(TableEdit(*e) for e in self.cache.drain_edits())
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
-        saves = tuple(self.cache.drain_evictions()) if self.tiers is not None else ()
+        saves = ()
+        if self.tiers is not None:  # only the pools the tiers keep (no state blocks where hits can replay)
+            saves = tuple(e for e in self.cache.drain_evictions() if e[0] in self.tiers.pools)
         loads, self._loads = tuple(self._loads), []
         copies, self._copies = tuple(self._copies), []
         return Schedule(plan, tuple(planned), tuple(preempted), stuck, saves, loads, copies)

@@ -36,11 +36,17 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def _engine(path: str, **kw) -> LLMEngine:
+def _engine(path: str | None, invariant: bool = False, **kw) -> LLMEngine:
+    """``invariant``: the batch-invariant op table, so that rows are the same bits whichever chunk computes
+    them (a bounded replay starts its chunk a few positions before the cache-off run's)."""
     args = dict(model=path, tokenizer=str(demo_model_dir()), device="cpu", dtype="float32", block_size=BS,
                 max_num_seqs=8, max_num_batched_tokens=BS, max_model_len=1536, load_progress=False)
     args.update(kw)
-    return LLMEngine.from_engine_args(**args)
+    with pytest.MonkeyPatch.context() as mp:  # the mode is read once, when the engine's config is built
+        mp.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
+        engine = LLMEngine.from_engine_args(**args)
+    assert engine.config.batch_invariant is invariant
+    return engine
 
 
 def _run(engine: LLMEngine, requests, params, arrive_after: int = 0) -> dict:
@@ -252,7 +258,9 @@ def test_disk_tier_survives_a_restart_and_rejects_damaged_objects(model_dir, tmp
     rng = random.Random(9)
     prompts = {f"p{i}": _ids(rng, 300 + 130 * i) for i in range(3)}
     tiers = dict(kv_cache_dir=str(tmp_path / "kv"), kv_disk_cache_gb=0.05)
-    first = _engine(model_dir, **tiers)
+    # The disk holds no state blocks (the model's CSA layers allow bounded replay): every hit after the restart
+    # is a replay, whose chunks start 4 positions early; batch-invariant ops keep the rows the same bits.
+    first = _engine(model_dir, invariant=True, **tiers)
     for rid, ids in prompts.items():
         _run(first, [(rid, {"prompt_token_ids": ids})], GREEDY)
     first.close()  # writes every cached block down to the disk
@@ -266,8 +274,8 @@ def test_disk_tier_survives_a_restart_and_rejects_damaged_objects(model_dir, tmp
     victims[1].write_bytes(victims[1].read_bytes()[:-7])
     victims[2].write_bytes(b"not a block" + victims[2].read_bytes()[11:])
 
-    second = _engine(model_dir, kv_host_cache_gb=0.05, **tiers)  # with host memory: prefetched from disk
-    plain = _engine(model_dir, enable_prefix_caching=False)
+    second = _engine(model_dir, True, kv_host_cache_gb=0.05, **tiers)  # with host memory: prefetched from disk
+    plain = _engine(model_dir, True, enable_prefix_caching=False)
     for rid, ids in prompts.items():
         got = _run(second, [(rid, {"prompt_token_ids": ids})], GREEDY)[rid]
         want = _run(plain, [(rid, {"prompt_token_ids": ids})], GREEDY)[rid]
@@ -276,7 +284,7 @@ def test_disk_tier_survives_a_restart_and_rejects_damaged_objects(model_dir, tmp
     assert second.tiers.store.stats().prefetched > 0
     stats = second.tiers.store.stats().tier("disk")
     assert stats.checksum_failures >= 1
-    assert second.scheduler.prefix_tier_hits > 0
+    assert second.scheduler.prefix_tier_hits > 0 and second.scheduler.prefix_replayed > 0
     assert all(not v.exists() or v.read_bytes() != b"" for v in victims)
     second.close()
     # Another configuration (block size) never reads these objects.
@@ -284,3 +292,37 @@ def test_disk_tier_survives_a_restart_and_rejects_damaged_objects(model_dir, tmp
     out = _run(other, [("p2", {"prompt_token_ids": prompts["p2"]})], GREEDY)["p2"]
     assert out.num_cached_tokens == 0
     other.close()
+
+
+def test_tier_hits_replay_instead_of_storing_state_blocks() -> None:
+    """The demo model (CSA m=4: replays of 4 positions) with a device cache of a few blocks and a host tier,
+    four conversations taking turns: each turn's prefix was evicted from the device by the others' turns and
+    comes back from host memory as history and window blocks, and the boundary's compressor state is rebuilt
+    by a bounded replay (the tier never holds a state block), the replayed window block being a private load.
+    Batch-invariant ops on both engines: tokens and logprobs equal the cache-off run's bit for bit."""
+    rng = random.Random(12)
+    kw = dict(invariant=True, max_num_seqs=1, max_model_len=1024)
+    on = _engine(None, num_cache_blocks=6, kv_host_cache_gb=0.05, **kw)
+    off = _engine(None, enable_prefix_caching=False, **kw)
+    assert on.cache.replay == 4 and on.tiers.pools == ("history", "window")
+    stored, asked = [], []
+    put, exists = on.tiers.store.put, on.tiers.store.exists
+    on.tiers.store.put = lambda key, kind, *rest: (stored.append(kind), put(key, kind, *rest))[1]
+    on.tiers.store.exists = lambda key: (asked.append(key[:1]), exists(key))[1]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    chats = {c: _ids(rng, 300) for c in "abcd"}
+    computed = dict.fromkeys(chats, 0)  # positions the conversation's previous turn computed
+    for turn in range(3):
+        for c in chats:
+            rid = f"{c}{turn}"
+            got = _run(on, [(rid, {"prompt_token_ids": chats[c]})], params)[rid]
+            _assert_same(got, _run(off, [(rid, {"prompt_token_ids": chats[c]})], params)[rid], exact=True)
+            # The previous turn's last full block, less the replayed positions.
+            assert got.num_cached_tokens == (computed[c] // BS * BS - 4 if turn else 0), rid
+            computed[c] = len(chats[c]) + len(got.outputs[0].token_ids) - 1
+            chats[c] = chats[c] + list(got.outputs[0].token_ids) + _ids(rng, 100)
+    assert on.cache.pools["history"].num_evictions > 0 and on.cache.pools["window"].num_evictions > 0
+    assert on.scheduler.prefix_tier_hits > 0 and on.tiers.loaded > 0
+    assert on.scheduler.prefix_replayed == 4 * 8  # every later turn of every conversation replayed
+    assert set(stored) == {"history", "window"} and set(asked) == {b"h", b"w"}  # never a state block
+    on.close()

@@ -8,7 +8,7 @@ import pytest
 
 from deepinfer.kv.block_pool import OutOfBlocks
 from deepinfer.kv.block_budget import retained_tail_blocks, tail_blocks_per_boundary
-from deepinfer.kv.manager import RELEASED
+from deepinfer.kv.manager import FROM_TIER, RELEASED
 from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW
 from tests.unit.test_cache_manager import BS, csa_only, layout, manager
 
@@ -151,6 +151,54 @@ def test_evicted_state_tail_gives_a_bounded_replay() -> None:
     no_replay.pools[STATE]._cached.move_to_end(s2, last=False)
     no_replay.pools[STATE].allocate(no_replay.pools[STATE].num_free + 1)
     assert no_replay.match_prefix(h, 10 * BS).num_tokens == 2 * BS
+
+
+def test_replay_loads_tier_window_blocks_privately() -> None:
+    """Boundary 3*BS whose window and state blocks left the device, a lower tier holding the window blocks but
+    no state (as with replay): the hit replays 4 positions; the window block behind them is loaded and named
+    (shared from then on), the one holding replayed positions is loaded into a private block that no index
+    entry ever points at. Admission stays all or nothing."""
+    m = manager(n=16)
+    h = chain("a", 3)
+    run(m, "a", 3 * BS + 1, h)
+    m.free("a")
+    assert m.pools[WINDOW].reset_cache() == 3 and m.pools[STATE].reset_cache() == 3  # evicted (to the tier)
+    tier = {(WINDOW, h[1]), (WINDOW, h[2])}
+    in_tier = lambda pool, content: (pool, content) in tier  # noqa: E731
+    assert m.match_prefix(h, 10 * BS) is None
+    hit = m.match_prefix(h, 10 * BS, in_tier)
+    assert (hit.num_tokens, hit.replay, hit.start, hit.copies) == (3 * BS, 4, 3 * BS - 4, ())
+    assert hit.tables[WINDOW] == (RELEASED, FROM_TIER, FROM_TIER)
+    assert hit.loads == ((WINDOW, 1, h[1]), (WINDOW, 2, h[2]))
+    # All or nothing: 2 loaded window blocks + 1 new one for positions past the boundary.
+    held = m.pools[WINDOW].allocate(m.pools[WINDOW].num_available - 2)
+    before = (m.num_cached_blocks(), {p: m.num_free_blocks(p) for p in POOLS})
+    assert not m.can_admit(hit, 10)
+    with pytest.raises(OutOfBlocks):
+        m.admit("b", hit, 10)
+    assert (m.num_cached_blocks(), {p: m.num_free_blocks(p) for p in POOLS}) == before and "b" not in m
+    m.pools[WINDOW].free(held)
+    assert m.can_admit(hit, 10)
+    admission = m.admit("b", hit, 10)
+    tables = m.block_tables("b")
+    w1, w2 = tables[WINDOW][1:3]
+    assert admission.fills == ((WINDOW, w1, h[1]), (WINDOW, w2, h[2])) and admission.copies == ()
+    assert m.pools[WINDOW].lookup(h[1]) == w1 and m.pools[WINDOW].block_hash(w2) is None
+    assert m.pools[WINDOW].lookup(h[2]) is None and m.length("b") == 3 * BS - 4
+    m.check_integrity()
+    m.commit("b", 3 * BS + 6, h)  # commits name blocks from the boundary on: the private block stays unnamed
+    assert m.pools[WINDOW].block_hash(w2) is None
+    # A second hit (b's commit released w1, now cached): w1 is revived from the device, the replayed block
+    # loaded again from the tier into another private block.
+    hit2 = m.match_prefix(h, 10 * BS, in_tier)
+    assert hit2.tables[WINDOW] == (RELEASED, w1, FROM_TIER) and hit2.loads == ((WINDOW, 2, h[2]),)
+    m.admit("c", hit2, 1)
+    assert m.block_tables("c")[WINDOW][1] == w1 and m.block_tables("c")[WINDOW][2] not in (w2, RELEASED)
+    m.check_integrity()
+    m.free("b")
+    m.free("c")
+    assert m.pools[WINDOW].lookup(h[1]) == w1 and m.pools[WINDOW].lookup(h[2]) is None
+    m.check_integrity()
 
 
 def test_random_hits_and_releases_keep_integrity() -> None:
