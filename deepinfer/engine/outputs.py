@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +43,17 @@ class RequestOutput:
     delta_text: tuple[str, ...] = ()
     delta_token_ids: tuple[tuple[int, ...], ...] = ()
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed) at admission
+
+
+def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One RequestOutput standing for two consecutive ones of the same request: ``newer``'s cumulative state with
+    both steps' deltas. A stream whose reader fell behind sends the tokens it missed in one event instead of one
+    event per token (what a serving loop under load needs); the concatenated text is the same."""
+    if older.request_id != newer.request_id or len(older.delta_text) != len(newer.delta_text):
+        raise ValueError(f"merge_deltas: outputs of {older.request_id!r} and {newer.request_id!r} do not line up")
+    return replace(
+        newer,
+        delta_text=tuple(a + b for a, b in zip(older.delta_text, newer.delta_text)),
+        delta_token_ids=tuple(a + b for a, b in zip(older.delta_token_ids, newer.delta_token_ids)),
+        prompt_logprobs=newer.prompt_logprobs if newer.prompt_logprobs is not None else older.prompt_logprobs,
+    )

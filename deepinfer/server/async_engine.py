@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deepinfer.engine.llm_engine import LLMEngine
-from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.outputs import RequestOutput, merge_deltas
 from deepinfer.server.commands import Abort, Call, Command, EngineRequest, Reply, Submit
 from deepinfer.server.engine_stats import EngineStats, RequestTiming, observe, publish, snapshot
 from deepinfer.server.metrics import ServerMetrics
@@ -52,8 +52,18 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        held: RequestOutput | BaseException | None = None  # taken from the queue, not yet merged or given out
         while self.unfinished:
-            item = await self.queue.get()
+            item, held = (held, None) if held is not None else (await self.queue.get(), None)
+            # A reader that fell behind (many streams on one event loop) finds several outputs of its request
+            # waiting: they go out as one, with both steps' deltas, so a busy server sends fewer, larger events.
+            while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+                nxt = self.queue.get_nowait()
+                if not isinstance(nxt, RequestOutput) or nxt.request_id != item.request_id \
+                        or len(nxt.delta_text) != len(item.delta_text):
+                    held = nxt
+                    break
+                item = merge_deltas(item, nxt)
             if isinstance(item, BaseException):
                 raise item
             if item.finished:

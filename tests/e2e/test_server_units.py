@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 
 from deepinfer.chat import EOS, THINK_END  # noqa: E402
 from deepinfer.chat.encoding import render_tool_calls  # noqa: E402
-from deepinfer.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from deepinfer.engine.outputs import CompletionOutput, RequestOutput, merge_deltas  # noqa: E402
 from deepinfer.server.commands import EngineRequest  # noqa: E402
 from deepinfer.server.protocol import ChatBuilder  # noqa: E402
 
@@ -75,7 +75,9 @@ def test_bridge_streams_idles_without_spinning_and_reports_failures() -> None:
     bridge = AsyncEngine(fake)
     bridge.start()
     results = asyncio.run(run(bridge))
-    assert all([o.finished for o in r] == [False, False, True] for r in results)
+    for r in results:  # 3 one-token steps; a reader that fell behind gets some merged into one output
+        assert [o.finished for o in r] == [False] * (len(r) - 1) + [True]
+        assert "".join(o.delta_text[0] for o in r) == "xxx" and sum((o.delta_token_ids[0] for o in r), ()) == (7,) * 3
     assert "r9" not in fake.requests  # the half-admitted batch was rolled back
     steps = fake.steps
     time.sleep(0.2)
@@ -96,6 +98,34 @@ def test_bridge_streams_idles_without_spinning_and_reports_failures() -> None:
     assert not broken.alive and isinstance(broken.error, RuntimeError)
     with pytest.raises(EngineClosed):
         asyncio.run(doomed())  # refused at once, not hung
+
+
+def test_a_reader_behind_gets_the_waiting_outputs_of_its_request_merged() -> None:
+    from deepinfer.server.async_engine import RequestStream
+
+    def out(rid: str, k: int, last: bool) -> RequestOutput:
+        c = CompletionOutput(0, "ab"[:1] * k, (5,) * k, "stop" if last else None)
+        return RequestOutput(rid, None, (1,), (c,), last, ((None,) if k == 1 else None), ("a",), ((5,),))
+
+    async def run() -> list[RequestOutput]:
+        stream = RequestStream(bridge=None, loop=asyncio.get_running_loop())
+        stream.request_ids, stream.unfinished = ["a", "b"], {"a", "b"}
+        for item in (out("a", 1, False), out("a", 2, False), out("b", 1, False), out("a", 3, True),
+                     out("b", 2, True)):
+            stream.queue.put_nowait(item)  # all waiting before the reader looks: it fell behind
+        return [o async for o in stream]
+
+    got = asyncio.run(run())
+    assert [(o.request_id, o.delta_text, o.delta_token_ids, o.finished) for o in got] == [
+        ("a", ("aa",), ((5, 5),), False),  # a's first two steps as one, stopping at b's output (order kept)
+        ("b", ("a",), ((5,),), False),
+        ("a", ("a",), ((5,),), True),
+        ("b", ("a",), ((5,),), True),
+    ]
+    assert got[0].prompt_logprobs == (None,)  # carried over from the first of the merged outputs
+    assert got[0].outputs[0].token_ids == (5, 5)  # the newer output's cumulative state
+    with pytest.raises(ValueError, match="merge_deltas"):
+        merge_deltas(out("a", 1, False), out("b", 1, False))
 
 
 # ---- tool calls and reasoning: the builders with controlled text, plus what holds end to end -----------------
