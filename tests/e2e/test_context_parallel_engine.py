@@ -15,6 +15,7 @@ from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
+from deepinfer.testing.staggered import Scored, arrivals_by_step, assert_same, drain
 
 MAX_TOKENS = 4
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
@@ -22,24 +23,10 @@ ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_si
 CP = dict(context_parallel_min_tokens=32)
 LENGTHS = (410, 9, 300, 260)
 TOLERANCE = 1e-4  # as tests/e2e/test_four_process_engine.py
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
 
-Result = dict[str, tuple[list[int], list[float]]]
-
-
-def _drain(engine: LLMEngine, prompts: list[list[int]], arrivals: dict[int, list[int]]) -> Result:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    done: Result = {}
-    arrivals = dict(arrivals)
-    step = 0
-    while engine.has_unfinished_requests() or arrivals:
-        for i in arrivals.pop(step, ()):
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        step += 1
-    return done
+def _drain(engine: LLMEngine, prompts: list[list[int]], arrivals: dict[int, list[int]]) -> Scored:
+    return drain(engine, arrivals_by_step(prompts, arrivals), PARAMS, logprobs=True)
 
 
 def _prompts() -> list[list[int]]:
@@ -50,14 +37,11 @@ def _prompts() -> list[list[int]]:
 ARRIVALS = {0: [0, 1, 2], 3: [3]}
 
 
-def _assert_same(got: Result, want: Result) -> None:
-    assert sorted(got) == sorted(want)
-    for rid, (tokens, logprobs) in want.items():
-        assert got[rid][0] == tokens, rid
-        assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < TOLERANCE, rid
+def _assert_same(got: Scored, want: Scored) -> None:
+    assert_same(got, want, TOLERANCE)
 
 
-def _single(args: dict, prompts, arrivals) -> tuple[Result, LLMEngine]:
+def _single(args: dict, prompts, arrivals) -> tuple[Scored, LLMEngine]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of the worlds
     try:
@@ -68,13 +52,13 @@ def _single(args: dict, prompts, arrivals) -> tuple[Result, LLMEngine]:
 
 
 @pytest.fixture(scope="module")
-def single() -> Result:
+def single() -> Scored:
     out, engine = _single(ARGS, _prompts(), ARRIVALS)
     assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
     return out
 
 
-def _world(monkeypatch, args: dict, prompts, arrivals, **parallel) -> tuple[Result, ParallelLLMEngine]:
+def _world(monkeypatch, args: dict, prompts, arrivals, **parallel) -> tuple[Scored, ParallelLLMEngine]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks, whatever the machine's core count

@@ -15,6 +15,7 @@ import torch
 
 from deepinfer import LLMEngine, SamplingParams
 from deepinfer.assets import demo_model_dir
+from deepinfer.testing.staggered import Arrivals, drain
 from tests.oracle.hf import build_hf, tiny_native_config
 
 pytest.importorskip("transformers")
@@ -46,18 +47,8 @@ def _engine(path, **kw) -> LLMEngine:
     return LLMEngine.from_engine_args(**args)
 
 
-def _drain(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int]]]], params) -> dict[str, list[int]]:
-    done: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
-        for rid, ids in arrivals.pop(step, []):
-            engine.add_request(rid, {"prompt_token_ids": ids}, params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        engine.cache.check_integrity()
-        step += 1
-    return done
+def _drain(engine: LLMEngine, arrivals: Arrivals, params) -> dict[str, list[int]]:
+    return drain(engine, arrivals, params, check_integrity=True)
 
 
 def _hf_greedy(hf, ids: list[int]) -> list[int]:

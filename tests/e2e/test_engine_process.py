@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +20,7 @@ pytest.importorskip("uvicorn")
 
 from deepinfer.server.engine_client import EngineClient  # noqa: E402
 from deepinfer.server.engine_queries import num_unfinished  # noqa: E402
+from deepinfer.testing.server_cli import start_server  # noqa: E402
 from tests.e2e.test_server import API_KEY, ENGINE, MODEL, PROMPTS, Server, launch, serve  # noqa: E402
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -77,16 +74,8 @@ def _engine_pid(server_pid: int) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the engine process through /proc")
 def test_serve_cli_exits_1_when_the_engine_process_dies() -> None:
-    cmd = [sys.executable, "-m", "deepinfer.server", "--device", "cpu", "--block-size", "128", "--port", "0",
-           "--num-cache-blocks", "64", "--log-level", "info"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, port = start_server(["--num-cache-blocks", "64"])
     try:
-        port, deadline = None, time.monotonic() + 90
-        while port is None:
-            line = proc.stderr.readline()
-            assert line and time.monotonic() < deadline, "server did not start"
-            m = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         os.kill(_engine_pid(proc.pid), signal.SIGKILL)
         _, err = proc.communicate(timeout=60)

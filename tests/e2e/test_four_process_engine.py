@@ -20,6 +20,7 @@ from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
+from deepinfer.testing.staggered import Scored, arrivals_by_step, assert_same, drain
 
 MAX_TOKENS = 5
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
@@ -31,36 +32,22 @@ LENGTHS = (125, 126, 127, 125, 120, 7, 70, 126)
 EPLB = dict(enable_eplb=True, eplb_config={"num_redundant_experts": 4, "window_size": 4, "step_interval": 2})
 TOLERANCE = 1e-4  # logprob difference allowed (sums over TP ranks and split expert batches round differently)
 
-Result = dict[str, tuple[list[int], list[float]]]
 
 
-def _drain(engine: LLMEngine) -> Result:
+def _drain(engine: LLMEngine) -> Scored:
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in LENGTHS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    arrivals = {0: range(0, 4), 2: range(4, 8)}
-    done: Result = {}
-    step = 0
-    while engine.has_unfinished_requests() or arrivals:
-        for i in arrivals.pop(step, ()):
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        step += 1
-    return done
+    return drain(engine, arrivals_by_step(prompts, {0: range(0, 4), 2: range(4, 8)}), params, logprobs=True)
 
 
-def _assert_same(got: Result, want: Result) -> None:
-    assert sorted(got) == sorted(want) and len(want) == len(LENGTHS)
-    for rid, (tokens, logprobs) in want.items():
-        assert got[rid][0] == tokens, rid
-        assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < TOLERANCE, rid
+def _assert_same(got: Scored, want: Scored) -> None:
+    assert len(want) == len(LENGTHS)
+    assert_same(got, want, TOLERANCE)
 
 
 @pytest.fixture(scope="module")
-def single() -> Result:
+def single() -> Scored:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -72,7 +59,7 @@ def single() -> Result:
     return out
 
 
-def _run_world(monkeypatch, **parallel) -> tuple[Result, ParallelLLMEngine]:
+def _run_world(monkeypatch, **parallel) -> tuple[Scored, ParallelLLMEngine]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # rank 0, in this process
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks, whatever the machine's core count

@@ -15,6 +15,7 @@ from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
+from deepinfer.testing.staggered import arrivals_by_step, drain
 
 MAX_TOKENS = 5
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
@@ -28,19 +29,9 @@ def _prompts() -> list[list[int]]:
 
 def _drain(engine: LLMEngine) -> dict[str, list[int]]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    arrivals = {(i // 3) * 2: [] for i in range(len(_prompts()))}
-    for i, ids in enumerate(_prompts()):
-        arrivals[(i // 3) * 2].append((f"r{i}", ids))
-    done: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
-        for rid, ids in arrivals.pop(step, []):
-            engine.add_request(rid, {"prompt_token_ids": ids}, params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        step += 1
-    return done
+    prompts = _prompts()
+    return drain(engine, arrivals_by_step(prompts, {2 * b: range(3 * b, min(3 * b + 3, len(prompts)))
+                                                     for b in range((len(prompts) + 2) // 3)}), params)
 
 
 @pytest.fixture(scope="module")

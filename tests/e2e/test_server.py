@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +36,7 @@ from deepinfer.server import build_app  # noqa: E402
 from deepinfer.server.app import ServerState  # noqa: E402
 from deepinfer.server.engine_client import EngineClient  # noqa: E402
 from deepinfer.server.engine_queries import check_cache_integrity, idle_state  # noqa: E402
+from deepinfer.testing.server_cli import start_server  # noqa: E402
 
 API_KEY = "sk-test-key"
 MODEL = "deepinfer-demo"
@@ -435,18 +432,10 @@ def test_serve_cli_sigterm_exits_cleanly() -> None:
     """`python -m deepinfer.server` (= `deepinfer serve`) on port 0; SIGTERM while a long stream is open: the
     stream runs on for the graceful timeout, then ends with finish_reason "abort" and [DONE], and the process
     exits 0."""
-    cmd = [sys.executable, "-m", "deepinfer.server", "--device", "cpu", "--block-size", "128", "--port", "0",
-           "--served-model-name", "tiny", "--graceful-shutdown-timeout", "1", "--log-level", "info",
-           "--num-cache-blocks", "64",  # a small cache: allocating the default one is seconds of CPU
-           "--max-model-len", "8192"]  # room for the 4000-token request below (more is refused with a 400)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, port = start_server(["--served-model-name", "tiny", "--graceful-shutdown-timeout", "1",
+                               "--num-cache-blocks", "64",  # a small cache: allocating the default one is seconds
+                               "--max-model-len", "8192"])  # room for the 4000-token request (more: a 400)
     try:
-        port, deadline = None, time.monotonic() + 90
-        while port is None:
-            line = proc.stderr.readline()
-            assert line and time.monotonic() < deadline, "server did not start"
-            m = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
         body = {"model": "tiny", "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}

@@ -20,6 +20,7 @@ import torch
 
 from deepinfer import LLMEngine, SamplingParams
 from deepinfer.model.v41.cache_quant import qdq
+from deepinfer.testing.staggered import Arrivals, drain
 from deepinfer.model.v41.loader import load_v41_model
 from tests.e2e.v41_tiny import write_tiny_v41
 
@@ -62,18 +63,8 @@ def _engine(path, **kw) -> LLMEngine:
     return LLMEngine.from_engine_args(**args)
 
 
-def _drain(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int]]]]) -> dict[str, list[int]]:
-    done: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
-        for rid, ids in arrivals.pop(step, []):
-            engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        engine.cache.check_integrity()
-        step += 1
-    return done
+def _drain(engine: LLMEngine, arrivals: Arrivals) -> dict[str, list[int]]:
+    return drain(engine, arrivals, GREEDY, check_integrity=True)
 
 
 def _prompts(seed: int) -> list[list[int]]:
