@@ -73,8 +73,11 @@ class LLMEngine:
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler
         prefix = build_prefix_hasher(config)
-        # Host-memory / disk tiers below the device pools (None when not asked for).
-        self.tiers = TierLink.open(config.cache.tiers, prefix, self.storage, replay=self.cache.replay > 0)
+        # Host-memory / disk tiers below the device pools (None when not asked for). A step allocates, hence
+        # evicts, about a block per budgeted block of tokens plus one per sequence: the staging ring's unit.
+        step_blocks = cdiv(sc.max_num_batched_tokens, config.cache.block_size) + sc.max_num_seqs
+        self.tiers = TierLink.open(config.cache.tiers, prefix, self.storage, replay=self.cache.replay > 0,
+                                   step_blocks=step_blocks)
         self.scheduler = Scheduler(sc, self.cache, (mc.eos_token_id,), config.speculative, prefix, self.tiers)
         graphs = mtp_graphs = None
         if config.device == "cuda" and not config.enforce_eager:
@@ -159,7 +162,9 @@ class LLMEngine:
             finish(seq, "length")
         touched |= {seq.request.request_id for seq in schedule.unschedulable}
         # Before the step overwrites evicted blocks and reads copied or loaded ones; in this order, since a
-        # block evicted by this plan may be a copy's source or a load's destination.
+        # block evicted by this plan may be a copy's source or a load's destination. On a device both only
+        # queue work: saves gather the blocks on the compute stream and copy them to host memory on a
+        # stream of their own (the host never waits for them here), loads are queued before the step.
         if self.tiers is not None:
             self.tiers.save(list(schedule.saves))
         for pool, src, dst in schedule.copies:

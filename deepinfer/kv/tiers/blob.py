@@ -58,16 +58,23 @@ def check_key(key: bytes) -> None:
 def encode(identity: StoreIdentity, key: bytes, kind: str, num_tokens: int, payload, sealed: bool = True) -> bytes:
     """The blob of one object. ``sealed=False`` leaves the checksum field zero: for objects that start in
     host memory, where it is never read (``verify_payload=False``) and hashing every saved block would
-    cost more than the copy; ``seal`` fills it in before the blob leaves memory (the disk writer does)."""
+    cost more than the copy; ``seal`` fills it in before the blob leaves memory (the disk writer does).
+    ``payload``: a bytes-like object, or a list of them that together make the payload (a block's rows of
+    each cache tensor): joined straight into the blob, each byte copied once."""
+    parts = payload if isinstance(payload, list) else [payload]
+    head = _head(identity, key, kind, num_tokens, sum(memoryview(p).nbytes for p in parts))
+    return b"".join([head, _checksum(head, *parts) if sealed else _UNSEALED, *parts])
+
+
+def _head(identity: StoreIdentity, key: bytes, kind: str, num_tokens: int, payload_len: int) -> bytes:
     check_key(key)
     raw_kind = kind.encode("ascii")
     if not 0 < len(raw_kind) <= _KINDS_MAX:
         raise ValueError(f"kind: must be 1..{_KINDS_MAX} ASCII characters, got {kind!r}")
     if num_tokens < 0:
         raise ValueError(f"num_tokens: must be >= 0, got {num_tokens}")
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, identity.config_digest, hashlib.sha256(key).digest(),
-                      raw_kind, identity.block_size, num_tokens, len(payload))
-    return b"".join((head, _checksum(head, payload) if sealed else _UNSEALED, payload))
+    return _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, identity.config_digest, hashlib.sha256(key).digest(),
+                      raw_kind, identity.block_size, num_tokens, payload_len)
 
 
 def seal(blob: bytes) -> bytes:
@@ -112,7 +119,8 @@ def decode(identity: StoreIdentity, key: bytes, blob: bytes, verify_payload: boo
     return StoredBlock(kind, num_tokens, payload)
 
 
-def _checksum(head, payload) -> bytes:
+def _checksum(head, *payload) -> bytes:
     h = hashlib.sha256(head)
-    h.update(payload)
+    for part in payload:
+        h.update(part)
     return h.digest()

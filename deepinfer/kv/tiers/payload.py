@@ -57,26 +57,53 @@ def _check_ids(storage: KVStorage, pool: str, block_ids: list[int]) -> None:
 
 def pack_many(storage: KVStorage, pool: str, block_ids: list[int]) -> torch.Tensor:
     """The payloads of ``block_ids`` as the rows of one host tensor [len(block_ids), payload bytes], each row
-    equal to ``pack`` of that block. One gather per tensor on the device and one device-to-host copy (into pinned
-    memory on CUDA, the copy engine's full speed) for the whole batch instead of one small copy per block."""
+    equal to ``pack`` of that block (one gather on the device and one copy to host memory for the batch)."""
+    rows = gather(storage, pool, block_ids)
+    if rows.device.type == "cpu":
+        return rows
+    host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(rows)
+    return host
+
+
+def gather(storage: KVStorage, pool: str, block_ids: list[int]) -> torch.Tensor:
+    """The payloads of ``block_ids`` as the rows of one new tensor [len(block_ids), payload bytes] on the
+    storage's device: one indexed read per tensor of the pool, queued on the current stream. A copy, so
+    the blocks may be overwritten as soon as this is queued (the tier link copies it to the host later)."""
     _check_ids(storage, pool, block_ids)
     parts = _block_major(storage, pool)
     if not parts or not block_ids:
         return torch.empty(len(block_ids), 0, dtype=torch.uint8)
-    dev = parts[0].device
-    if dev.type == "cpu":  # row slices are plain memory copies here; indexed uint8 gathers are far slower
-        return torch.stack([torch.cat([t[b] for t in parts]) for b in block_ids])
-    idx = torch.as_tensor(block_ids, dtype=torch.int64).to(dev)
-    gathered = torch.cat([t[idx] for t in parts], dim=1)
-    host = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
-    host.copy_(gathered)
-    return host
+    if parts[0].device.type == "cpu":  # row slices are plain memory copies here; indexed uint8 gathers are far slower
+        out = torch.empty(len(block_ids), sum(t.shape[1] for t in parts), dtype=torch.uint8)
+        for i, b in enumerate(block_ids):
+            pack_into(parts, b, out[i].numpy())
+        return out
+    return torch.cat([t[_index(block_ids, parts[0].device)] for t in parts], dim=1)
+
+
+def block_major(storage: KVStorage, pool: str) -> list[torch.Tensor]:
+    """``pool``'s tensors as [blocks, bytes per block] uint8 views, for ``pack_into`` (checked pool)."""
+    _check_ids(storage, pool, [])
+    return _block_major(storage, pool)
+
+
+def pack_into(parts: list[torch.Tensor], block_id: int, out: np.ndarray) -> None:
+    """Copy block ``block_id``'s payload (CPU storage, ``block_major`` views) into ``out`` (its bytes):
+    one copy per tensor, straight into the destination (a stored object's payload)."""
+    offset = 0
+    for t in parts:
+        width = t.shape[1]
+        out[offset:offset + width] = t[block_id].numpy()
+        offset += width
 
 
 def unpack_many(payloads: list[bytes | bytearray | memoryview], storage: KVStorage, pool: str,
-                block_ids: list[int]) -> None:
-    """Write payloads (``pack`` format) into ``block_ids``: staged in one pinned host tensor, one
-    host-to-device copy, then one indexed write per tensor of the pool."""
+                block_ids: list[int], staged: torch.Tensor | None = None) -> None:
+    """Write payloads (``pack`` format) into ``block_ids``. On a device the payloads are staged in host
+    memory (``staged``: [len(payloads) * payload bytes] uint8, pinned for a fast copy, that the caller keeps
+    untouched until the copy is done; a new tensor without it), copied to the device with one copy queued on
+    the current stream (the step that reads them comes after it), then one indexed write per tensor."""
     _check_ids(storage, pool, block_ids)
     parts = _block_major(storage, pool)
     width = sum(t.shape[1] for t in parts)
@@ -88,23 +115,32 @@ def unpack_many(payloads: list[bytes | bytearray | memoryview], storage: KVStora
     if not parts or not block_ids:
         return
     dev = parts[0].device
-    staged = torch.empty(len(payloads), width, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-    rows = staged.numpy()
-    for i, data in enumerate(payloads):
-        rows[i] = np.frombuffer(data, dtype=np.uint8)
-    if dev.type == "cpu":  # as in pack_many: row slices, not an indexed uint8 write
-        for i, b in enumerate(block_ids):
+    if dev.type == "cpu":  # straight from the payload into the block's row slices: one copy
+        for data, b in zip(payloads, block_ids):
+            src = np.frombuffer(data, dtype=np.uint8)
             offset = 0
             for t in parts:
-                t[b] = staged[i, offset:offset + t.shape[1]]
+                t[b].numpy()[:] = src[offset:offset + t.shape[1]]
                 offset += t.shape[1]
         return
-    src = staged.to(dev, non_blocking=True)  # pinned: ordered on the stream before the step that reads it
-    idx = torch.as_tensor(block_ids, dtype=torch.int64).to(dev)
+    if staged is None:
+        staged = torch.empty(len(payloads) * width, dtype=torch.uint8, pin_memory=True)
+    rows = staged[:len(payloads) * width].view(len(payloads), width)
+    host = rows.numpy()
+    for i, data in enumerate(payloads):
+        host[i] = np.frombuffer(data, dtype=np.uint8)
+    src = rows.to(dev, non_blocking=True)  # pinned: ordered on the stream before the step that reads it
+    idx = _index(block_ids, dev)
     offset = 0
     for t in parts:
         t[idx] = src[:, offset:offset + t.shape[1]]
         offset += t.shape[1]
+
+
+def _index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids as a device index, copied without blocking: a pageable copy would wait for the stream (the
+    step still running on the device) before the host could queue anything else."""
+    return torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 def pack(storage: KVStorage, pool: str, block_id: int) -> bytes:

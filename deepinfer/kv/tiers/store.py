@@ -108,12 +108,11 @@ class TieredStore:
                 self._threads.append(t)
 
     # ---- the four verbs ------------------------------------------------------------------------------
-    def put(self, key: bytes, kind: str, num_tokens: int, payload: bytes) -> None:
-        """Store an object. Keys are content addresses: an object already stored under ``key`` is kept."""
-        with self._lock:
-            if key in self._host_lru:
-                self._host_lru.touch(key)
-                return
+    def put(self, key: bytes, kind: str, num_tokens: int, payload) -> None:
+        """Store an object (``payload``: bytes-like, or a list of parts, see ``blob.encode``). Keys are content
+        addresses: an object already stored under ``key`` is kept."""
+        if self.touch(key):
+            return
         # Unsealed: host memory never verifies the checksum; the disk writer seals it in the background.
         blob = encode(self.identity, key, kind, num_tokens, payload, sealed=False)
         with self._lock:
@@ -122,6 +121,15 @@ class TieredStore:
                     self._host_insert(key, blob)
             elif self._disk is not None:
                 self._queue_write(key, blob)
+
+    def touch(self, key: bytes) -> bool:
+        """Mark ``key`` recently used when host memory holds it (all a put of it would do); False when it
+        does not, so that a caller's copy of the payload is worth making."""
+        with self._lock:
+            if key in self._host_lru:
+                self._host_lru.touch(key)
+                return True
+            return False
 
     def get(self, key: bytes) -> StoredBlock | None:
         with self._lock:
