@@ -11,9 +11,11 @@ caching on and off. Reports per turn: the hit rate as a fraction of the reusable
 previous turn computed; the best possible is that rounded down to a block), mean and p90 TTFT, and whether
 the greedy tokens equal the cache-off run's; and the memory the retained window/state tails take.
 With --kv-host-cache-gb the cache-on engine has a host-memory tier: a small --cache-gb makes the device pool
-evict, so later turns find their prefixes partly in host memory. Then the tier traffic is timed too (the
-block copies device -> host at eviction and host -> device at admission, the device synchronized around
-each batch) and set against plain pinned and pageable copies of 256 MiB in the same run (the copy limit).
+evict, so later turns find their prefixes partly in host memory. Then the tier traffic is reported too: the
+host time the engine's thread spent inside the tier calls (save at eviction, fetch at admission, load before
+the step; seconds and share of the run, nothing synchronized), and the bytes copied device -> host and
+host -> device with the copies' device time (CUDA events) set against plain pinned and pageable copies of
+256 MiB in the same run (the copy limit).
 Writes ``prefix_cache_{device}.{json,md}`` into --out.
 """
 
@@ -50,31 +52,44 @@ def _engine(a, caching: bool) -> LLMEngine:
 
 
 class TierTimer:
-    """Times the engine's tier copies (``TierLink.save``/``load``) by wrapping them; the device is
-    synchronized before and after each batch so the time is the copies' own."""
+    """Host time the engine spends inside the tier calls (``TierLink.save``/``load``/``fetch``), by wrapping
+    them; no device synchronization, so it is the time the step's thread loses (saves on a GPU only queue
+    their copies). The copies' own device time comes from the link's timing events (CUDA) once the run is
+    flushed; on the CPU the copies are the host time itself."""
 
-    def __init__(self, engine: LLMEngine, device: str) -> None:
-        self.link, self.device = engine.tiers, device
-        self.seconds = {"save": 0.0, "load": 0.0}
-        self.bytes = {"save": 0, "load": 0}
-        save, load = self.link.save, self.link.load
-        self.link.save = lambda blocks: self._timed("save", save, blocks,
-                                                    sum(self.link._size[p] for p, _, _ in blocks))
-        self.link.load = lambda fills: self._timed("load", load, fills, sum(len(x) for _, _, x in fills))
+    KINDS = ("save", "load", "fetch")
 
-    def _timed(self, kind: str, fn, items, nbytes: int) -> None:
-        if not items:
-            return
-        _sync(self.device)
-        t0 = time.perf_counter()
-        fn(items)
-        _sync(self.device)
-        self.seconds[kind] += time.perf_counter() - t0
-        self.bytes[kind] += nbytes
+    def __init__(self, engine: LLMEngine) -> None:
+        self.link = engine.tiers
+        self.seconds = dict.fromkeys(self.KINDS, 0.0)
+        self.calls = dict.fromkeys(self.KINDS, 0)
+        for kind in self.KINDS:
+            setattr(self.link, kind, self._timed(kind, getattr(self.link, kind)))
 
-    def report(self) -> dict:
-        return {k: {"bytes": self.bytes[k], "seconds": self.seconds[k],
-                    "gb_s": self.bytes[k] / self.seconds[k] / 1e9 if self.seconds[k] else None} for k in self.seconds}
+    def _timed(self, kind: str, fn):
+        def call(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds[kind] += time.perf_counter() - t0
+                self.calls[kind] += 1
+        return call
+
+    def report(self, run_seconds: float) -> dict:
+        self.link.flush()  # every copy done: their timing events can be read
+        copies = {"save": (self.link.saved_bytes, self.link.save_copy_seconds),
+                  "load": (self.link.loaded_bytes, self.link.load_copy_seconds)}
+        out = {"run_seconds": run_seconds}
+        for kind in self.KINDS:
+            host = self.seconds[kind]
+            row = {"calls": self.calls[kind], "host_seconds": host, "host_share": host / run_seconds}
+            if kind in copies:
+                nbytes, device = copies[kind]
+                seconds = device or host  # CPU: nothing is timed on a device, the copy is the host's
+                row.update(bytes=nbytes, copy_seconds=seconds, gb_s=nbytes / seconds / 1e9 if seconds else None)
+            out[kind] = row
+        return out
 
 
 def copy_limits(device: str, mib: int = 256) -> dict:
@@ -178,7 +193,7 @@ def main() -> None:
         _turn(engine, {"warm": list(range(10, 10 + a.first))}, SamplingParams(max_tokens=2), a.device)  # compile
         if caching:
             engine.cache.reset_prefix_cache()
-        timer = TierTimer(engine, a.device) if caching and engine.tiers is not None else None
+        timer = TierTimer(engine) if caching and engine.tiers is not None else None
         label = "on" if caching else "off"
         print(f"prefix caching {label}")
         results[label] = run_trace(a, engine, vocab)
@@ -188,7 +203,8 @@ def main() -> None:
             results["prefix_tokens"] = {"queried": sc.prefix_queries, "hits": sc.prefix_hits,
                                         "tier_hits": sc.prefix_tier_hits, "replayed": sc.prefix_replayed}
         if timer:
-            results["tiers"] = {"copies": timer.report(), "limits": copy_limits(a.device),
+            run_seconds = sum(r["seconds"] for r in results[label])
+            results["tiers"] = {"copies": timer.report(run_seconds), "limits": copy_limits(a.device),
                                 "saved_blocks": engine.tiers.saved, "loaded_blocks": engine.tiers.loaded}
         del engine
         if a.device == "cuda":
@@ -218,9 +234,15 @@ def main() -> None:
         pt = results["prefix_tokens"]
         lines += ["", f"Host tier: {t['saved_blocks']} blocks written down, {t['loaded_blocks']} brought back; "
                       f"hit tokens {pt['hits']} of {pt['queried']} looked up, {pt['tier_hits']} of them from the tier."]
-        for kind, c in t["copies"].items():
-            rate = "-" if c["gb_s"] is None else f"{c['gb_s']:.2f} GB/s"
-            lines.append(f"- {kind}: {c['bytes'] / 2**20:.1f} MiB in {c['seconds'] * 1e3:.1f} ms = {rate}")
+        c = t["copies"]
+        lines.append(f"Host time inside tier calls (the step's thread; {c['run_seconds']:.2f} s run): " + ", ".join(
+            f"{k} {c[k]['host_seconds'] * 1e3:.1f} ms = {c[k]['host_share']:.2%} ({c[k]['calls']} calls)"
+            for k in TierTimer.KINDS))
+        for kind in ("save", "load"):
+            rate = "-" if c[kind]["gb_s"] is None else f"{c[kind]['gb_s']:.2f} GB/s"
+            where = "device-timed copies" if a.device == "cuda" else "host time"
+            lines.append(f"- {kind}: {c[kind]['bytes'] / 2**20:.1f} MiB in {c[kind]['copy_seconds'] * 1e3:.1f} ms "
+                         f"({where}) = {rate}")
         if t["limits"]:
             lines.append("- copy limit, 256 MiB plain copies: " +
                          ", ".join(f"{k.removesuffix('_gb_s')} {v:.1f} GB/s" for k, v in t["limits"].items()))

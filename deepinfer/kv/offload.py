@@ -110,8 +110,8 @@ class TierLink:
         self._writeback = WriteBack(store, threaded=copier is not None)
         self._load_timing: list[tuple] = []  # (start, end) events of loads not yet added to load_copy_seconds
         self.load_copy_seconds = 0.0
-        self.saved = 0  # blocks written down (lifetime)
-        self.loaded = 0  # blocks brought back up (lifetime)
+        self.saved = self.saved_bytes = 0  # blocks written down (lifetime), and their payload bytes
+        self.loaded = self.loaded_bytes = 0  # blocks brought back up (lifetime), and their payload bytes
 
     @classmethod
     def open(cls, tiers, hasher: BlockHasher | None, storage: KVStorage, replay: bool = False,
@@ -179,6 +179,7 @@ class TierLink:
             for i in range(0, len(items), step):
                 self._save_batch(pool, items[i:i + step])
             self.saved += len(items)
+            self.saved_bytes += len(items) * size
 
     def _save_batch(self, pool: str, items: list[tuple[bytes, int]]) -> None:
         keys, ids = tuple(k for k, _ in items), [b for _, b in items]
@@ -216,6 +217,7 @@ class TierLink:
                 self._ring.fence_last(end)  # the host-to-device copy has read the region once ``end`` is done
                 self._load_timing.append((start, end))
             self.loaded += len(mine)
+            self.loaded_bytes += len(mine) * size
 
     @property
     def save_copy_seconds(self) -> float:

@@ -35,7 +35,7 @@ class SaveBatch:
     # object, each byte copied once: a staging row on a device, the storage's rows themselves on the CPU.
     payload: Callable[[int], list]
     ready: Fence | None = None  # the copy the payloads come from; None: already there
-    done: Flag = field(default_factory=Flag)  # set once the objects are in the store and ``rows`` is free
+    done: Flag = field(default_factory=Flag)  # set once the objects are in the store (the staging rows are free)
     copy_timing: tuple | None = None  # (start, end) timing events of the copy, read once it is done
 
 
