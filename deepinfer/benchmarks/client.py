@@ -4,6 +4,10 @@ Requests always stream (``stream: true`` with ``stream_options.include_usage``) 
 and every later chunk can be timed as it arrives; the final usage chunk gives exact token counts. Whatever
 goes wrong (an HTTP error status, a refused or dropped connection, an error event, a stream cut short)
 becomes a failed :class:`RequestOutcome` carrying the error text, never an exception.
+
+The client is aiohttp, as in vLLM's serving benchmark: at tens of thousands of streamed events per second
+the client's own CPU time per event must stay far below the server's, or the client is what gets measured
+(``bench/results/serve_demo.md`` measures the CPU each process spends per streamed token).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from deepinfer.benchmarks.datasets import BenchRequest
 from deepinfer.benchmarks.metrics import RequestOutcome
@@ -105,7 +109,19 @@ class _Timer:
         return latency
 
 
-async def send(http: httpx.AsyncClient, ep: Endpoint, req: BenchRequest,
+def _sse_lines(buffer: bytearray, data: bytes) -> list[bytes]:
+    """Append ``data`` to ``buffer`` and take out the complete lines it now holds (without line ends); an
+    event may arrive in pieces, so an incomplete last line stays in the buffer."""
+    buffer += data
+    end = buffer.rfind(b"\n")
+    if end < 0:
+        return []
+    lines = bytes(buffer[:end]).split(b"\n")
+    del buffer[:end + 1]
+    return lines
+
+
+async def send(http: aiohttp.ClientSession, ep: Endpoint, req: BenchRequest,
                count_tokens: Callable[[str], int]) -> RequestOutcome:
     """Send ``req``, read its event stream, and time it. ``count_tokens`` counts the output when the server
     sends no usage."""
@@ -120,32 +136,37 @@ async def send(http: httpx.AsyncClient, ep: Endpoint, req: BenchRequest,
                               generated_text="".join(texts), error=error)
 
     try:
-        async with http.stream("POST", ep.url, json=body, headers=ep.headers()) as resp:
-            if resp.status_code != 200:
-                return failed(_error_text(resp.status_code, await resp.aread()))
-            async for line in resp.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data:"):
-                    continue  # blank separators, ": keep-alive" comments, event/id fields
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
+        async with http.post(ep.url, json=body, headers=ep.headers()) as resp:
+            if resp.status != 200:
+                return failed(_error_text(resp.status, await resp.read()))
+            buffer = bytearray()
+            async for data in resp.content.iter_any():
+                now = time.perf_counter()  # events that arrive together are timed together
+                for raw in _sse_lines(buffer, data):
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, ": keep-alive" comments, event/id fields
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(payload)
+                    if not isinstance(chunk, dict):
+                        return failed(f"unexpected event: {payload[:200].decode(errors='replace')}")
+                    if chunk.get("error"):
+                        err = chunk["error"]
+                        return failed(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+                    text = chunk_text(chunk)
+                    if text is not None:
+                        timer.chunk(now, text)
+                        texts.append(text)
+                        finished = finished or any(c.get("finish_reason") for c in chunk["choices"])
+                    usage = chunk.get("usage") or usage
+                if done:
                     break
-                chunk = json.loads(data)
-                if not isinstance(chunk, dict):
-                    return failed(f"unexpected event: {data[:200]}")
-                if chunk.get("error"):
-                    err = chunk["error"]
-                    return failed(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
-                text = chunk_text(chunk)
-                if text is not None:
-                    timer.chunk(now, text)
-                    texts.append(text)
-                    finished = finished or any(c.get("finish_reason") for c in chunk["choices"])
-                usage = chunk.get("usage") or usage
     except asyncio.CancelledError:
         raise
-    except httpx.HTTPError as e:  # refused, reset, timed out, closed mid-body
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # refused, reset, timed out, closed mid-body
         return failed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
     except (ValueError, AttributeError, TypeError) as e:  # malformed JSON or chunk shape
         return failed(f"malformed stream: {e}")

@@ -31,7 +31,7 @@ from deepinfer.benchmarks.options import ServeBenchConfig, config_from_args
 from deepinfer.tokenizer import DEMO_TOKENIZER_DIR, Tokenizer
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
 
 DEMO_MODEL_NAME = "deepinfer-demo"  # what deepinfer serve calls the bundled model
 
@@ -61,7 +61,7 @@ def load_requests(cfg: ServeBenchConfig, tokenizer: Tokenizer) -> list[BenchRequ
                              seed=cfg.seed, shuffle=cfg.shuffle)
 
 
-async def served_model(cfg: ServeBenchConfig, http: httpx.AsyncClient) -> str:
+async def served_model(cfg: ServeBenchConfig, http: aiohttp.ClientSession) -> str:
     """The name to put in requests: --served-model-name, else --model unless it is a local directory, else
     the first model the server lists."""
     if cfg.served_model_name:
@@ -70,9 +70,9 @@ async def served_model(cfg: ServeBenchConfig, http: httpx.AsyncClient) -> str:
         return cfg.model
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     try:
-        r = await http.get(cfg.models_url, headers=headers)
-        r.raise_for_status()
-        return str(r.json()["data"][0]["id"])
+        async with http.get(cfg.models_url, headers=headers) as r:
+            r.raise_for_status()
+            return str((await r.json(content_type=None))["data"][0]["id"])
     except Exception as e:  # any failure means the same thing to the user: name the model yourself
         raise ValueError(f"--model: not given, and asking the server failed (GET {cfg.models_url}: "
                          f"{type(e).__name__}: {e}); pass --model or --served-model-name") from None
@@ -80,22 +80,23 @@ async def served_model(cfg: ServeBenchConfig, http: httpx.AsyncClient) -> str:
 
 async def _run(cfg: ServeBenchConfig, requests: Sequence[BenchRequest], tokenizer: Tokenizer
                ) -> tuple[str, list[RequestOutcome], float]:
-    import httpx
+    import aiohttp
     from tqdm import tqdm
 
     from deepinfer.benchmarks.client import Endpoint, send
 
     limit = cfg.max_concurrency
     # The gate below bounds concurrency, so the pool must never make a request wait (or time out) for a
-    # connection: as many connections as the gate lets through, kept alive between requests.
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    timeout = httpx.Timeout(cfg.request_timeout, pool=None)
+    # connection: as many connections as the gate lets through (0: no limit), kept alive between requests.
+    connector = aiohttp.TCPConnector(limit=limit or 0, limit_per_host=limit or 0, ttl_dns_cache=300)
+    # Per operation, as a stream may rightly last long: connecting, and each wait for the next bytes.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.request_timeout, sock_read=cfg.request_timeout)
     offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text)) if text else 0
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         model = await served_model(cfg, http)
         ep = Endpoint(cfg.url, cfg.backend, model, cfg.api_key, cfg.fields)
         gate = asyncio.Semaphore(limit) if limit else None
@@ -171,8 +172,8 @@ def main(a: argparse.Namespace) -> int:
     """The command: 0 when at least one request completed, 1 when all failed, 2 on bad flags."""
     import importlib.util
 
-    if importlib.util.find_spec("httpx") is None:
-        print("error: httpx is missing; install the bench extra: pip install 'deepinfer[bench]'", file=sys.stderr)
+    if importlib.util.find_spec("aiohttp") is None:
+        print("error: aiohttp is missing; install the bench extra: pip install 'deepinfer[bench]'", file=sys.stderr)
         return 2
     result = run(config_from_args(a))
     return 0 if result["completed"] > 0 else 1

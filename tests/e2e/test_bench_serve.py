@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
-pytest.importorskip("httpx")
+pytest.importorskip("aiohttp")
 
 from deepinfer.benchmarks.datasets import random_requests  # noqa: E402
 from deepinfer.cli import main  # noqa: E402

@@ -229,13 +229,13 @@ def test_missing_http_client_names_the_extra(monkeypatch, capsys: pytest.Capture
     from deepinfer.cli import main
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "httpx" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp" else real(name, *a))
     assert main(["bench", "serve", "--num-prompts", "1"]) == 2
     assert "pip install 'deepinfer[bench]'" in capsys.readouterr().err
 
 
 # ---- streaming client on canned responses -------------------------------------------------------------------
-httpx = pytest.importorskip("httpx")
+aiohttp = pytest.importorskip("aiohttp")
 from deepinfer.benchmarks import client as bench_client  # noqa: E402
 from deepinfer.benchmarks.datasets import BenchRequest  # noqa: E402
 
@@ -258,22 +258,39 @@ def _send(monkeypatch, events: list[tuple[float, bytes]], status: int = 200, fai
     monkeypatch.setattr(bench_client.time, "perf_counter", lambda: clock[0])
     seen: list[dict] = []
 
-    async def body():
-        for at, data in events:
-            clock[0] = at
-            yield data
-        if fail_after:
-            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+    class Content:  # the response body, as aiohttp's stream reader hands it out
+        async def iter_any(self):
+            for at, data in events:
+                clock[0] = at
+                yield data
+            if fail_after:
+                raise aiohttp.ClientPayloadError("Response payload is not completed")
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(json.loads(request.content))
-        return httpx.Response(status, content=body())
+    class Response:
+        content = Content()
+
+        def __init__(self) -> None:
+            self.status = status
+
+        async def read(self) -> bytes:
+            return b"".join(data for _, data in events)
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc) -> None:
+            return None
+
+    class Session:  # what the client uses of aiohttp.ClientSession
+        def post(self, url: str, json: dict, headers: dict) -> Response:
+            assert url == "http://test/v1/completions" and headers == {"Authorization": "Bearer k"}
+            seen.append(json)
+            return Response()
 
     async def go() -> RequestOutcome:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-            ep = bench_client.Endpoint("http://test/v1/completions", backend, "m", "k", {"ignore_eos": True})
-            req = REQ if backend == "openai" else BenchRequest("hi", 1, 3)
-            return await bench_client.send(http, ep, req, lambda s: len(s))
+        ep = bench_client.Endpoint("http://test/v1/completions", backend, "m", "k", {"ignore_eos": True})
+        req = REQ if backend == "openai" else BenchRequest("hi", 1, 3)
+        return await bench_client.send(Session(), ep, req, lambda s: len(s))
 
     out = asyncio.run(go())
     assert seen[0]["stream"] is True and seen[0]["stream_options"] == {"include_usage": True}
@@ -288,6 +305,14 @@ def test_client_times_chunks_and_reads_usage(monkeypatch) -> None:
     assert out.success and out.error == "" and out.generated_text == "abc"
     assert (out.prompt_len, out.output_len, out.ttft, out.latency) == (3, 3, 0.5, 1.1)
     assert out.itls == pytest.approx((0.2, 0.3))
+
+
+def test_client_joins_an_event_split_across_reads(monkeypatch) -> None:
+    # A network read may end anywhere in an event: the event counts when its last byte arrives.
+    first, second = _sse(_text("a")), _sse(_text("b", "length")) + _sse("[DONE]")
+    out = _send(monkeypatch, [(0.2, first[:9]), (0.4, first[9:] + second[:3]), (0.9, second[3:])])
+    assert out.success and out.generated_text == "ab" and out.output_len == 2
+    assert out.ttft == 0.4 and out.itls == pytest.approx((0.5,)) and out.latency == 0.9
 
 
 def test_client_chat_skips_chunks_without_text(monkeypatch) -> None:
@@ -306,7 +331,7 @@ def test_client_failures_become_outcomes(monkeypatch) -> None:
     out = _send(monkeypatch, [(0.1, json.dumps({"error": {"message": "model 'm' not found"}}).encode())], status=404)
     assert not out.success and out.error == "HTTP 404: model 'm' not found"
     out = _send(monkeypatch, [(0.1, _sse(_text("a")))], fail_after=True)
-    assert not out.success and out.error.startswith("RemoteProtocolError: peer closed")
+    assert not out.success and out.error.startswith("ClientPayloadError: Response payload is not completed")
     assert out.generated_text == "a" and out.latency == 0.1
     out = _send(monkeypatch, [(0.1, _sse(_text("a")))])  # clean close, but no finish and no [DONE]
     assert not out.success and "ended before the response was complete" in out.error
