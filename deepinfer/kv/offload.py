@@ -107,6 +107,9 @@ class TierLink:
             copier = CopyStream(device)
         self._copier = copier
         self._ring = None if copier is None else StagingRing(staging_bytes, pin=device.type == "cuda")
+        # Loads stage through a ring of their own: in a shared one a load would wait behind saves whose
+        # regions the write-back thread has not copied out yet, and a hit's TTFT with them.
+        self._load_ring = None if copier is None else StagingRing(staging_bytes, pin=device.type == "cuda")
         self._writeback = WriteBack(store, threaded=copier is not None)
         self._load_timing: list[tuple] = []  # (start, end) events of loads not yet added to load_copy_seconds
         self.load_copy_seconds = 0.0
@@ -204,17 +207,17 @@ class TierLink:
             if not mine:
                 continue
             size = self._size[pool]
-            step = len(mine) if self._ring is None else max(1, self._ring.capacity // (2 * max(size, 1)))
+            step = len(mine) if self._load_ring is None else max(1, self._load_ring.capacity // (2 * max(size, 1)))
             for i in range(0, len(mine), step):
                 part = mine[i:i + step]
                 ids, payloads = [b for b, _ in part], [x for _, x in part]
-                if self._ring is None:
+                if self._load_ring is None:
                     unpack_many(payloads, self.storage, pool, ids)
                     continue
                 start = self._copier.mark()
-                unpack_many(payloads, self.storage, pool, ids, staged=self._ring.take(len(part) * size))
+                unpack_many(payloads, self.storage, pool, ids, staged=self._load_ring.take(len(part) * size))
                 end = self._copier.mark()
-                self._ring.fence_last(end)  # the host-to-device copy has read the region once ``end`` is done
+                self._load_ring.fence_last(end)  # the host-to-device copy has read the region once ``end`` is done
                 self._load_timing.append((start, end))
             self.loaded += len(mine)
             self.loaded_bytes += len(mine) * size
@@ -227,8 +230,9 @@ class TierLink:
     def flush(self) -> None:
         """Wait until every save so far is in the store (and every load's copy is done)."""
         self._writeback.flush()
-        if self._ring is not None:
-            self._ring.drain()
+        for ring in (self._ring, self._load_ring):
+            if ring is not None:
+                ring.drain()
         self._fold_load_timing(wait=True)
 
     def close(self, cached: list[tuple[str, int, bytes]]) -> None:
