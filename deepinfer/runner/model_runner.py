@@ -10,10 +10,11 @@ prompt positions of ``prompt_logprobs`` jobs. Every step runs the batched path (
 the reference ops on the CPU); decode steps replay a CUDA graph when one is captured.
 
 With speculative decoding (``drafter``) a verifying sequence draws at every one of its inputs, the draws
-are compared with its drafts (``runner/speculative.py``), only the accepted prefix plus the target's next
-token reach the host, and the MTP layer then proposes the next drafts. On the GPU a full verify step (every
-sequence k drafts) replays a verify graph that keeps the final streams, and the MTP passes replay theirs
-(``runner/mtp_graphs.py``); other steps (prefill chunks, fewer drafts) run eagerly.
+are compared with its drafts (``runner/speculative.py``), the MTP layer then proposes the next drafts, and
+the accepted prefix plus the target's next token reach the host with those drafts in one copy (the step's
+one read). On the GPU a full verify step (every sequence k drafts) replays a verify graph that keeps the
+final streams, and the MTP passes replay theirs, head and draft pick included (``runner/mtp_graphs.py``);
+other steps (prefill chunks, fewer drafts) run eagerly, through the same functions.
 
 Structured outputs: ``submit(plan, masks)`` launches the forward and the logits first and only then calls
 ``masks()`` for the step's grammar masks ([drawn rows, words] int32, computed on the host by the engine), so
@@ -118,8 +119,7 @@ class StepHandle:
                 lps[b] = lp
         out, row = [], 0
         for s, (seq_id, k) in enumerate(zip(d.seq_ids, d.counts)):
-            # verified: the accepted drafts' draws and the one after them
-            mine = emitted[s]
+            mine = emitted[s]  # verified: the accepted drafts' draws and the one after them
             out.append(SeqSamples(seq_id, tuple(mine), tuple(lps[row : row + len(mine)]), tuple(drafts.get(s, ()))))
             row += k
         return tuple(out)

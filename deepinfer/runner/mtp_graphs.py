@@ -92,7 +92,8 @@ class MTPGraphs:
             raise ValueError("target: the verify graphs must keep their final streams (keep_streams=True)")
         self.model, self.storage, self.target = model, storage, target
         self.max_model_len = max_model_len
-        self.chain_sizes = sorted(set(chain_sizes))
+        # One draft per step (k = 1) has no chained pass to capture.
+        self.chain_sizes = sorted(set(chain_sizes)) if target.tokens_per_seq > 2 else []
         self.window = model.cfg.sliding_window
         # Chained passes per step: k - 1; two steps' worth of host buffers, so a step's writes wait at most
         # for the copies of the step before the previous one.
@@ -157,7 +158,7 @@ class MTPGraphs:
 
     @property
     def max_chain(self) -> int:
-        return self.chain_sizes[-1]
+        return self.chain_sizes[-1] if self.chain_sizes else 0
 
     def run_rows(self, n: int, next_ids: torch.Tensor, base_rows: torch.Tensor | None,
                  temperature: torch.Tensor | None, seeds: torch.Tensor | None,

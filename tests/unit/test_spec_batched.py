@@ -181,7 +181,8 @@ def test_chain_step_at_shifted_positions_equals_the_true_positions(tiny) -> None
     want_drafts = pick_drafts(model.mtp_logits(want), temps, seeds, torch.from_numpy(true_pos + 2), sampled=True)
 
     full_index = build_slot_index(slots, true_pos + rejected, ones, tables, storage, window)
-    out, drafts = chain_step(model, storage, x, ids, full_index, torch.from_numpy(-rejected), temps, seeds, sampled=True)
+    out, drafts = chain_step(model, storage, x, ids, full_index, torch.from_numpy(-rejected), temps, seeds,
+                             sampled=True)
     assert torch.equal(out, want)
     assert torch.equal(drafts, want_drafts)
 
