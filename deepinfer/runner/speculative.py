@@ -22,6 +22,12 @@ argmax(logits / T + the Gumbel noise the target will use at that position) -- th
 the target's seeded draw. Sharing the target's noise cannot bias the output because acceptance only
 compares a draft with the draw; the draft salt (``SALT_DRAFT``) exists for rejection sampling, which this
 engine does not use.
+
+Host work per step: the acceptance (``sampling/speculative.py``: ``accept_drafts``) and the MTP passes with
+their head and pick (``runner/mtp_steps.py``) are device functions over the whole batch, fed by one upload
+of host-known row lists each; nothing in between reads the device (the chain's positions are built for full
+acceptance and moved by the accepted counts on the device), and the step's results go back in one packed
+copy (``Readback``).
 """
 
 
