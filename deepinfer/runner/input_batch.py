@@ -127,6 +127,11 @@ class InputBatch:
             num_logprobs=tuple(r.num_logprobs for r in rows),
         )
 
+    def draft_params(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(temperature float64, seed int64) of the slots ``idx`` (a device tensor): the draft pick's inputs,
+        gathered on the device."""
+        return self._f[idx, 0], self._i[idx, 1]
+
     def _penalties(self, rows: list[SeqSampling], idx: torch.Tensor, f: torch.Tensor,
                    history: list[tuple[int, ...]] | None = None) -> Penalties:
         rep = any(r.repetition_penalty != 1.0 for r in rows)

@@ -10,10 +10,11 @@ prompt positions of ``prompt_logprobs`` jobs. Every step runs the batched path (
 the reference ops on the CPU); decode steps replay a CUDA graph when one is captured.
 
 With speculative decoding (``drafter``) a verifying sequence draws at every one of its inputs, the draws
-are compared with its drafts (``runner/speculative.py``), only the accepted prefix plus the target's next
-token reach the host, and the MTP layer then proposes the next drafts. On the GPU a full verify step (every
-sequence k drafts) replays a verify graph that keeps the final streams, and the MTP passes replay theirs
-(``runner/mtp_graphs.py``); other steps (prefill chunks, fewer drafts) run eagerly.
+are compared with its drafts (``runner/speculative.py``), the MTP layer then proposes the next drafts, and
+the accepted prefix plus the target's next token reach the host with those drafts in one copy (the step's
+one read). On the GPU a full verify step (every sequence k drafts) replays a verify graph that keeps the
+final streams, and the MTP passes replay theirs, head and draft pick included (``runner/mtp_graphs.py``);
+other steps (prefill chunks, fewer drafts) run eagerly, through the same functions.
 
 Structured outputs: ``submit(plan, masks)`` launches the forward and the logits first and only then calls
 ``masks()`` for the step's grammar masks ([drawn rows, words] int32, computed on the host by the engine), so
@@ -39,7 +40,7 @@ from deepinfer.model.step_index import build_slot_index
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.mtp_graphs import MTPGraphs
-from deepinfer.runner.speculative import MTPDrafter, verify
+from deepinfer.runner.speculative import MTPDrafter, Readback, verify
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling import TokenLogprobs
 from deepinfer.sampling.logprobs import LogprobTensors
@@ -85,10 +86,9 @@ class StepHandle:
 
     def __init__(self, draws: _Draws | None = None, tokens: torch.Tensor | None = None,
                  logprobs: LogprobTensors | None = None, prompt: list | None = None,
-                 done: torch.cuda.Event | None = None, accepted: torch.Tensor | None = None,
-                 drafts: torch.Tensor | None = None) -> None:
+                 done: torch.cuda.Event | None = None, spec: tuple[torch.Tensor, Readback] | None = None) -> None:
         self._draws, self._tokens, self._logprobs, self._prompt, self._done = draws, tokens, logprobs, prompt, done
-        self._accepted, self._drafts = accepted, drafts
+        self._spec = spec  # speculative steps: (host copy of the packed results, its layout)
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
@@ -102,19 +102,25 @@ class StepHandle:
         d = self._draws
         if d is None or not d.seq_ids:
             return ()
-        tokens = self._tokens.tolist()
-        lps: list[TokenLogprobs | None] = [None] * len(tokens)
+        if self._spec is not None:  # one read: emitted tokens and next drafts together
+            packed, layout = self._spec
+            emitted, drafted = layout.unpack(packed.tolist())
+            drafts = dict(zip(d.proposers, drafted))
+        else:
+            tokens = self._tokens.tolist()
+            emitted, drafts, row = [], {}, 0
+            for k in d.counts:
+                emitted.append(tokens[row : row + k])
+                row += k
+        lps: list[TokenLogprobs | None] = [None] * sum(d.counts)
         if self._logprobs is not None:
             want = [b for b, n in enumerate(d.num_logprobs) if n is not None]
             for b, lp in zip(want, self._logprobs.resolve([d.num_logprobs[b] for b in want])):
                 lps[b] = lp
-        accepted = self._accepted.tolist() if self._accepted is not None else [k - 1 for k in d.counts]
-        drafts = dict(zip(d.proposers, self._drafts.tolist())) if self._drafts is not None else {}
         out, row = [], 0
         for s, (seq_id, k) in enumerate(zip(d.seq_ids, d.counts)):
-            end = row + accepted[s] + 1  # verified: the accepted drafts' draws and the one after them
-            mine = tuple(t for t in drafts.get(s, ()) if t >= 0)
-            out.append(SeqSamples(seq_id, tuple(tokens[row:end]), tuple(lps[row:end]), mine))
+            mine = emitted[s]  # verified: the accepted drafts' draws and the one after them
+            out.append(SeqSamples(seq_id, tuple(mine), tuple(lps[row : row + len(mine)]), tuple(drafts.get(s, ()))))
             row += k
         return tuple(out)
 
@@ -208,7 +214,7 @@ class ModelRunner:
                       else streams.new_zeros(0, self.model.cfg.vocab_size))
         nd = len(draw_rows)
         handle_args: dict = {}
-        tokens = accepted = None
+        tokens = v = None
         if nd:
             drawing = [w for w in work if w.num_samples]
             # The host computes the masks now, while the device runs the forward launched above.
@@ -218,22 +224,24 @@ class ModelRunner:
             tokens, extra = self._draw(logits[:nd], drawing, draw_slots, draw_pos, last_rows, counts,
                                        history if any(w.num_drafts for w in drawing) else None, bitmask)
             handle_args.update(extra)
-            if any(w.num_drafts for w in drawing):
+            if self.drafter is not None:  # the batched acceptance (without drafts: every draw is kept)
                 v = verify(tokens, drawing, self.device)
-                accepted = v.accepted
                 batch.record([slot for w, slot in zip(work, slots.tolist()) if w.num_samples], tokens, v.last, v.keep,
                              draw_slots)
-                handle_args["accepted"] = _to_host(accepted)
             else:
+                handle_args["tokens"] = _to_host(tokens)
                 batch.record([draw_slots[i] for i in last_rows], tokens, last_rows, None, draw_slots)
         if self.drafter is not None:
             drafts = self.drafter.propose(streams, input_ids, index, work, starts.tolist(), slots.tolist(),
-                                          draw_rows, tokens, accepted, graphed=graph_ok)
-            if drafts is not None:
-                handle_args["drafts"] = _to_host(drafts)
-                drawing_ids = [w for w in work if w.num_samples]
-                props = tuple(i for i, w in enumerate(drawing_ids) if w.num_proposals)
-                handle_args["draws"] = dataclasses.replace(handle_args["draws"], proposers=props)
+                                          draw_rows, tokens, v.kept if v is not None else None, graphed=graph_ok)
+            if v is not None:
+                if drafts is not None:
+                    drawing_ids = [w for w in work if w.num_samples]
+                    props = tuple(i for i, w in enumerate(drawing_ids) if w.num_proposals)
+                    handle_args["draws"] = dataclasses.replace(handle_args["draws"], proposers=props)
+                # Emitted tokens and next drafts reach the host in one copy (one read in ``result``).
+                packed, layout = Readback.pack(v, drafts)
+                handle_args["spec"] = (_to_host(packed), layout)
         if jobs:
             handle_args["prompt"] = self._prompt_logprobs(logits[nd:].float(), [w for w, _ in jobs])
         done = None
@@ -246,8 +254,8 @@ class ModelRunner:
               counts: list[int], history: list[tuple[int, ...]] | None,
               bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, dict]:
         """Draw a token from each row of ``logits`` (``work``: the drawing works, in order); the tokens and
-        the StepHandle fields that carry them to the host. ``history``: per row, drafts that precede it;
-        ``bitmask``: per row, the allowed tokens (structured outputs)."""
+        the StepHandle fields that describe them (the caller ships the tokens). ``history``: per row, drafts
+        that precede it; ``bitmask``: per row, the allowed tokens (structured outputs)."""
         batch = self.batch
         seq_ids = tuple(w.seq_id for w in work)
         if bitmask is not None:
@@ -256,11 +264,11 @@ class ModelRunner:
             # Greedy rows with nothing to apply: the sampler would return this argmax (the conversion to
             # float32 is exact, so it is skipped too); a dozen fewer small launches per step.
             tokens = torch.argmax(logits, dim=-1)
-            return tokens, {"draws": _Draws(seq_ids, tuple(counts), (None,) * len(slots)), "tokens": _to_host(tokens)}
+            return tokens, {"draws": _Draws(seq_ids, tuple(counts), (None,) * len(slots))}
         logits = logits.float()
         t = batch.sampling_tensors(slots, positions, history)
         tokens = draw(logits, t)
-        out = {"draws": _Draws(seq_ids, tuple(counts), t.num_logprobs), "tokens": _to_host(tokens)}
+        out = {"draws": _Draws(seq_ids, tuple(counts), t.num_logprobs)}
         lp_rows = [b for b, n in enumerate(t.num_logprobs) if n is not None]
         if lp_rows:
             idx = to_device(lp_rows, torch.int64, self.device)

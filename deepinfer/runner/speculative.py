@@ -22,11 +22,19 @@ argmax(logits / T + the Gumbel noise the target will use at that position) -- th
 the target's seeded draw. Sharing the target's noise cannot bias the output because acceptance only
 compares a draft with the draw; the draft salt (``SALT_DRAFT``) exists for rejection sampling, which this
 engine does not use.
+
+Host work per step: the acceptance (``sampling/speculative.py``: ``accept_drafts``) and the MTP passes with
+their head and pick (``runner/mtp_steps.py``) are device functions over the whole batch, fed by one upload
+of host-known row lists each; nothing in between reads the device (the chain's positions are built for full
+acceptance and moved by the accepted counts on the device), and the step's results go back in one packed
+copy (``Readback``).
 """
+
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -36,12 +44,11 @@ from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.step_index import StepIndex, build_slot_index
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.mtp_graphs import MTPGraphs
+from deepinfer.runner.mtp_steps import chain_step, rows_and_first_draft
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling.params import GREEDY_TEMPERATURE_EPS
-from deepinfer.sampling.rng import SALT_TARGET, gumbel_noise
+from deepinfer.sampling.speculative import FREE, NO_DRAFT, accept_drafts
 from deepinfer.sched.plan import SeqWork
-
-_NONE = 1 << 40  # "no mismatch yet" in the first-mismatch reduction
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -51,36 +58,67 @@ class Verification:
     accepted: torch.Tensor  # [S] int64: drafts accepted per drawing sequence
     keep: torch.Tensor  # [D] bool: drawn rows whose token is emitted (the first accepted + 1 of each)
     last: torch.Tensor  # [S] int64: drawn-row index of each sequence's last emitted token
+    emitted: torch.Tensor  # [S, W] int64: each sequence's emitted tokens, -1 after them (W: most draws)
+    kept: torch.Tensor  # [S] int64: emitted tokens per sequence (accepted drafts + the target's next)
 
 
 def verify(tokens: torch.Tensor, work: list[SeqWork], device: torch.device) -> Verification:
     """Compare each drawing sequence's drafts with its draws (``tokens``: the drawn rows, sequence by
     sequence, ``w.num_samples`` each); the draw after the last draft has nothing to compare (never kept
-    back: it is the target's own token)."""
-    targets, seg, local, starts = [], [], [], []
-    row = 0
-    for s, w in enumerate(work):
-        k = w.num_samples
-        drafts = list(w.token_ids[len(w.token_ids) - w.num_drafts :]) if w.num_drafts else []
-        # The drafts are the last num_drafts inputs and a draw predicts the input after its row, so the
-        # draws from ``lead`` on are compared with the drafts, in order.
-        lead = k - 1 - w.num_drafts  # draws before the first draft-verifying one (0 for a verify step)
-        targets += [-1] * lead + drafts + [-1]
-        seg += [s] * k
-        local += list(range(-lead, k - lead))
-        starts.append(row + lead)
-        row += k
-    n = len(work)
-    host = np.asarray(targets + seg + local + starts, dtype=np.int64)
-    both = to_device(host, torch.int64, device)
-    d = len(targets)
-    target, seg_t, local_t, start_t = both[:d], both[d : 2 * d], both[2 * d : 3 * d], both[3 * d :]
-    miss = (tokens != target) & (local_t >= 0)
-    first_miss = torch.full((n,), _NONE, dtype=torch.int64, device=device).scatter_reduce(
-        0, seg_t, torch.where(miss, local_t, _NONE), "amin")
-    accepted = first_miss  # the last draw has no draft to match, so at most num_drafts
-    keep = local_t <= accepted[seg_t]
-    return Verification(accepted, keep, start_t + accepted)
+    back: it is the target's own token). The host lays the batch out as a [sequences, most draws] matrix
+    with numpy (no loop over rows) and ships it in one copy; the comparison is ``accept_drafts``."""
+    k = np.fromiter((w.num_samples for w in work), dtype=np.int64, count=len(work))
+    d = np.fromiter((w.num_drafts for w in work), dtype=np.int64, count=len(work))
+    s, width, nd = len(work), int(k.max()), int(k.sum())
+    off = np.cumsum(k) - k  # each sequence's first drawn row
+    # The drafts are the last num_drafts inputs and a draw predicts the input after its row, so the draws
+    # from ``lead`` on are compared with the drafts, in order.
+    lead = k - 1 - d  # draws before the first draft-verifying one (0 for a verify step)
+    col = np.arange(width)[None, :]
+    rel = col - lead[:, None]  # the draft a column's draw verifies
+    targets = np.where(col < lead[:, None], FREE, NO_DRAFT)
+    is_draft = (rel >= 0) & (rel < d[:, None])
+    targets[is_draft] = np.fromiter(chain.from_iterable(w.token_ids[len(w.token_ids) - w.num_drafts :]
+                                                        for w in work if w.num_drafts), dtype=np.int64,
+                                    count=int(d.sum()))
+    draw_idx = off[:, None] + np.minimum(col, k[:, None] - 1)  # padding repeats the last draw
+    seg = np.repeat(np.arange(s), k)
+    local = np.arange(nd) - off[seg]
+    host = np.concatenate([draw_idx.ravel(), targets.ravel(), seg, local, off, lead])
+    t = to_device(host, torch.int64, device)
+    n2 = s * width
+    draw_t, target_t = t[:n2].view(s, width), t[n2 : 2 * n2].view(s, width)
+    seg_t, local_t = t[2 * n2 : 2 * n2 + nd], t[2 * n2 + nd : 2 * n2 + 2 * nd]
+    off_t, lead_t = t[2 * n2 + 2 * nd : 2 * n2 + 2 * nd + s], t[2 * n2 + 2 * nd + s :]
+    emitted, kept = accept_drafts(tokens[draw_t], target_t)
+    return Verification(accepted=kept - 1 - lead_t, keep=local_t < kept[seg_t], last=off_t + kept - 1,
+                        emitted=emitted, kept=kept)
+
+
+@dataclass(frozen=True, slots=True)
+class Readback:
+    """Where a speculative step's results sit in the one int64 tensor copied to the host (``pack``):
+    [kept (S) | emitted (S x width) | drafts (proposers x max proposals)]."""
+
+    num_seqs: int
+    width: int
+    num_proposers: int
+    max_proposals: int
+
+    @staticmethod
+    def pack(v: Verification, drafts: torch.Tensor | None) -> tuple[torch.Tensor, "Readback"]:
+        parts = [v.kept, v.emitted.reshape(-1)] + ([drafts.reshape(-1)] if drafts is not None else [])
+        m, c = drafts.shape if drafts is not None else (0, 0)
+        return torch.cat(parts), Readback(len(v.kept), v.emitted.shape[1], m, c)
+
+    def unpack(self, values: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(emitted tokens per sequence, drafts per proposer without the -1 padding)."""
+        s, w, c = self.num_seqs, self.width, self.max_proposals
+        kept, base = values[:s], s
+        tokens = [values[base + i * w : base + i * w + kept[i]] for i in range(s)]
+        base += s * w
+        drafts = [[t for t in values[base + i * c : base + (i + 1) * c] if t >= 0] for i in range(self.num_proposers)]
+        return tokens, drafts
 
 
 class MTPDrafter:
@@ -95,14 +133,16 @@ class MTPDrafter:
 
     def propose(self, streams: torch.Tensor, input_ids: torch.Tensor, index: StepIndex, work, starts: list[int],
                 slots: list[int], draw_rows: list[int], tokens: torch.Tensor | None,
-                accepted: torch.Tensor | None, graphed: bool = False) -> torch.Tensor | None:
+                kept: torch.Tensor | None, graphed: bool = False) -> torch.Tensor | None:
         """Fill the MTP layer's cache for every row of the step and draft for the works that ask.
 
-        ``draw_rows``/``tokens``: the step's drawn rows and their tokens; ``accepted``: per drawing work
-        (in order) its accepted drafts; ``graphed``: the target ran in a verify graph (``streams`` and
-        ``index`` are its static ones), so the pass over the rows replays the matching MTP graph.
-        Returns [proposers, max proposals] int64 (-1 past a work's count), or None when no work asks."""
-        dev = self.device
+        ``draw_rows``/``tokens``: the step's drawn rows and their tokens; ``kept``: per drawing work (in
+        order) its emitted tokens (None: every draw); ``graphed``: the target ran in a verify graph
+        (``streams`` and ``index`` are its static ones), so the pass over the rows replays the matching MTP
+        graph. Returns [proposers, max proposals] int64 (-1 past a work's count), or None when no work
+        asks. Reads nothing back from the device: the chain's step indexes are built on the host at the
+        positions of full acceptance and moved by the accepted counts on the device."""
+        dev, batch = self.device, self.batch
         next_ids = torch.empty_like(input_ids)
         next_ids[:-1] = input_ids[1:]
         fixed_rows, fixed_ids = [], []
@@ -112,69 +152,71 @@ class MTPDrafter:
                     raise ValueError(f"{w.seq_id}: a step that draws nothing must carry its next token")
                 fixed_rows.append(start + w.num_tokens - 1)
                 fixed_ids.append(w.next_token)
-        if fixed_rows:
-            pairs = to_device(fixed_rows + fixed_ids, torch.int64, dev)
-            next_ids[pairs[: len(fixed_rows)]] = pairs[len(fixed_rows) :]
-        if draw_rows:
-            next_ids[to_device(draw_rows, torch.int64, dev)] = tokens
-        if graphed:
-            mtp_streams = self.graphs.run_rows(len(work), next_ids)
-        else:
-            mtp_streams = self.model.mtp_forward(streams, next_ids, None, self.storage, index=index)
-
         drawing = [i for i, w in enumerate(work) if w.num_samples]
         props = [(d, i) for d, i in enumerate(drawing) if work[i].num_proposals]
-        if not props:
-            return None
-        pw = [work[i] for _, i in props]
-        counts = [w.num_proposals for w in pw]
-        # The base row of a proposer: its last emitted token (after ``accepted`` drafts).
-        lead = [starts[i] + work[i].num_tokens - work[i].num_samples for _, i in props]
-        base_first = [w.first_pos + w.num_tokens - w.num_samples for w in pw]
-        host = to_device([d for d, _ in props] + lead + base_first, torch.int64, dev)
         m = len(props)
-        acc = accepted[host[:m]] if accepted is not None else torch.zeros(m, dtype=torch.int64, device=dev)
-        base_rows, base_pos = host[m : 2 * m] + acc, host[2 * m :] + acc
-        prop_slots = [slots[i] for _, i in props]
-        x = mtp_streams[base_rows]
-        draft = self._pick(self.model.mtp_logits(x), prop_slots, base_pos + 2)
-        out = torch.full((m, max(counts)), -1, dtype=torch.int64, device=dev)
+        pw = [work[i] for _, i in props]
+        counts = np.fromiter((w.num_proposals for w in pw), dtype=np.int64, count=m)
+        samples = np.fromiter((w.num_samples for w in pw), dtype=np.int64, count=m)
+        prop_slots = np.fromiter((slots[i] for _, i in props), dtype=np.int64, count=m)
+        # A proposer's first drawn row; its base row (last emitted token) is that + kept - 1.
+        first_draw = np.fromiter((starts[i] + work[i].num_tokens - work[i].num_samples for _, i in props),
+                                 dtype=np.int64, count=m)
+        # One upload: [fixed rows | fixed ids | drawn rows | proposers' drawing index | first drawn rows | slots
+        # | draws - 1 (the base row's offset at full acceptance)].
+        host = np.concatenate([np.asarray(fixed_rows + fixed_ids + draw_rows, dtype=np.int64),
+                               np.fromiter((d for d, _ in props), dtype=np.int64, count=m), first_draw, prop_slots,
+                               samples - 1])
+        t = to_device(host, torch.int64, dev)
+        nf, nd = len(fixed_rows), len(draw_rows)
+        if nf:
+            next_ids[t[:nf]] = t[nf : 2 * nf]
+        if nd:
+            next_ids[t[2 * nf : 2 * nf + nd]] = tokens
+        p = t[2 * nf + nd :]
+        sampled = any(batch.sampling[s].temperature >= GREEDY_TEMPERATURE_EPS for s in prop_slots.tolist())
+        if m:
+            full = p[3 * m :]
+            offset = kept[p[:m]] - 1 if kept is not None else full
+            base_rows = p[m : 2 * m] + offset
+            temperature, seeds = batch.draft_params(p[2 * m : 3 * m])
+        if graphed:
+            x, draft = self.graphs.run_rows(len(work), next_ids, base_rows if m else None,
+                                            temperature if m else None, seeds if m else None, sampled)
+        elif m:
+            x, draft = rows_and_first_draft(self.model, self.storage, streams, next_ids, index, base_rows,
+                                            temperature, seeds, sampled)
+        else:
+            self.model.mtp_forward(streams, next_ids, None, self.storage, index=index)
+        if not m:
+            return None
+        width = int(counts.max())
+        out = torch.full((m, width), -1, dtype=torch.int64, device=dev)
         out[:, 0] = draft
-        if max(counts) > 1:
-            # The chain's positions decide its cache rows, built on the host: one sync for the accepted counts.
-            pos_host = np.asarray(base_pos.tolist(), dtype=np.int64)
-            active = np.arange(m)
-            for j in range(1, max(counts)):
-                keep = np.asarray([b for b, a in enumerate(active) if counts[a] > j], dtype=np.int64)
-                active = active[keep]
+        if width == 1:
+            return out
+        # The chain's index is built at the positions of full acceptance (the last drawn row's, + j) and moved
+        # back on the device by offset - (samples - 1) = -(rejected drafts).
+        last_pos = np.fromiter((w.first_pos + w.num_tokens - 1 for w in pw), dtype=np.int64, count=m)
+        shift = offset - full
+        active = np.arange(m)
+        for j in range(1, width):
+            keep = np.flatnonzero(counts[active] > j)
+            if len(keep) < len(active):
                 sel = to_device(keep, torch.int64, dev)
-                x, draft = x[sel], draft[sel]
-                q = pos_host[active] + j  # the MTP position whose next token is the previous draft
-                chain_slots = np.asarray([prop_slots[a] for a in active], dtype=np.int64)
-                if self.graphs is not None and len(active) <= self.graphs.max_chain:
-                    x, logits = self.graphs.run_chain(x, draft, chain_slots, q, self.batch.tables)
-                else:
-                    index_j = build_slot_index(chain_slots, q, np.ones(len(active), dtype=np.int64),
-                                               self.batch.tables, self.storage, self.window,
-                                               pin_memory=dev.type == "cuda").to(dev)
-                    x = self.model.mtp_forward(x, draft, None, self.storage, index=index_j)
-                    logits = self.model.mtp_logits(x)
-                qpos = to_device(q + 2, torch.int64, dev)
-                draft = self._pick(logits, [prop_slots[a] for a in active], qpos)
+                x, draft, shift, temperature, seeds = x[sel], draft[sel], shift[sel], temperature[sel], seeds[sel]
+                active = active[keep]
+            q = last_pos[active] + j  # the MTP position whose next token is the previous draft (at full acceptance)
+            chain_slots = prop_slots[active]
+            if self.graphs is not None and len(active) <= self.graphs.max_chain:
+                x, draft = self.graphs.run_chain(x, draft, chain_slots, q, batch.tables, shift, temperature, seeds,
+                                                 sampled)
+            else:
+                index_j = build_slot_index(chain_slots, q, np.ones(len(active), dtype=np.int64), batch.tables,
+                                           self.storage, self.window, pin_memory=dev.type == "cuda").to(dev)
+                x, draft = chain_step(self.model, self.storage, x, draft, index_j, shift, temperature, seeds, sampled)
+            if len(active) == m:
+                out[:, j] = draft
+            else:
                 out[to_device(active, torch.int64, dev), j] = draft
         return out
-
-    def _pick(self, logits: torch.Tensor, slots: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """Draft tokens: the argmax for greedy rows; for sampled rows the argmax of the temperature-scaled
-        logits plus the target's own Gumbel noise at the drafted position."""
-        tokens = torch.argmax(logits, dim=-1)
-        rows = [b for b, s in enumerate(slots) if self.batch.sampling[s].temperature >= GREEDY_TEMPERATURE_EPS]
-        if not rows:
-            return tokens
-        dev = logits.device
-        idx = to_device(rows, torch.int64, dev)
-        temp = to_device([self.batch.sampling[slots[b]].temperature for b in rows], torch.float64, dev)
-        seeds = to_device([self.batch.sampling[slots[b]].seed for b in rows], torch.int64, dev)
-        noise = gumbel_noise(seeds, positions[idx], logits.shape[1], SALT_TARGET)
-        scores = logits[idx].to(torch.float64) / temp[:, None] + noise
-        return tokens.index_copy(0, idx, torch.argmax(scores, dim=-1))
