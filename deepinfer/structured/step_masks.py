@@ -19,9 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
-import numpy as np
-
-from deepinfer.structured.backend import GrammarBackend, MaskJob
+from deepinfer.structured.backend import GrammarBackend, MaskJob, StepMasks
 
 
 def mask_jobs(seqs, work) -> tuple[list[MaskJob], int]:
@@ -45,12 +43,12 @@ def mask_jobs(seqs, work) -> tuple[list[MaskJob], int]:
     return jobs, row
 
 
-def mask_source(backend: GrammarBackend | None, seqs, work) -> Callable[[], np.ndarray] | None:
-    """The runner's callback that computes the step's masks ([drawn rows, words] int32), or None."""
+def mask_source(backend: GrammarBackend | None, seqs, work) -> Callable[[], StepMasks] | None:
+    """The runner's callback that computes the step's masks (its constrained rows' only), or None."""
     if backend is None:
         return None
     jobs, rows = mask_jobs(seqs, work)
-    return partial(backend.fill, jobs, rows) if jobs else None
+    return partial(backend.fill_rows, jobs, rows) if jobs else None
 
 
 def with_plan_masks(backend: GrammarBackend | None, schedule):
