@@ -38,6 +38,7 @@ from deepinfer.kv.storage import KVStorage
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.parallel.context import ContextShare, forward_with_share
 from deepinfer.model.step_index import build_slot_index
+from deepinfer.ops.table import REF
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.mtp_graphs import MTPGraphs
@@ -47,7 +48,6 @@ from deepinfer.sampling import TokenLogprobs
 from deepinfer.sampling.logprobs import LogprobTensors
 from deepinfer.sampling.sampler import draw
 from deepinfer.sched.plan import StepPlan
-from deepinfer.ops.table import REF
 from deepinfer.structured.backend import StepMasks, words_of
 
 
@@ -154,8 +154,8 @@ class ModelRunner:
                share: ContextShare | None = None) -> StepHandle:
         """Run ``plan``; ``masks`` (constrained steps): called once the forward is launched, it returns the
         grammar masks of the step's constrained drawn rows (or [drawn rows, words] int32, rows without a
-        constraint all bits set). ``share``: this
-        rank's part in a context-parallel chunk (``model/parallel/context.py``), run with the plan's work."""
+        constraint all bits set). ``share``: this rank's part in a context-parallel chunk
+        (``model/parallel/context.py``), run with the plan's work."""
         self.batch.apply(plan)
         if plan.empty:
             if share is not None:  # a helper without work of its own: its share of the chunk only
@@ -218,7 +218,7 @@ class ModelRunner:
             # The host computes the masks now, while the device runs the forward launched above.
             bitmask = masks() if masks is not None else None
             if bitmask is None:
-                bitmask = self._plan_masks(drawing, last_rows, nd)
+                bitmask = self._plan_masks(drawing, last_rows)
             tokens, extra = self._draw(logits[:nd], drawing, draw_slots, draw_pos, last_rows, counts,
                                        history if any(w.num_drafts for w in drawing) else None, bitmask)
             handle_args.update(extra)
@@ -273,7 +273,7 @@ class ModelRunner:
                                                                     lp.top_ids)))
         return tokens, out
 
-    def _plan_masks(self, drawing, last_rows: list[int], num_rows: int) -> StepMasks | None:
+    def _plan_masks(self, drawing, last_rows: list[int]) -> StepMasks | None:
         """The masks a plan carries in its work items (the parallel engine's; one draw per sequence)."""
         rows = [row for w, row in zip(drawing, last_rows) if w.grammar_mask is not None]
         if not rows:

@@ -9,7 +9,8 @@ still in its thinking block is unconstrained up to ``</think>``: when a draft is
 it are masked from the grammar's start.
 
 Single-process engine (``mask_source``): the masks are computed by the runner's callback once the step's
-forward is launched, so the host's grammar work overlaps the device's forward. Parallel engine
+forward is launched, so the host's grammar work overlaps the device's forward; only the constrained rows'
+(``StepMasks``: their words and row numbers in one host buffer, one upload). Parallel engine
 (``with_plan_masks``): the plan is the message to the ranks, so the masks travel in it, computed before.
 """
 
