@@ -13,6 +13,7 @@ same pool).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ except ImportError:  # pragma: no cover - llguidance is a core dependency; a cle
 _PAR_DRAFTS = getattr(llg_np, "fill_next_token_bitmask_par_with_draft_tokens", None) if llguidance else None
 # One token for each of many matchers in one parallel call (llguidance 1.x); ``consume`` falls back without it.
 _PAR_CONSUME = getattr(llg_np, "consume_token_par", None) if llguidance else None
+# Fewer matchers than this advance one after another: a token costs 1-3 us, handing a batch to the pool ~10 us
+# (measured on a 2-core host, demo tokenizer, JSON schema), so the pool pays only from a few dozen tokens.
+_PAR_CONSUME_MIN = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,17 +51,18 @@ class MaskJob:
 @dataclass(frozen=True, slots=True)
 class StepMasks:
     """A step's grammar masks for its constrained drawn rows only: ``words[r]`` ([R, W] int32, bit t set =
-    token t allowed) is the mask of drawn row ``rows[r]``. Both live in ``host`` ([R * W + R] int32: the words,
-    then the rows), page-locked when the engine runs on CUDA, so the upload is one asynchronous copy."""
+    token t allowed) is the mask of drawn row ``rows[r]``. Both are views of ``host`` ([R * W + R] int32: the
+    words, then the rows), page-locked when the engine runs on CUDA, so the upload is one asynchronous copy."""
 
     host: torch.Tensor
-    num_rows: int  # R
-    num_words: int  # W
+    words: np.ndarray  # [R, W] view of host
+    rows: np.ndarray  # [R] view of host
 
     @classmethod
     def allocate(cls, num_rows: int, num_words: int, pin_memory: bool = False) -> "StepMasks":
         host = torch.empty(num_rows * (num_words + 1), dtype=torch.int32, pin_memory=pin_memory)
-        return cls(host, num_rows, num_words)
+        flat, n = host.numpy(), num_rows * num_words
+        return cls(host, flat[:n].reshape(num_rows, num_words), flat[n:])
 
     @classmethod
     def of_rows(cls, bitmask: np.ndarray, rows: Sequence[int], num_words: int,
@@ -69,17 +74,17 @@ class StepMasks:
         return out
 
     @property
-    def words(self) -> np.ndarray:
-        return self.host[: self.num_rows * self.num_words].numpy().reshape(self.num_rows, self.num_words)
+    def num_rows(self) -> int:
+        return self.words.shape[0]
 
     @property
-    def rows(self) -> np.ndarray:
-        return self.host[self.num_rows * self.num_words :].numpy()
+    def num_words(self) -> int:
+        return self.words.shape[1]
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(words [R, W], rows [R]) of ``flat``, ``host`` or its copy on a device."""
-        n = self.num_rows * self.num_words
-        return flat[:n].view(self.num_rows, self.num_words), flat[n:]
+        r, w = self.words.shape
+        return flat[: r * w].view(r, w), flat[r * w :]
 
 
 # Compact JSON (", " and ": " between items, no other whitespace) unless the schema's own "x-guidance" says
@@ -97,8 +102,11 @@ class GrammarBackend:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
         self.words = (vocab_size + 31) // 32  # int32 words of one mask row
         self.dsml_token_id = dsml_token_id  # V4's tool-call marker, for forced tool calls
-        # llguidance's thread pool for batched masks (its default size: most of the cores, at most 32).
-        self.executor = llguidance.LLExecutor()
+        # llguidance's thread pool for batched masks and advances, of its default size (80% of the cores this
+        # process may use, at most 32), spelled out so that ``consume`` knows whether it has a pool at all.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.threads = min(32, max(1, cores * 4 // 5))
+        self.executor = llguidance.LLExecutor(self.threads)
         self.pin_memory = pin_memory
 
     def compile(self, params: StructuredOutputsParams) -> str:
@@ -171,11 +179,12 @@ class GrammarBackend:
         """``fill``'s masks of the rows the jobs cover only (each job's row and the rows of its drafts, in job
         order), written by llguidance straight into the host buffer the runner uploads. ``num_rows``: the
         step's drawn rows (the rows a job covers lie below it)."""
-        if not any(j.drafts for j in jobs):  # the usual step: one row per job, no per-row Python beyond this
+        if not any(j.drafts for j in jobs):  # the usual step: one row per job, no per-row loop of our own
+            rows = [j.row for j in jobs]
+            if rows and max(rows) >= num_rows:
+                raise ValueError(f"grammar masks: row {max(rows)} of a step of {num_rows} draws")
             out = StepMasks.allocate(len(jobs), self.words, self.pin_memory)
-            out.rows[:] = np.fromiter((j.row for j in jobs), dtype=np.int32, count=len(jobs))
-            if len(jobs) and int(out.rows.max()) >= num_rows:
-                raise ValueError(f"grammar masks: row {int(out.rows.max())} of a step of {num_rows} draws")
+            out.rows[:] = rows
             llg_np.fill_next_token_bitmask_par(self.executor, [(j.matcher, i) for i, j in enumerate(jobs)],
                                                out.words)
             return out
@@ -207,7 +216,7 @@ class GrammarBackend:
     def consume(self, matchers: Sequence, tokens: Sequence[int]) -> list[bool]:
         """Feed ``matchers[i]`` the token ``tokens[i]`` (distinct matchers), on llguidance's thread pool when
         several; per matcher, ``consume_token``'s result (False: the matcher is now in its error state)."""
-        if len(matchers) > 1 and _PAR_CONSUME is not None:
+        if len(matchers) >= _PAR_CONSUME_MIN and self.threads > 1 and _PAR_CONSUME is not None:
             return list(_PAR_CONSUME(self.executor, list(zip(matchers, tokens))))
         return [m.consume_token(t) for m, t in zip(matchers, tokens)]
 

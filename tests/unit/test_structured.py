@@ -108,6 +108,7 @@ def test_fill_rows_and_batched_consume_equal_the_plain_calls(monkeypatch) -> Non
     import numpy as np
 
     from deepinfer.assets import demo_model_dir
+    from deepinfer.structured import backend as backend_module
     from deepinfer.structured.backend import GrammarBackend, MaskJob, StepMasks
     from deepinfer.tokenizer import Tokenizer
 
@@ -119,8 +120,13 @@ def test_fill_rows_and_batched_consume_equal_the_plain_calls(monkeypatch) -> Non
         return out
 
     monkeypatch.setattr(StepMasks, "allocate", classmethod(poisoned))
+    monkeypatch.setattr(backend_module, "_PAR_CONSUME_MIN", 2)  # the pool's path even for these few matchers
+    pooled = []
+    par = backend_module._PAR_CONSUME
+    monkeypatch.setattr(backend_module, "_PAR_CONSUME", lambda ex, pairs: pooled.append(len(pairs)) or par(ex, pairs))
     tok = Tokenizer(str(demo_model_dir()))
     backend = GrammarBackend(tok.backend.to_str(), 4096, 1)
+    backend.threads = max(backend.threads, 2)
     grammars = [backend.compile(StructuredOutputsParams(**c)) for c in (
         {"regex": r"[0-9]{3}-[a-z]{2,4}"}, {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
         {"choice": ["yes", "no", "maybe so"]})]
@@ -154,3 +160,4 @@ def test_fill_rows_and_batched_consume_equal_the_plain_calls(monkeypatch) -> Non
             assert a.is_error() == b.is_error() and a.is_stopped() == b.is_stopped()
             if not a.is_error():
                 assert (backend.fill([MaskJob(a, 0)], 1) == backend.fill([MaskJob(b, 0)], 1)).all()
+    assert pooled == [6] * 20
