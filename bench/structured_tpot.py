@@ -8,8 +8,11 @@ rounds (a warm-up pair first, so every step shape is compiled and every CUDA gra
 Every request has ``ignore_eos`` and --tokens tokens to go; the schema (an object holding an array of at
 least 1,000 small records) cannot complete sooner, so the batch stays full and both kinds of rounds time the
 same steps. TPOT is the median wall time of the decode steps in which all B sequences draw (each such step
-emits one token per sequence), synchronous loop, one host sync per step. Also reported: the host time of the
-grammar masks per step (``GrammarBackend.fill``), which the runner overlaps with the forward on the GPU.
+emits one token per sequence), synchronous loop, one host sync per step. Also reported, per timed
+constrained step: the host time of the grammar masks (``GrammarBackend.fill_rows``, which the runner overlaps
+with the forward on the GPU), the host time of the matcher advance (``LLMEngine._advance_grammars``, on the
+step's critical path) and the device time of the mask upload and apply (CUDA events around
+``ModelRunner._apply_grammar_masks``; host time on the CPU).
 The goal on the GPU is a constrained TPOT at most 5% above the unconstrained one.
 Writes ``structured_tpot_{device}.{json,md}`` into --out.
 """
@@ -40,22 +43,77 @@ def _full_decode(engine: LLMEngine, batch: int) -> bool:
             and all(q.num_tokens - q.num_computed == 1 for q in s.running))
 
 
+class _Split:
+    """Per timed step, where a constrained step's extra time goes: the host's mask fill
+    (``GrammarBackend.fill_rows``, overlapping the forward on the GPU), the host's matcher advance
+    (``LLMEngine._advance_grammars``, after the step's result) and the device's mask upload and apply
+    (``ModelRunner._apply_grammar_masks``, CUDA events: no sync added to the step). Instance attributes
+    wrap the three for one round."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine, self.cuda = engine, engine.config.device == "cuda"
+        self.step = {"fill": 0.0, "advance": 0.0, "apply": 0.0}
+        self.total = dict(self.step)
+        self.events: list = []  # (start, end) CUDA events of the timed steps' applies
+        self._step_events: list = []
+        self._wrapped: list = []
+
+    def _host(self, key: str, fn):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            self.step[key] += time.perf_counter() - t
+            return out
+        return timed
+
+    def _device(self, fn):
+        def timed(*a, **k):
+            if not self.cuda:
+                return self._host("apply", fn)(*a, **k)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*a, **k)
+            end.record()
+            self._step_events.append((start, end))
+            return out
+        return timed
+
+    def wrap(self) -> None:
+        backend = self.engine.intake.grammars
+        if backend is not None:
+            self._wrap(backend, "fill_rows", self._host("fill", backend.fill_rows))
+        self._wrap(self.engine, "_advance_grammars", self._host("advance", self.engine._advance_grammars))
+        runner = self.engine.runner
+        self._wrap(runner, "_apply_grammar_masks", self._device(runner._apply_grammar_masks))
+
+    def _wrap(self, obj, name: str, fn) -> None:
+        setattr(obj, name, fn)
+        self._wrapped.append((obj, name))
+
+    def end_step(self, timed: bool) -> None:
+        if timed:
+            for k, v in self.step.items():
+                self.total[k] += v
+            self.events += self._step_events
+        self.step = dict.fromkeys(self.step, 0.0)
+        self._step_events = []
+
+    def finish(self) -> dict:
+        for obj, name in self._wrapped:
+            delattr(obj, name)
+        if self.events:
+            torch.cuda.synchronize()
+            self.total["apply"] += sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        return self.total
+
+
 def run_round(engine: LLMEngine, tag: str, batch: int, tokens: int, constrained: bool) -> dict:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
                             structured_outputs={"json": SCHEMA} if constrained else None)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", f"# record {i}\nrecords = ", params)
-    mask_s = [0.0]
-    backend = engine.intake.grammars
-    if backend is not None:  # time the host's mask work
-        fill = type(backend).fill
-
-        def timed(jobs, rows):
-            t = time.perf_counter()
-            out = fill(backend, jobs, rows)
-            mask_s[0] += time.perf_counter() - t
-            return out
-        backend.fill = timed
+    split = _Split(engine)
+    split.wrap()
     steps: list[float] = []
     while engine.has_unfinished_requests():
         full = _full_decode(engine, batch)
@@ -63,9 +121,9 @@ def run_round(engine: LLMEngine, tag: str, batch: int, tokens: int, constrained:
         engine.step()
         if full:
             steps.append(time.perf_counter() - t)
-    if backend is not None:
-        del backend.fill
-    return {"steps": steps, "mask_s": mask_s[0]}
+        split.end_step(full)
+    total = split.finish()
+    return {"steps": steps, "mask_s": total["fill"], "advance_s": total["advance"], "apply_s": total["apply"]}
 
 
 def run(args, batch: int) -> dict:
@@ -80,15 +138,18 @@ def run(args, batch: int) -> dict:
     run_round(engine, "warm-none", batch, args.tokens, False)
     run_round(engine, "warm-json", batch, args.tokens, True)
     got = {False: [], True: []}
-    mask_s = 0.0
+    split = dict.fromkeys(("mask_s", "advance_s", "apply_s"), 0.0)
     for r in range(args.rounds):
         for constrained in (False, True):
             out = run_round(engine, f"r{r}-{constrained}", batch, args.tokens, constrained)
             got[constrained] += out["steps"]
-            mask_s += out["mask_s"]
+            if constrained:
+                for k in split:
+                    split[k] += out[k]
     none_ms, json_ms = (1e3 * statistics.median(got[c]) for c in (False, True))
+    per_step = {f"{k[:-2]}_ms_per_step": 1e3 * v / max(len(got[True]), 1) for k, v in split.items()}
     return {"batch": batch, "steps": len(got[True]), "tpot_none_ms": none_ms, "tpot_json_ms": json_ms,
-            "ratio": json_ms / none_ms, "mask_ms_per_step": 1e3 * mask_s / max(len(got[True]), 1)}
+            "ratio": json_ms / none_ms, **per_step}
 
 
 def main() -> None:
@@ -114,11 +175,13 @@ def main() -> None:
              f"{name}", "",
              f"`python bench/structured_tpot.py --device {a.device} --batches {' '.join(map(str, a.batches))} "
              f"--tokens {a.tokens} --rounds {a.rounds}`", "",
-             "| batch | timed steps | TPOT none ms | TPOT json ms | ratio | mask host ms/step |",
-             "|---|---|---|---|---|---|"]
+             "| batch | timed steps | TPOT none ms | TPOT json ms | ratio | mask fill host ms/step | "
+             "matcher advance host ms/step | mask apply device ms/step |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['steps']} | {r['tpot_none_ms']:.2f} | {r['tpot_json_ms']:.2f} | "
-                     f"{r['ratio']:.3f} | {r['mask_ms_per_step']:.2f} |")
+                     f"{r['ratio']:.3f} | {r['mask_ms_per_step']:.3f} | {r['advance_ms_per_step']:.3f} | "
+                     f"{r['apply_ms_per_step']:.3f} |")
     (out / f"structured_tpot_{a.device}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -20,12 +20,14 @@ PromptInput = str | dict | list
 
 class Intake:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, max_cached_tokens: int,
-                 eos_token_id: int | None = None, refused_token_id: int | None = None) -> None:
-        """``refused_token_id``: an id no prompt may hold (V4.1's image token: its vision encoder is not built)."""
+                 eos_token_id: int | None = None, refused_token_id: int | None = None, pin_masks: bool = False) -> None:
+        """``refused_token_id``: an id no prompt may hold (V4.1's image token: its vision encoder is not built).
+        ``pin_masks``: grammar masks are computed into page-locked memory (an engine on CUDA uploads them)."""
         self.tokenizer = tokenizer
         self.refused_token_id = refused_token_id
         self.eos_token_id = eos_token_id
         self._grammars = None  # GrammarBackend, built on the first structured request
+        self.pin_masks = pin_masks
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_cached_tokens = max_cached_tokens
@@ -122,7 +124,7 @@ class Intake:
             from deepinfer.structured.backend import GrammarBackend
 
             self._grammars = GrammarBackend(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_id,
-                                            self.tokenizer.token_to_id(DSML))
+                                            self.tokenizer.token_to_id(DSML), pin_memory=self.pin_masks)
         return self._grammars.compile(params.structured_outputs)
 
     @property

@@ -101,7 +101,7 @@ class LLMEngine:
         max_cached = self.facts.num_blocks["history"] * config.cache.block_size
         image_id = mc.image_token_id if isinstance(mc, V41Config) else None  # text only: no vision encoder yet
         self.intake = Intake(self.tokenizer, mc.vocab_size, config.scheduler.max_model_len, max_cached, mc.eos_token_id,
-                             refused_token_id=image_id)
+                             refused_token_id=image_id, pin_masks=cuda)
         self.requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
 
@@ -207,6 +207,7 @@ class LLMEngine:
             if req.request_id in self.requests:
                 req.prompt_logprobs.extend(self._position_logprobs(chunk.values))
         work = {w.seq_id: w for w in schedule.plan.work}
+        advance = []  # (sequence, token): a single accepted token each, fed to the grammars in one call below
         for s in result.sampled:
             seq, w = by_id[s.seq_id], work[s.seq_id]
             seq.num_pending -= w.num_samples
@@ -226,21 +227,29 @@ class LLMEngine:
                 touched.add(seq.request.request_id)
                 if seq.grammar is not None and not seq.finished:
                     if seq.grammar_after is None:
-                        self._advance_grammar(seq, token)
+                        advance.append((seq, token))
+                        if len(s.token_ids) > 1:  # the next token's stop check needs this one's grammar state
+                            self._advance_grammars(advance)
+                            advance = []
                     elif token == seq.grammar_after:  # the reasoning ended: the answer is constrained
                         seq.grammar_after = None
+        if advance:  # sequences are independent: advancing them together changes no token
+            self._advance_grammars(advance)
         return touched
 
-    @staticmethod
-    def _advance_grammar(seq, token: int) -> None:
-        """Feed the grammar the accepted token; end the sequence when the grammar allows nothing more."""
-        g = seq.grammar
-        if not g.consume_token(token) or g.is_error():
-            # Only reachable when another mask (min_tokens) left no token the grammar allows.
-            log.warning("%s: token %d breaks its output constraint (%s); stopping", seq.seq_id, token, g.get_error())
-            finish(seq, "stop")
-        elif g.is_stopped():
-            finish(seq, "stop")
+    def _advance_grammars(self, advance: list) -> None:
+        """Feed each sequence's grammar its accepted token (``advance``: (sequence, token), distinct sequences;
+        several in one call on llguidance's thread pool); end a sequence when its grammar allows nothing more."""
+        ok = self.intake.grammars.consume([seq.grammar for seq, _ in advance], [t for _, t in advance])
+        for (seq, token), good in zip(advance, ok):
+            g = seq.grammar
+            if not good or g.is_error():
+                # Only reachable when another mask (min_tokens) left no token the grammar allows.
+                log.warning("%s: token %d breaks its output constraint (%s); stopping", seq.seq_id, token,
+                            g.get_error())
+                finish(seq, "stop")
+            elif g.is_stopped():
+                finish(seq, "stop")
 
     def _position_logprobs(self, values):
         return [to_position_logprobs(v, self._decode_one) for v in values]

@@ -48,6 +48,10 @@ A step's cache row lists from its index tensors, once per step (``ops/ref/step_r
 with every entry whose result row could depend on the batch replaced by a twin that computes each row the
 same way whatever the batch and the step's shape (fixed GEMM row tiles, fixed key/entry chunks, ordered sums).
 
+Structured outputs' grammar masks, in place before the draw (``ops/ref/token_mask.py``):
+
+  token_mask(logits [B,V], words [R,ceil(V/32)] int32, rows [R]) -> None (-inf where row rows[r]'s bit is clear)
+
 Weight layout, applied once when the model is prepared (not per call):
 
   fp4_expert_layout(codes int8 [E,N,K/2], scales [E,N,K/32]) -> (codes, scales) in the layout
@@ -78,6 +82,7 @@ from deepinfer.ops.ref import rope_norm as ref_rn
 from deepinfer.ops.ref import sparse_attention as ref_attn
 from deepinfer.ops.ref import step_rows as ref_rows
 from deepinfer.ops.ref import swiglu as ref_swiglu
+from deepinfer.ops.ref import token_mask as ref_mask
 from deepinfer.ops.ref.attention import sparse_attention
 from deepinfer.ops.ref.indexer import indexer_scores, topk_with_tiebreak
 from deepinfer.ops.tuning import KernelTuning
@@ -114,6 +119,7 @@ class OpTable:
     dense: Callable = ref_linear.dense
     dense_grouped: Callable = ref_linear.dense_grouped
     pointwise: Callable = ref_pointwise.direct
+    token_mask: Callable = ref_mask.token_mask
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
 
@@ -165,6 +171,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
     from deepinfer.ops.triton import sparse_attention as tri_attn
     from deepinfer.ops.triton import step_rows as tri_rows
     from deepinfer.ops.triton import swiglu as tri_swiglu
+    from deepinfer.ops.triton import token_mask as tri_mask
 
     tuning = tuning or KernelTuning.for_device()
 
@@ -189,7 +196,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    rope=tri_rn.rope, latent_norms=tri_rn.latent_norms, heads_norm_rope=tri_rn.heads_norm_rope,
                    moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
                    fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
-                   linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning)
+                   linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning, token_mask=tri_mask.token_mask)
 
 
 def select(device: str, batch_invariant: bool = False) -> OpTable:

@@ -17,10 +17,12 @@ final streams, and the MTP passes replay theirs, head and draft pick included (`
 other steps (prefill chunks, fewer drafts) run eagerly, through the same functions.
 
 Structured outputs: ``submit(plan, masks)`` launches the forward and the logits first and only then calls
-``masks()`` for the step's grammar masks ([drawn rows, words] int32, computed on the host by the engine), so
-on the GPU the grammar work overlaps the forward; the masks are uploaded like any other step input (pinned,
-queued) and applied just before the draw, adding no host sync (vLLM orders it the same way). With drafts,
-each verified row has its own mask: the grammar's state after the drafts before that row.
+``masks()`` for the step's grammar masks (``StepMasks``: the constrained rows' words and row numbers,
+computed on the host by the engine into one page-locked buffer), so on the GPU the grammar work overlaps the
+forward; the buffer is uploaded in one queued copy and the op table's ``token_mask`` writes -inf over the
+forbidden tokens of those rows in place just before the draw (one launch; unconstrained rows cost nothing),
+adding no host sync (vLLM orders it the same way). With drafts, each verified row has its own mask: the
+grammar's state after the drafts before that row.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from deepinfer.kv.storage import KVStorage
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.parallel.context import ContextShare, forward_with_share
 from deepinfer.model.step_index import build_slot_index
+from deepinfer.ops.table import REF
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.mtp_graphs import MTPGraphs
@@ -46,7 +49,7 @@ from deepinfer.sampling import TokenLogprobs
 from deepinfer.sampling.logprobs import LogprobTensors
 from deepinfer.sampling.sampler import draw
 from deepinfer.sched.plan import StepPlan
-from deepinfer.structured.backend import apply_masks, words_of
+from deepinfer.structured.backend import StepMasks, words_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,11 +156,12 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.window = model.cfg.sliding_window
 
-    def submit(self, plan: StepPlan, masks: Callable[[], np.ndarray] | None = None,
+    def submit(self, plan: StepPlan, masks: Callable[[], StepMasks | np.ndarray | None] | None = None,
                share: ContextShare | None = None) -> StepHandle:
         """Run ``plan``; ``masks`` (constrained steps): called once the forward is launched, it returns the
-        grammar masks of the step's drawn rows (rows without a constraint: all bits set). ``share``: this
-        rank's part in a context-parallel chunk (``model/parallel/context.py``), run with the plan's work."""
+        grammar masks of the step's constrained drawn rows (or [drawn rows, words] int32, rows without a
+        constraint all bits set). ``share``: this rank's part in a context-parallel chunk
+        (``model/parallel/context.py``), run with the plan's work."""
         self.batch.apply(plan)
         if plan.empty:
             if share is not None:  # a helper without work of its own: its share of the chunk only
@@ -220,7 +224,7 @@ class ModelRunner:
             # The host computes the masks now, while the device runs the forward launched above.
             bitmask = masks() if masks is not None else None
             if bitmask is None:
-                bitmask = self._plan_masks(drawing, last_rows, nd)
+                bitmask = self._plan_masks(drawing, last_rows)
             tokens, extra = self._draw(logits[:nd], drawing, draw_slots, draw_pos, last_rows, counts,
                                        history if any(w.num_drafts for w in drawing) else None, bitmask)
             handle_args.update(extra)
@@ -252,14 +256,14 @@ class ModelRunner:
 
     def _draw(self, logits: torch.Tensor, work, slots: list[int], positions: list[int], last_rows: list[int],
               counts: list[int], history: list[tuple[int, ...]] | None,
-              bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, dict]:
+              bitmask: StepMasks | np.ndarray | None = None) -> tuple[torch.Tensor, dict]:
         """Draw a token from each row of ``logits`` (``work``: the drawing works, in order); the tokens and
         the StepHandle fields that describe them (the caller ships the tokens). ``history``: per row, drafts
         that precede it; ``bitmask``: per row, the allowed tokens (structured outputs)."""
         batch = self.batch
         seq_ids = tuple(w.seq_id for w in work)
-        if bitmask is not None:
-            logits = self._apply_grammar_masks(logits.float(), bitmask)
+        if bitmask is not None:  # in place, in the logits' dtype: -inf and the float32 conversion commute
+            self._apply_grammar_masks(logits, bitmask)
         if batch.plain_greedy(slots, positions):
             # Greedy rows with nothing to apply: the sampler would return this argmax (the conversion to
             # float32 is exact, so it is skipped too); a dozen fewer small launches per step.
@@ -277,24 +281,32 @@ class ModelRunner:
                                                                     lp.top_ids)))
         return tokens, out
 
-    def _plan_masks(self, drawing, last_rows: list[int], num_rows: int) -> np.ndarray | None:
-        """The masks a plan carries in its work items (the parallel engine's; one draw per sequence), as rows."""
-        if all(w.grammar_mask is None for w in drawing):
+    def _plan_masks(self, drawing, last_rows: list[int]) -> StepMasks | None:
+        """The masks a plan carries in its work items (the parallel engine's; one draw per sequence)."""
+        rows = [row for w, row in zip(drawing, last_rows) if w.grammar_mask is not None]
+        if not rows:
             return None
-        host = np.full((num_rows, (self.model.cfg.vocab_size + 31) // 32), -1, dtype=np.int32)
-        for w, row in zip(drawing, last_rows):
-            if w.grammar_mask is not None:
-                host[row] = words_of(w.grammar_mask)[: host.shape[1]]
-        return host
+        words = (self.model.cfg.vocab_size + 31) // 32
+        masks = StepMasks.allocate(len(rows), words, pin_memory=self.device.type == "cuda")
+        masks.rows[:] = rows
+        for i, w in enumerate(w for w in drawing if w.grammar_mask is not None):
+            masks.words[i] = words_of(w.grammar_mask)[:words]
+        return masks
 
-    def _apply_grammar_masks(self, logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
-        """Disallowed tokens of constrained draws to -inf (rows without a constraint: all bits set)."""
+    def _apply_grammar_masks(self, logits: torch.Tensor, masks: StepMasks | np.ndarray) -> None:
+        """Disallowed tokens of constrained draws to -inf, in place (``masks`` as an array: every drawn row's,
+        rows without a constraint all bits set)."""
         words = (logits.shape[1] + 31) // 32
-        if bitmask.shape[0] != len(logits) or bitmask.shape[1] < words:
-            raise ValueError(f"grammar masks: expected {len(logits)} rows of >= {words} words, got {bitmask.shape}")
-        host = bitmask[:, :words]
-        flat = to_device(host.reshape(-1), torch.int32, self.device).view(len(logits), words)
-        return apply_masks(logits, flat)
+        cuda = self.device.type == "cuda"
+        if isinstance(masks, np.ndarray):
+            if masks.shape[0] != len(logits) or masks.shape[1] < words:
+                raise ValueError(f"grammar masks: expected {len(logits)} rows of >= {words} words, got {masks.shape}")
+            masks = StepMasks.of_rows(masks, range(len(logits)), words, pin_memory=cuda)
+        if masks.num_words < words or (masks.num_rows and int(masks.rows.max()) >= len(logits)):
+            raise ValueError(f"grammar masks: rows below {len(logits)} of >= {words} words expected, got "
+                             f"{masks.num_rows} rows of {masks.num_words}")
+        flat = masks.host.to(self.device, non_blocking=True) if cuda else masks.host
+        getattr(self.model, "ops", REF).token_mask(logits, *masks.split(flat))
 
     def _placeholders(self, work, slots: np.ndarray, starts: np.ndarray):
         """(flat rows, device values) of the inputs still on the device, or None."""

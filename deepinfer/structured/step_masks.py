@@ -9,7 +9,8 @@ still in its thinking block is unconstrained up to ``</think>``: when a draft is
 it are masked from the grammar's start.
 
 Single-process engine (``mask_source``): the masks are computed by the runner's callback once the step's
-forward is launched, so the host's grammar work overlaps the device's forward. Parallel engine
+forward is launched, so the host's grammar work overlaps the device's forward; only the constrained rows'
+(``StepMasks``: their words and row numbers in one host buffer, one upload). Parallel engine
 (``with_plan_masks``): the plan is the message to the ranks, so the masks travel in it, computed before.
 """
 
@@ -19,9 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
-import numpy as np
-
-from deepinfer.structured.backend import GrammarBackend, MaskJob
+from deepinfer.structured.backend import GrammarBackend, MaskJob, StepMasks
 
 
 def mask_jobs(seqs, work) -> tuple[list[MaskJob], int]:
@@ -45,12 +44,12 @@ def mask_jobs(seqs, work) -> tuple[list[MaskJob], int]:
     return jobs, row
 
 
-def mask_source(backend: GrammarBackend | None, seqs, work) -> Callable[[], np.ndarray] | None:
-    """The runner's callback that computes the step's masks ([drawn rows, words] int32), or None."""
+def mask_source(backend: GrammarBackend | None, seqs, work) -> Callable[[], StepMasks] | None:
+    """The runner's callback that computes the step's masks (its constrained rows' only), or None."""
     if backend is None:
         return None
     jobs, rows = mask_jobs(seqs, work)
-    return partial(backend.fill, jobs, rows) if jobs else None
+    return partial(backend.fill_rows, jobs, rows) if jobs else None
 
 
 def with_plan_masks(backend: GrammarBackend | None, schedule):

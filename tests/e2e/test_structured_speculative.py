@@ -191,3 +191,4 @@ def test_tpot_benchmark_runs_on_the_cpu(tmp_path) -> None:
     row = run(args, 2)
     assert row["batch"] == 2 and row["steps"] == 3 and row["mask_ms_per_step"] > 0  # the first token: prefill
     assert row["tpot_none_ms"] > 0 and row["ratio"] > 0
+    assert row["advance_ms_per_step"] > 0 and row["apply_ms_per_step"] > 0  # the split of the constrained steps

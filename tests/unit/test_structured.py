@@ -96,3 +96,68 @@ def test_batched_draft_masks_equal_one_matcher_at_a_time() -> None:
         for m, ref in both:  # the matchers came back unchanged
             assert (backend.fill([MaskJob(m, 0)], 1) == backend.fill([MaskJob(ref, 0)], 1)).all()
             assert not m.is_error()
+
+
+def test_fill_rows_and_batched_consume_equal_the_plain_calls(monkeypatch) -> None:
+    """``fill_rows`` (the constrained rows only, written straight into the upload buffer) holds ``fill``'s rows
+    for plain and draft-verifying jobs, whatever the buffer held before (poisoned here); ``consume`` (one call
+    on llguidance's pool) leaves every matcher where ``consume_token`` one at a time does, a forbidden token
+    included (an error state on both sides)."""
+    import random
+
+    import numpy as np
+
+    from deepinfer.assets import demo_model_dir
+    from deepinfer.structured import backend as backend_module
+    from deepinfer.structured.backend import GrammarBackend, MaskJob, StepMasks
+    from deepinfer.tokenizer import Tokenizer
+
+    allocate = StepMasks.allocate.__func__
+
+    def poisoned(cls, num_rows, num_words, pin_memory=False):
+        out = allocate(cls, num_rows, num_words, pin_memory)
+        out.host.fill_(0x2AAAAAAA)
+        return out
+
+    monkeypatch.setattr(StepMasks, "allocate", classmethod(poisoned))
+    monkeypatch.setattr(backend_module, "_PAR_CONSUME_MIN", 2)  # the pool's path even for these few matchers
+    pooled = []
+    par = backend_module._PAR_CONSUME
+    monkeypatch.setattr(backend_module, "_PAR_CONSUME", lambda ex, pairs: pooled.append(len(pairs)) or par(ex, pairs))
+    tok = Tokenizer(str(demo_model_dir()))
+    backend = GrammarBackend(tok.backend.to_str(), 4096, 1)
+    backend.threads = max(backend.threads, 2)
+    grammars = [backend.compile(StructuredOutputsParams(**c)) for c in (
+        {"regex": r"[0-9]{3}-[a-z]{2,4}"}, {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        {"choice": ["yes", "no", "maybe so"]})]
+    texts = ["123-abcd", '{"a":12}', "maybe so"]
+    rng = random.Random(1)
+    for trial in range(20):
+        jobs, row, pairs = [], 0, []
+        for g, text in zip(grammars * 2, texts * 2):
+            ids = tok.encode(text, add_special_tokens=False)
+            pre = rng.randrange(len(ids))
+            drafts = tuple(ids[pre : pre + rng.randrange(0, 3)]) if trial % 2 else ()
+            if drafts and rng.random() < 0.4:
+                drafts = drafts[:-1] + (rng.randrange(3, 4096),)
+            ms = [backend.matcher(g) for _ in range(2)]
+            for m in ms:
+                assert m.consume_tokens(ids[:pre])
+            pairs.append(ms)
+            jobs.append((row, drafts))
+            row += len(drafts) + 1 + rng.randrange(2)
+        got = backend.fill_rows([MaskJob(p[0], r, d) for p, (r, d) in zip(pairs, jobs)], row)
+        want = backend.fill([MaskJob(p[1], r, d) for p, (r, d) in zip(pairs, jobs)], row)
+        covered = [r + i for r, d in jobs for i in range(len(d) + 1)]
+        assert got.rows.tolist() == covered and (got.words == want[covered]).all(), trial
+        # Batched advance: a random allowed-or-not token per matcher, the same on both sides.
+        tokens = [rng.randrange(3, 4096) if rng.random() < 0.2 else
+                  int(np.flatnonzero(np.unpackbits(want[r].view(np.uint8), bitorder="little"))[0])
+                  for r, _ in jobs]
+        ok = backend.consume([p[0] for p in pairs], tokens)
+        assert ok == [p[1].consume_token(t) for p, t in zip(pairs, tokens)]
+        for a, b in pairs:
+            assert a.is_error() == b.is_error() and a.is_stopped() == b.is_stopped()
+            if not a.is_error():
+                assert (backend.fill([MaskJob(a, 0)], 1) == backend.fill([MaskJob(b, 0)], 1)).all()
+    assert pooled == [6] * 20
