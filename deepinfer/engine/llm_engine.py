@@ -104,6 +104,9 @@ class LLMEngine:
                              refused_token_id=image_id, pin_masks=cuda)
         self.requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        # What step() returns per request it touched: cumulative RequestOutputs by default; the server's engine
+        # core installs a builder of deltas (server/output_wire.DeltaBuilder) and sends those as they are.
+        self.build_output = build_output
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> "LLMEngine":
@@ -140,7 +143,7 @@ class LLMEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             req = self.requests.pop(rid, None)
             if req is not None:
-                self._pending.append(abort(req, self.scheduler.remove))
+                self._pending.append(abort(req, self.scheduler.remove, self.build_output))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -186,7 +189,7 @@ class LLMEngine:
             for seq in req.seqs:
                 if seq.finished:
                     self.scheduler.remove(seq)
-            outputs.append(build_output(req))
+            outputs.append(self.build_output(req))
             if req.finished:
                 del self.requests[rid]
         return outputs

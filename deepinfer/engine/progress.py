@@ -81,12 +81,12 @@ def build_output(req: RequestState, delta: bool = True) -> RequestOutput:
     )
 
 
-def abort(req: RequestState, remove) -> RequestOutput:
+def abort(req: RequestState, remove, build=build_output):
     """Finish every unfinished sequence of ``req`` with 'abort', take each out of its scheduler (``remove``)
-    and return the request's final output."""
+    and return the request's final output (made by ``build``, the engine's output builder)."""
     for seq in req.seqs:
         if not seq.finished:
             finish(seq, "abort")
         remove(seq)
-    return build_output(req)
+    return build(req)
 

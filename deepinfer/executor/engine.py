@@ -98,6 +98,7 @@ class ParallelLLMEngine(LLMEngine):
         self.async_scheduling, self._inflight, self.tiers = False, None, None
         self.requests = {}
         self._pending: list[RequestOutput] = []
+        self.build_output = build_output  # as LLMEngine.build_output (the server's core installs deltas)
         self._owner: dict[str, int] = {}  # request id -> DP rank
         self._closed = False
         self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
@@ -130,7 +131,7 @@ class ParallelLLMEngine(LLMEngine):
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             req = self.requests.pop(rid, None)
             if req is not None:
-                self._pending.append(abort(req, self.schedulers[self._owner.pop(rid)].remove))
+                self._pending.append(abort(req, self.schedulers[self._owner.pop(rid)].remove, self.build_output))
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -159,7 +160,7 @@ class ParallelLLMEngine(LLMEngine):
             for seq in req.seqs:
                 if seq.finished:
                     self.schedulers[self._owner[rid]].remove(seq)
-            outputs.append(build_output(req))
+            outputs.append(self.build_output(req))
             if req.finished:
                 del self.requests[rid]
                 del self._owner[rid]

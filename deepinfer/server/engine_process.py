@@ -27,12 +27,11 @@ import time
 from multiprocessing.connection import Connection
 
 from deepinfer.config.engine import EngineConfig
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.executor.codec import decode, encode
 from deepinfer.server.core_messages import (MESSAGES, Abort, Answer, CallEngine, CoreClosed, CoreDied, CoreFailed,
                                             CoreReady, Drain, RemoteError, Shutdown, StepOutputs, Submit)
 from deepinfer.server.engine_stats import EngineStats, snapshot
-from deepinfer.server.output_wire import DeltaEncoder
+from deepinfer.server.output_wire import DeltaBuilder, OutputDelta
 
 log = logging.getLogger("deepinfer.server")
 
@@ -69,7 +68,8 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
 class EngineCore:
     def __init__(self, engine, conn: Connection) -> None:
         self.engine, self.conn = engine, conn
-        self.encoder = DeltaEncoder()
+        # Outputs leave the engine as deltas built from its sequences (no cumulative outputs made here).
+        engine.build_output = DeltaBuilder().build
         self.known: set[str] = set()  # admitted requests whose final output is not sent yet
         self.flush = False  # an abort left outputs in the engine that only step() emits
         self.drain_at: float | None = None  # monotonic time after which every request is aborted
@@ -146,14 +146,14 @@ class EngineCore:
             answer = Answer(message.call_id, error=RemoteError.of(e))
         return answer
 
-    def _send_step(self, outputs: list[RequestOutput]) -> None:
+    def _send_step(self, outputs: list[OutputDelta]) -> None:
         deltas = []
         for out in outputs:
             if out.request_id not in self.known:
                 continue
             if out.finished:
                 self.known.discard(out.request_id)
-            deltas.append(self.encoder.encode(out))
+            deltas.append(out)
         stats = snapshot(self.engine)
         if deltas or stats != self.last_stats:  # a prefill chunk alone changes nothing the server shows
             self.last_stats = stats

@@ -5,6 +5,11 @@ so sending it as is costs O(length) per step and request: O(length^2) bytes over
 with logprobs. The core sends what is new since its previous message for that request (``DeltaEncoder``)
 and the server rebuilds the very same cumulative ``RequestOutput`` (``OutputAssembler``); the engine's
 outputs only ever grow, which is what makes this exact (tests/unit/test_output_wire.py).
+
+The engine core builds its deltas straight from the request's sequences (``DeltaBuilder``, installed as the
+engine's output builder): the cumulative output is never made there, which was a third of the core's
+per-token host work (``build_output`` copies every sample's token ids and builds two objects, then the
+encoder slices them again). ``DeltaEncoder`` does the same from cumulative outputs (any engine's).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from deepinfer.engine.sequence import RequestState
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,45 @@ class DeltaEncoder:
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+
+
+class DeltaBuilder:
+    """The core side, from the engine's own request state: what each sample gained since the previous call
+    for its request. Installed as the engine's output builder (``engine.build_output``), so it is called
+    exactly where the engine would build a cumulative output, and advances the engine's own streaming
+    counters the same way (``delta_text`` / ``delta_token_ids`` are what is new, as there)."""
+
+    def __init__(self) -> None:
+        # request id -> [prompt logprobs sent, per sample [chars, output tokens, logprobs] sent]
+        self._sent: dict[str, tuple[list[int], list[list[int]]]] = {}
+
+    def build(self, req: RequestState) -> OutputDelta:
+        rid = req.request_id
+        state = self._sent.get(rid)
+        first = state is None
+        if first:
+            state = self._sent[rid] = ([0], [[0, 0, 0] for _ in req.seqs])
+        samples = []
+        for s, sent in zip(req.seqs, state[1]):
+            chars, ids, lps = sent
+            text, n_out = s.text, len(s.token_ids) - s.num_prompt
+            new_text = text[chars:]
+            new_ids = tuple(s.token_ids[s.num_prompt + ids:])
+            with_lp = s.params.logprobs is not None
+            samples.append(SampleDelta(s.index, new_text, new_ids, tuple(s.logprobs[lps:]) if with_lp else None,
+                                       s.finish_reason, s.stop_reason, s.cumulative_logprob if with_lp else None,
+                                       new_text, new_ids))
+            sent[0], sent[1], sent[2] = len(text), n_out, len(s.logprobs)
+            s.emitted_text, s.emitted_tokens = len(text), n_out
+        plp = req.prompt_logprobs
+        new_plp = None if plp is None else tuple(plp[state[0][0]:])
+        finished = req.finished
+        if finished:
+            del self._sent[rid]
+        elif plp is not None:
+            state[0][0] = len(plp)
+        return OutputDelta(rid, tuple(samples), finished, req.num_cached_tokens or 0, new_plp,
+                           req.prompt if first else None, tuple(req.prompt_token_ids) if first else None)
 
 
 @dataclass

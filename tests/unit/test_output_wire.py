@@ -37,3 +37,37 @@ def test_deltas_rebuild_the_engine_outputs_exactly() -> None:
             seen[out.request_id] = seen.get(out.request_id, 0) + 1
     assert set(seen) == {"greedy", "seeded", "aborted"} and seen["greedy"] > 2  # prompt logprobs came in chunks
     assert not encoder._sent and not assembler._requests  # finished requests leave no state behind
+
+
+def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
+    """The engine core's own builder (no cumulative outputs made) against the engine's outputs: two engines
+    run the same requests in lockstep, one building RequestOutputs, one DeltaBuilder deltas."""
+    from deepinfer.server.output_wire import DeltaBuilder
+
+    def start() -> LLMEngine:
+        engine = LLMEngine.from_engine_args(device="cpu", block_size=128, load_progress=False,
+                                            max_num_batched_tokens=32)
+        engine.add_request("greedy", "def " * 20, SamplingParams(temperature=0, max_tokens=6, logprobs=2,
+                                                                 prompt_logprobs=2, ignore_eos=True))
+        engine.add_request("seeded", "class A:", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8,
+                                                                stop=["\n"]))
+        engine.add_request("aborted", "import os", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        return engine
+
+    plain, core = start(), start()
+    builder = DeltaBuilder()
+    core.build_output = builder.build
+    assembler = OutputAssembler()
+    steps = 0
+    while plain.has_unfinished_requests():
+        outputs, deltas = plain.step(), core.step()
+        steps += 1
+        if steps == 4:
+            plain.abort_request("aborted")
+            core.abort_request("aborted")
+        assert [o.request_id for o in outputs] == [d.request_id for d in deltas]
+        received = decode(encode(StepOutputs(tuple(deltas), snapshot(core)), MESSAGES), MESSAGES)
+        for out, delta in zip(outputs, received.outputs):
+            assert assembler.assemble(delta) == out
+    assert not core.has_unfinished_requests() and steps > 4
+    assert not builder._sent and not assembler._requests
