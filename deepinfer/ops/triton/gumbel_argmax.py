@@ -47,7 +47,9 @@ def _absorb(h, k):
     return h * _u32(5) + _u32(N)
 
 
-@triton.jit
+# The slice count and length change with the batch size: not specialized on, so one binary serves every batch
+# (a new variant would compile in the middle of serving).
+@triton.jit(do_not_specialize=["per_slice", "num_slices"])
 def _slices(scores_ptr, stride, seeds_ptr, positions_ptr, salts_ptr, best_ptr, index_ptr, vocab, per_slice,
             num_slices, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -85,7 +87,7 @@ def _slices(scores_ptr, stride, seeds_ptr, positions_ptr, salts_ptr, best_ptr, i
     tl.store(index_ptr + row * num_slices + part, first)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slices"])
 def _reduce(best_ptr, index_ptr, out_ptr, num_slices, SLICES: tl.constexpr):
     row = tl.program_id(0)
     k = tl.arange(0, SLICES)
@@ -114,5 +116,6 @@ def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     index = torch.empty(rows, num_slices, dtype=torch.int32, device=scores.device)
     _slices[(rows, num_slices)](scores, scores.stride(0), seeds.contiguous(), positions.contiguous(), salts.contiguous(),
                                 best, index, vocab, per_slice, num_slices, BLOCK=BLOCK)
-    _reduce[(rows,)](best, index, out, num_slices, SLICES=triton.next_power_of_2(num_slices))
+    # SLICES bounds every batch's slice count for this vocabulary: one variant per vocabulary size.
+    _reduce[(rows,)](best, index, out, num_slices, SLICES=triton.next_power_of_2(min(blocks, TARGET_PROGRAMS)))
     return out

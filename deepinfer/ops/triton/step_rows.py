@@ -66,7 +66,11 @@ def _token_kind(t, s, p, end, hist_ptr, state_ptr, width, stride_h, stride_s, bl
                     CHUNK)
 
 
-@triton.jit
+# Ints that change from step to step are not specialized on (Triton would compile one binary per class of
+# value: == 1, divisible by 16, other, for each): T and the entry-list widths move with the step's token
+# count and its longest sequence, and serving kept compiling new variants of this kernel minutes in (a
+# quarter of the engine core's samples at concurrency 256 on the H200). Nothing here gains from the hints.
+@triton.jit(do_not_specialize=["cols0", "cols1", "T", "spare_window", "spare_state"])
 def _step_rows_kernel(
     seq_ptr, pos_ptr, win_tab, state_tab, hist_tab, end_ptr,
     window_rows_ptr, state_rows_ptr, keys_ptr,
