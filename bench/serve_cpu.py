@@ -7,7 +7,7 @@ benchmark per RUNS entry ("concurrency:prompts"), random INLEN/OUTLEN prompts. L
 
 It answers which process is the bottleneck: one near 100% of a core caps what the others can do.
 """
-import json, os, subprocess, sys, time, httpx
+import json, os, subprocess, sys, time, urllib.request
 PORT = int(os.environ.get("PORT", 8131)); OUTD = os.environ.get("OUTD", "/tmp/sv"); os.makedirs(OUTD, exist_ok=True)
 TAG = os.environ.get("TAG", "run"); INLEN = os.environ.get("INLEN", "512"); OUTLEN = int(os.environ.get("OUTLEN", 128))
 RUNS = [tuple(map(int, r.split(":"))) for r in os.environ.get("RUNS", "64:128").split()]
@@ -28,7 +28,7 @@ srv = subprocess.Popen([sys.executable, "-m", "deepinfer.server", "--port", str(
                        stdout=open(f"{OUTD}/server_{TAG}.log", "w"), stderr=subprocess.STDOUT)
 for _ in range(600):
     try:
-        httpx.get(f"http://127.0.0.1:{PORT}/health").raise_for_status(); break
+        urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2).close(); break
     except Exception: time.sleep(0.5)
 time.sleep(1)
 allp = [srv.pid] + kids(srv.pid)
