@@ -1,68 +1,123 @@
 """CPU time per streamed token of each process of a served run: the API server, the engine core and the
-`deepinfer bench serve` client, from /proc/<pid>/stat over the run; with SPY=seconds, py-spy profiles of each
-(raw collapsed stacks, the last run). Starts `deepinfer serve` itself (SERVER_ARGS), warms it up, then one
-benchmark per RUNS entry ("concurrency:prompts"), random INLEN/OUTLEN prompts. Linux only.
+`deepinfer bench serve` client, read from /proc/<pid>/stat around each run. It answers which process is the
+bottleneck: one near 100% of a core caps what the others can do.
 
-    RUNS="64:128 256:512" SERVER_ARGS="--max-num-seqs 256 --max-model-len 2048" OUTD=/tmp/sv python bench/serve_cpu.py
+    python bench/serve_cpu.py [--runs 64:128 256:512] [--input-len 512] [--output-len 128] [--spy 6]
+                              [--server-args "--max-num-seqs 256 --max-model-len 2048"] [--out /tmp/serve_cpu]
 
-It answers which process is the bottleneck: one near 100% of a core caps what the others can do.
+Starts `deepinfer serve` itself, warms it up (64 requests), then runs one benchmark per ``--runs`` entry
+(concurrency:prompts, random prompts, --ignore-eos). ``--spy S``: py-spy records S seconds of every
+process during the last run (raw collapsed stacks in --out; needs the py-spy binary). Linux only.
 """
-import json, os, subprocess, sys, time, urllib.request
-PORT = int(os.environ.get("PORT", 8131)); OUTD = os.environ.get("OUTD", "/tmp/sv"); os.makedirs(OUTD, exist_ok=True)
-TAG = os.environ.get("TAG", "run"); INLEN = os.environ.get("INLEN", "512"); OUTLEN = int(os.environ.get("OUTLEN", 128))
-RUNS = [tuple(map(int, r.split(":"))) for r in os.environ.get("RUNS", "64:128").split()]
-extra = os.environ.get("SERVER_ARGS", "--max-num-seqs 256 --max-model-len 2048").split()
-SPYBIN = os.environ.get("SPYBIN", "py-spy")
-def cpu(pid):
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-def kids(pid):
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def children(pid: int) -> list[int]:
     out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
             try:
-                if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) == pid: out.append(int(p))
-            except OSError: pass
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+            except OSError:  # gone meanwhile
+                pass
     return out
-srv = subprocess.Popen([sys.executable, "-m", "deepinfer.server", "--port", str(PORT), *extra],
-                       stdout=open(f"{OUTD}/server_{TAG}.log", "w"), stderr=subprocess.STDOUT)
-for _ in range(600):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2).close(); break
-    except Exception: time.sleep(0.5)
-time.sleep(1)
-allp = [srv.pid] + kids(srv.pid)
-names = {srv.pid: "api"}
-for k in allp[1:]:
-    names[k] = "core" if "spawn" in open(f"/proc/{k}/cmdline").read() else f"child{k}"
-print(TAG, "server pids", names, file=sys.stderr)
-def bench(n, c, out_len, fn, spy=None):
-    cmd = [sys.executable, "-m", "deepinfer.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{PORT}", "--backend", "openai",
-           "--dataset-name", "random", "--random-input-len", INLEN, "--random-output-len", str(out_len), "--random-range-ratio", "0",
-           "--num-prompts", str(n), "--max-concurrency", str(c), "--ignore-eos", "--seed", "0", "--disable-tqdm",
-           "--save-result", "--result-dir", OUTD, "--result-filename", fn]
-    t0 = {p: cpu(p) for p in allp}; w0 = time.time()
-    cl = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def start_server(port: int, args: list[str], log: Path) -> subprocess.Popen:
+    server = subprocess.Popen([sys.executable, "-m", "deepinfer.server", "--port", str(port), *args],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+    for _ in range(1200):
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited; see {log}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+            return server
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"the server did not come up; see {log}")
+
+
+def bench(a, port: int, procs: dict[int, str], concurrency: int, prompts: int, output_len: int, name: str,
+          spy: int | None = None) -> tuple[float, dict, dict[str, float]]:
+    cmd = [sys.executable, "-m", "deepinfer.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+           "--backend", "openai", "--dataset-name", "random", "--random-input-len", str(a.input_len),
+           "--random-output-len", str(output_len), "--random-range-ratio", "0", "--num-prompts", str(prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0", "--disable-tqdm",
+           "--save-result", "--result-dir", str(a.out), "--result-filename", name]
+    before = {pid: cpu_seconds(pid) for pid in procs}
+    t0 = time.time()
+    client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     spies = []
     if spy:
-        time.sleep(4)
-        spies = [subprocess.Popen([SPYBIN, "record", "--nonblocking", "-r", "250", "-d", str(spy), "--format", "raw", "-o", f"{OUTD}/spy_{TAG}_{nm}.txt", "--pid", str(pid)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for nm, pid in [("client", cl.pid)] + [(names[p], p) for p in allp]]
-    ct = 0.0
-    while cl.poll() is None:
-        try: ct = cpu(cl.pid)
-        except OSError: pass
+        time.sleep(4)  # into the steady state
+        targets = [("client", client.pid)] + [(label, pid) for pid, label in procs.items()]
+        spies = [subprocess.Popen([a.spy_bin, "record", "--nonblocking", "-r", "250", "-d", str(spy), "--format", "raw",
+                                   "-o", str(a.out / f"spy_{label}.txt"), "--pid", str(pid)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for label, pid in targets]
+    client_cpu = 0.0
+    while client.poll() is None:  # the client's own time, read while it lives
+        try:
+            client_cpu = cpu_seconds(client.pid)
+        except OSError:
+            pass
         time.sleep(0.05)
-    wall = time.time() - w0
-    for sp in spies: sp.wait()
-    res = json.load(open(f"{OUTD}/{fn}"))
-    toks = res.get("total_output_tokens") or res["completed"] * out_len
-    return wall, toks, {p: cpu(p) - t0[p] for p in allp}, ct, res
-bench(64, 64, 16, f"{TAG}_warm.json")
-for i, (c, n) in enumerate(RUNS):
-    spy = int(os.environ["SPY"]) if os.environ.get("SPY") and i == len(RUNS) - 1 else None
-    wall, toks, d, ct, res = bench(n, c, OUTLEN, f"{TAG}_c{c}.json", spy)
-    print(f"[{TAG}] c={c} n={n}: wall {wall:.1f} s, {toks} tokens, {res['output_throughput']:.0f} tok/s, TPOT {res['mean_tpot_ms']:.2f} ms"
-          + "".join(f" | {names[p]} {1e6*s/toks:.0f} us/tok {100*s/wall:.0f}%core" for p, s in d.items())
-          + f" | client {1e6*ct/toks:.0f} us/tok {100*ct/wall:.0f}%core", flush=True)
-srv.terminate(); srv.wait()
+    wall = time.time() - t0
+    for s in spies:
+        s.wait()
+    result = json.loads((a.out / name).read_text())
+    used = {label: cpu_seconds(pid) - before[pid] for pid, label in procs.items()}
+    used["client"] = client_cpu
+    return wall, result, used
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="+", default=["64:128"], help="concurrency:prompts per run")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--server-args", default="--max-num-seqs 256 --max-model-len 2048")
+    p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--spy", type=int, default=None, help="py-spy seconds per process in the last run")
+    p.add_argument("--spy-bin", default="py-spy")
+    p.add_argument("--out", type=Path, default=Path("/tmp/serve_cpu"))
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    server = start_server(a.port, shlex.split(a.server_args), a.out / "server.log")
+    try:
+        procs = {server.pid: "api"}
+        for pid in children(server.pid):  # the engine core (multiprocessing spawn) and its resource tracker
+            procs[pid] = "core" if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text() else f"child{pid}"
+        bench(a, a.port, procs, 64, 64, 16, "warm.json")
+        for i, run in enumerate(a.runs):
+            concurrency, prompts = map(int, run.split(":"))
+            wall, result, used = bench(a, a.port, procs, concurrency, prompts, a.output_len, f"c{concurrency}.json",
+                                       a.spy if i == len(a.runs) - 1 else None)
+            tokens = result["total_output_tokens"]
+            print(f"concurrency {concurrency}, {prompts} prompts: {result['output_throughput']:.0f} tok/s, "
+                  f"TPOT {result['mean_tpot_ms']:.2f} ms | " + " | ".join(
+                      f"{label} {1e6 * s / tokens:.0f} us/token ({100 * s / wall:.0f}% of a core)"
+                      for label, s in used.items()), flush=True)
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
