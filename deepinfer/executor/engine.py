@@ -36,9 +36,11 @@ from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
 from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.engine.sizing import build_prefix_hasher
+from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.spec import HISTORY, build_layout
 from deepinfer.runner.model_runner import StepResult
+from deepinfer.runner.speculative import mtp_passes
 from deepinfer.sched.plan import StepPlan
 from deepinfer.sched.scheduler import Scheduler
 from deepinfer.tokenizer import Tokenizer
@@ -88,10 +90,12 @@ class ParallelLLMEngine(LLMEngine):
         self.model = self.worker.model
         ready = self.worker.channel.gather(Ready(0, self.worker.facts))
         tp, mc, sc = config.parallel.tensor_parallel_size, config.model, config.scheduler
-        layout = build_layout(mc, config.cache.block_size, include_mtp=False)
+        spec = config.speculative  # each DP rank's scheduler plans its drafts; its ranks verify them
+        layout = build_layout(mc, config.cache.block_size, include_mtp=spec is not None)
         counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
         prefix = build_prefix_hasher(config)
-        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,), prefix=prefix) for c in counts]
+        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,), spec, prefix) for c in counts]
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
@@ -143,7 +147,8 @@ class ParallelLLMEngine(LLMEngine):
         if any(s.plan != StepPlan() for s in schedules):  # work or departures somewhere
             order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules),
                             copies=tuple(s.copies for s in schedules),
-                            context_parallel=self._context_parallel([s.plan for s in schedules]))
+                            context_parallel=self._context_parallel([s.plan for s in schedules]),
+                            mtp_passes=max(mtp_passes(s.plan) for s in schedules) if self.config.speculative else 0)
             self.context_parallel_chunks += len(order.context_parallel)
             self.worker.channel.broadcast(order)
             done = self.worker.channel.gather(self.worker.run(order))
@@ -164,6 +169,9 @@ class ParallelLLMEngine(LLMEngine):
                 del self.requests[rid]
                 del self._owner[rid]
         return outputs
+
+    def _rollback(self, seq, num_rejected: int) -> None:
+        self.schedulers[self._owner[seq.request.request_id]].rollback(seq, num_rejected)  # the owning DP rank's
 
     def _context_parallel(self, plans: list[StepPlan]) -> tuple[ContextParallelChunk, ...]:
         """Per CP group, the longest prompt chunk of at least ``cp_min_chunk`` tokens among its DP ranks' plans
