@@ -26,7 +26,7 @@ ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_si
 
 def _prompts() -> list[list[int]]:
     rng = random.Random(21)
-    return [[rng.randrange(3, 4096) for _ in range(n)] for n in (125, 6, 124, 30, 9)]
+    return [[rng.randrange(3, 4096) for _ in range(n)] for n in (125, 124, 120, 30, 9)]
 
 
 def _params(i: int) -> SamplingParams:
@@ -36,8 +36,9 @@ def _params(i: int) -> SamplingParams:
 
 
 def _drain(engine: LLMEngine) -> dict[str, list[int]]:
-    """Request i arrives before step 3 * i: the first ones run alone (the other DP rank idle) for a while."""
-    arrivals = arrivals_by_step(_prompts(), {3 * i: [i] for i in range(len(_prompts()))})
+    """The first request runs alone (the other DP rank idle), the next two arrive together (one shares the
+    first one's rank: preemption there), the last two later."""
+    arrivals = arrivals_by_step(_prompts(), {0: [0], 1: [1, 2], 7: [3], 10: [4]})
     done, step = {}, 0
     while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
         for rid, ids in arrivals.pop(step, []):
