@@ -7,7 +7,10 @@ their plans in one ``RunStep``, runs rank 0's own share, and gathers the results
 runs an empty step while any other has work (the MoE collectives need every rank). With context parallelism,
 each CP group's longest prefill chunk of at least ``context_parallel_min_tokens`` tokens is named in the step
 (``RunStep.context_parallel``) and every rank of the group runs its zigzag share of it beside its own work
-(``model/parallel/context.py``). With expert-parallel
+(``model/parallel/context.py``). With speculative decoding each DP rank's scheduler plans its sequences' drafts,
+the rank verifies them and runs their MTP passes, its result carries the accepted tokens and next drafts, and
+rejected drafts are rolled back on that rank's scheduler; ``RunStep.mtp_passes`` makes every rank run as many
+MTP-layer expert collectives as the busiest one (not with context parallelism). With expert-parallel
 load balancing, every ``step_interval`` steps the experts are re-placed between two steps (``eplb.py``).
 
 Launch (``launch.py``): ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each); with
