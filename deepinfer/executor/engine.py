@@ -123,6 +123,10 @@ class ParallelLLMEngine(LLMEngine):
     def add_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if self.config.speculative is not None and getattr(sampling_params, "structured_outputs", None) is not None:
+            # A plan carries one grammar mask per sequence; verifying drafts needs one per drafted position.
+            raise ValueError("structured_outputs: not supported with speculative_config over several devices yet "
+                             "(the single-device engine supports both); allowed: None")
         req = self.intake.build(request_id, prompt, sampling_params)
         # The DP rank whose cache holds the longest prefix of the prompt; the least loaded among equals.
         loads = [len(s.waiting) + len(s.running) for s in self.schedulers]

@@ -78,6 +78,9 @@ def test_parallel_speculative_equals_plain(plain, parallel, k) -> None:
         stats = engine.spec_stats
         preemptions = sum(s.num_preemptions for s in engine.schedulers)
         assert all(s.cache.num_requests == 0 for s in engine.schedulers)
+        with pytest.raises(ValueError, match="structured_outputs: .*speculative_config"):
+            engine.add_request("json", "{", SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "object"}}))
+        assert not engine.has_unfinished_requests()
     finally:
         engine.close()
         torch.set_num_threads(threads)
