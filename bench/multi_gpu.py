@@ -50,7 +50,8 @@ from deepinfer.engine.llm_engine import LLMEngine  # noqa: E402
 
 def _layout(a: argparse.Namespace) -> str:
     cp = f"-cp{a.context_parallel_size}" if a.context_parallel_size > 1 else ""
-    return f"tp{a.tensor_parallel_size}-dp{a.data_parallel_size}" + ("-ep" if a.enable_expert_parallel else "") + cp
+    mtp = f"-mtp{json.loads(a.speculative_config)['num_speculative_tokens']}" if a.speculative_config else ""
+    return f"tp{a.tensor_parallel_size}-dp{a.data_parallel_size}" + ("-ep" if a.enable_expert_parallel else "") + cp + mtp
 
 
 def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[dict]:
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--enable-expert-parallel", action="store_true")
     p.add_argument("--context-parallel-size", type=int, default=1, help="DP ranks a long prefill chunk is split over")
     p.add_argument("--context-parallel-min-tokens", type=int, default=1024)
+    p.add_argument("--speculative-config", default=None,
+                   help='MTP speculation, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (dummy weights: '
+                        'drafts are almost never accepted, so this times the verify steps\' worst case)')
     p.add_argument("--layers", type=int, default=None, help="num_hidden_layers override (default: all)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
                 context_parallel_min_tokens=a.context_parallel_min_tokens, max_num_seqs=max(a.batches),
                 max_num_batched_tokens=budget, max_model_len=max(a.prefill + 1, a.prompt_len + a.tokens) + 1,
                 gpu_memory_utilization=a.gpu_memory_utilization, seed=a.seed, load_progress=False,
+                speculative_config=a.speculative_config,
                 hf_overrides={"num_hidden_layers": a.layers} if a.layers else None)
     t = time.perf_counter()
     llm = LLM(**args)
@@ -123,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
             ttft, psteps, dt, steps = _run(engine, _prompts(b, a.prompt_len, cfg.vocab_size, rng), a.tokens, f"d{b}")
             decode.append({"batch": b, "prefill_s": round(ttft, 4), "prefill_steps": psteps, "decode_steps": steps,
                            "step_ms": round(1e3 * dt / max(steps, 1), 3),
-                           "tokens_per_s": round(b * steps / dt, 2) if dt > 0 else None})
+                           # Speculation emits several tokens a step: count the tokens after each first one.
+                           "tokens_per_s": round(b * (a.tokens - 1 if a.speculative_config else steps) / dt, 2)
+                           if dt > 0 else None})
             print(f"decode batch {b}: {decode[-1]['step_ms']} ms/step, {decode[-1]['tokens_per_s']} tok/s", flush=True)
         n = a.prefill_seqs or a.data_parallel_size
         ttft, psteps, _, _ = _run(engine, _prompts(n, a.prefill, cfg.vocab_size, rng), 1, "p")
@@ -147,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
         "world_size": a.tensor_parallel_size * a.data_parallel_size, "dtype": str(engine.config.dtype),
         "load_s": round(load_s, 2), "prompt_len": a.prompt_len, "tokens": a.tokens, "step_token_budget": budget,
         "decode": decode, "prefill": prefill, "context_parallel_size": a.context_parallel_size,
-        "long_prefill": long_prefill,
+        "long_prefill": long_prefill, "speculative_config": a.speculative_config,
+        "mean_acceptance_length": engine.spec_stats.mean_acceptance_length if a.speculative_config else None,
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

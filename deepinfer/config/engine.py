@@ -271,9 +271,10 @@ def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: Engine
         where = f" on each of {launch.nnodes} nodes" if launch.is_multi_node else ""
         raise ValueError(f"tensor_parallel_size x data_parallel_size: {per_node} devices wanted{where}, "
                          f"{torch.cuda.device_count()} visible")
-    if args.speculative_config is not None:
-        raise ValueError("speculative_config: not supported with tensor_parallel_size or data_parallel_size > 1 "
-                         "yet; allowed: None")
+    if args.speculative_config is not None and parallel.context_parallel_size > 1:
+        # A context-parallel chunk's streams come back without the step index the MTP layer's pass reads.
+        raise ValueError("speculative_config: not supported with context_parallel_size > 1 yet; allowed: None "
+                         "(or context_parallel_size=1)")
     if args.kv_host_cache_gb or args.kv_cache_dir is not None:
         name = "kv_host_cache_gb" if args.kv_host_cache_gb else "kv_cache_dir"
         raise ValueError(f"{name}: cache tiers are not supported with tensor_parallel_size or "

@@ -219,7 +219,7 @@ class LLMEngine:
                 self.spec_stats.observe(w.num_drafts, accepted)
                 seq.draft_acceptance = update_rate(seq.draft_acceptance, w.num_drafts, accepted)
                 if not seq.finished:  # rejected drafts leave the cache (a finished one is freed whole)
-                    self.scheduler.rollback(seq, w.num_drafts - accepted)
+                    self._rollback(seq, w.num_drafts - accepted)
             elif self.config.speculative is not None and w.num_samples:
                 seq.draft_acceptance = update_rate(seq.draft_acceptance, 0, 0)
             seq.drafts = s.drafts
@@ -239,6 +239,10 @@ class LLMEngine:
         if advance:  # sequences are independent: advancing them together changes no token
             self._advance_grammars(advance)
         return touched
+
+    def _rollback(self, seq, num_rejected: int) -> None:
+        """Drop a sequence's rejected drafts from its cache (the parallel engine: on its DP rank's scheduler)."""
+        self.scheduler.rollback(seq, num_rejected)
 
     def _advance_grammars(self, advance: list) -> None:
         """Feed each sequence's grammar its accepted token (``advance``: (sequence, token), distinct sequences;

@@ -7,7 +7,10 @@ their plans in one ``RunStep``, runs rank 0's own share, and gathers the results
 runs an empty step while any other has work (the MoE collectives need every rank). With context parallelism,
 each CP group's longest prefill chunk of at least ``context_parallel_min_tokens`` tokens is named in the step
 (``RunStep.context_parallel``) and every rank of the group runs its zigzag share of it beside its own work
-(``model/parallel/context.py``). With expert-parallel
+(``model/parallel/context.py``). With speculative decoding each DP rank's scheduler plans its sequences' drafts,
+the rank verifies them and runs their MTP passes, its result carries the accepted tokens and next drafts, and
+rejected drafts are rolled back on that rank's scheduler; ``RunStep.mtp_passes`` makes every rank run as many
+MTP-layer expert collectives as the busiest one (not with context parallelism). With expert-parallel
 load balancing, every ``step_interval`` steps the experts are re-placed between two steps (``eplb.py``).
 
 Launch (``launch.py``): ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each); with
@@ -36,9 +39,11 @@ from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
 from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.engine.sizing import build_prefix_hasher
+from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.spec import HISTORY, build_layout
 from deepinfer.runner.model_runner import StepResult
+from deepinfer.runner.speculative import mtp_passes
 from deepinfer.sched.plan import StepPlan
 from deepinfer.sched.scheduler import Scheduler
 from deepinfer.tokenizer import Tokenizer
@@ -88,10 +93,12 @@ class ParallelLLMEngine(LLMEngine):
         self.model = self.worker.model
         ready = self.worker.channel.gather(Ready(0, self.worker.facts))
         tp, mc, sc = config.parallel.tensor_parallel_size, config.model, config.scheduler
-        layout = build_layout(mc, config.cache.block_size, include_mtp=False)
+        spec = config.speculative  # each DP rank's scheduler plans its drafts; its ranks verify them
+        layout = build_layout(mc, config.cache.block_size, include_mtp=spec is not None)
         counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
         prefix = build_prefix_hasher(config)
-        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,), prefix=prefix) for c in counts]
+        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,), spec, prefix) for c in counts]
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
@@ -117,6 +124,10 @@ class ParallelLLMEngine(LLMEngine):
     def add_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if self.config.speculative is not None and getattr(sampling_params, "structured_outputs", None) is not None:
+            # A plan carries one grammar mask per sequence; verifying drafts needs one per drafted position.
+            raise ValueError("structured_outputs: not supported with speculative_config over several devices yet "
+                             "(the single-device engine supports both); allowed: None")
         req = self.intake.build(request_id, prompt, sampling_params)
         # The DP rank whose cache holds the longest prefix of the prompt; the least loaded among equals.
         loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
@@ -144,7 +155,8 @@ class ParallelLLMEngine(LLMEngine):
         if any(s.plan != StepPlan() for s in schedules):  # work or departures somewhere
             order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules),
                             copies=tuple(s.copies for s in schedules),
-                            context_parallel=self._context_parallel([s.plan for s in schedules]))
+                            context_parallel=self._context_parallel([s.plan for s in schedules]),
+                            mtp_passes=max(mtp_passes(s.plan) for s in schedules) if self.config.speculative else 0)
             self.context_parallel_chunks += len(order.context_parallel)
             self.worker.channel.broadcast(order)
             done = self.worker.channel.gather(self.worker.run(order))
@@ -165,6 +177,9 @@ class ParallelLLMEngine(LLMEngine):
                 del self.requests[rid]
                 del self._owner[rid]
         return outputs
+
+    def _rollback(self, seq, num_rejected: int) -> None:
+        self.schedulers[self._owner[seq.request.request_id]].rollback(seq, num_rejected)  # the owning DP rank's
 
     def _context_parallel(self, plans: list[StepPlan]) -> tuple[ContextParallelChunk, ...]:
         """Per CP group, the longest prompt chunk of at least ``cp_min_chunk`` tokens among its DP ranks' plans

@@ -32,6 +32,9 @@ class RunStep:
     copies: tuple[tuple[tuple[str, int, int], ...], ...] = ()
     # Context parallelism: at most one prefill chunk per CP group, split over the group's DP ranks.
     context_parallel: tuple[ContextParallelChunk, ...] = ()
+    # Speculative decoding: the most MTP passes any DP rank runs this step (``runner.speculative.mtp_passes``);
+    # a rank with fewer runs the rest without tokens, for the MTP layer's expert-parallel collectives.
+    mtp_passes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,11 @@ from deepinfer.kv.block_budget import cdiv
 from deepinfer.model.loader import load_model
 from deepinfer.model.parallel.context import ContextShare
 from deepinfer.model.parallel.eplb import ExpertBalancer
-from deepinfer.model.parallel.shard import empty_step, needs_empty_steps, sharding_hook
+from deepinfer.model.parallel.shard import empty_mtp_passes, empty_step, needs_empty_steps, sharding_hook
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.runner.speculative import mtp_passes
 
 
 class RankWorker:
@@ -44,8 +45,11 @@ class RankWorker:
         sc, mc = config.scheduler, config.model
         batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size), mc.vocab_size,
                            self.pctx.device)
-        # No decode graphs: the expert dispatch sizes its exchange on the host every step.
-        self.runner = ModelRunner(self.model, self.storage, batch)
+        # No decode graphs: the expert dispatch sizes its exchange on the host every step. With speculative
+        # decoding the rank verifies its own sequences' drafts and runs the MTP passes for them (the MTP layer
+        # is sharded like the layers; its window rows live in this rank's cache).
+        self.speculative = config.speculative is not None
+        self.runner = ModelRunner(self.model, self.storage, batch, speculative=self.speculative)
         self.reports = self.pctx.tp_rank == 0
 
     def handle(self, order):
@@ -70,6 +74,8 @@ class RankWorker:
         handle = self.runner.submit(plan, share=share)
         if plan.empty and share is None and order.busy and needs_empty_steps(self.model):
             empty_step(self.model)
+        if order.mtp_passes and needs_empty_steps(self.model):  # after the passes the runner ran, in order
+            empty_mtp_passes(self.model, order.mtp_passes - (mtp_passes(plan) if self.speculative else 0))
         result = handle.result()
         return StepDone(self.pctx.rank, result if self.reports else None)
 

@@ -48,7 +48,7 @@ from deepinfer.runner.mtp_steps import chain_step, rows_and_first_draft
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling.params import GREEDY_TEMPERATURE_EPS
 from deepinfer.sampling.speculative import FREE, NO_DRAFT, accept_drafts
-from deepinfer.sched.plan import SeqWork
+from deepinfer.sched.plan import SeqWork, StepPlan
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -119,6 +119,15 @@ class Readback:
         base += s * w
         drafts = [[t for t in values[base + i * c : base + (i + 1) * c] if t >= 0] for i in range(self.num_proposers)]
         return tokens, drafts
+
+
+def mtp_passes(plan: StepPlan) -> int:
+    """How many MTP passes ``MTPDrafter.propose`` runs for ``plan``: none for an empty plan, else one over the
+    step's rows plus one chained pass per further draft of its most demanding proposer. Host-known, so a
+    parallel engine can have ranks with fewer passes join the others' expert-parallel collectives."""
+    if plan.empty:
+        return 0
+    return max((w.num_proposals for w in plan.work if w.num_samples), default=1) or 1
 
 
 class MTPDrafter:

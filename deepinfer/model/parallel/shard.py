@@ -163,3 +163,17 @@ def empty_step(model: DeepseekV4) -> None:
     ids = torch.empty(0, dtype=torch.long, device=pctx.device)
     for layer in model.layers:
         layer.ffn(x, ids)
+
+
+@torch.no_grad()
+def empty_mtp_passes(model: DeepseekV4, count: int) -> None:
+    """``count`` MTP passes without tokens (speculative decoding): the MTP layer's MoE with zero rows each
+    time, so a rank with fewer passes in a step (no drafts to chain, or no work) joins the collectives of
+    the ranks that run more."""
+    if count <= 0:
+        return
+    pctx = model.parallel
+    x = torch.empty(0, model.cfg.hidden_size, dtype=model.dtype, device=pctx.device)
+    ids = torch.empty(0, dtype=torch.long, device=pctx.device)
+    for _ in range(count):  # every pass runs the first MTP layer (``DeepseekV4.mtp_forward``'s depth 0)
+        model.mtp[0].ffn(x, ids)

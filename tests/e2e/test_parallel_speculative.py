@@ -1,0 +1,126 @@
+"""Speculative decoding over a 2-process gloo world: each DP rank verifies its own sequences' drafts, runs the
+MTP passes for them and rolls rejected drafts back on its own cache; ranks with fewer MTP passes in a step (no
+drafts to chain, or no work) join the others' expert-parallel collectives without tokens. The tokens equal
+the single-process engine's without speculation (greedy and seeded sampled requests in one batch), under
+chunked prefill, preemption (a small history pool) and uneven load (requests arrive over several steps, so
+a rank is idle or only prefills while the other verifies). The acceptance counters show the drafts were
+really verified, and that some were accepted and some rolled back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer.assets import demo_model_dir
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.executor.engine import ParallelLLMEngine
+from deepinfer.runner.speculative import mtp_passes
+from deepinfer.sampling import SamplingParams
+from deepinfer.testing.staggered import arrivals_by_step
+
+MAX_TOKENS = 10
+ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
+            max_num_batched_tokens=48, num_cache_blocks=2, load_progress=False)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(21)
+    return [[rng.randrange(3, 4096) for _ in range(n)] for n in (125, 124, 120, 30, 9)]
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2:  # seeded sampled: the draws are keyed by (seed, position), so any engine draws the same
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+    """The first request runs alone (the other DP rank idle), the next two arrive together (one shares the
+    first one's rank: preemption there), the last two later."""
+    arrivals = arrivals_by_step(_prompts(), {0: [0], 1: [1, 2], 7: [3], 10: [4]})
+    done, step = {}, 0
+    while engine.has_unfinished_requests() or any(k >= step for k in arrivals):
+        for rid, ids in arrivals.pop(step, []):
+            engine.add_request(rid, {"prompt_token_ids": ids}, _params(int(rid[1:])))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    return done
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, list[int]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of the worlds below
+    try:
+        engine = LLMEngine.from_engine_args(**ARGS)
+        out = _drain(engine)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    return out
+
+
+@pytest.mark.parametrize("parallel,k", [(dict(data_parallel_size=2, enable_expert_parallel=True), 1),
+                                        (dict(data_parallel_size=2, enable_expert_parallel=True), 3),
+                                        (dict(tensor_parallel_size=2), 2)],
+                         ids=["dp2-ep-k1", "dp2-ep-k3", "tp2-k2"])
+def test_parallel_speculative_equals_plain(plain, parallel, k) -> None:
+    threads = torch.get_num_threads()
+    engine = LLMEngine.from_engine_args(**ARGS, **parallel,
+                                        speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    try:
+        assert isinstance(engine, ParallelLLMEngine)
+        got = _drain(engine)
+        stats = engine.spec_stats
+        preemptions = sum(s.num_preemptions for s in engine.schedulers)
+        assert all(s.cache.num_requests == 0 for s in engine.schedulers)
+        with pytest.raises(ValueError, match="structured_outputs: .*speculative_config"):
+            engine.add_request("json", "{", SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "object"}}))
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    assert got == plain
+    assert preemptions > 0, "the test must exercise preemption"
+    # Drafts were verified on the ranks: some accepted (fewer steps), some rejected (rolled back).
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_draft_tokens > stats.num_drafts or k == 1
+
+
+def test_speculative_refused_with_context_parallel() -> None:
+    from deepinfer.config.engine import EngineArgs, EngineConfig
+
+    args = EngineArgs.from_kwargs(**ARGS, data_parallel_size=2, context_parallel_size=2, enable_expert_parallel=True,
+                                  speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="speculative_config: .*context_parallel_size"):
+        EngineConfig.create(args)
+
+
+def test_mtp_passes_counts_the_drafters_passes() -> None:
+    """``mtp_passes(plan)`` (what the ranks pad to) is the number of MTP-layer passes a step really runs, on
+    every step of a speculative run with prefill chunks, mixed draft lengths and preemption: a ran-more or
+    ran-fewer pass would leave an expert-parallel rank waiting in a collective."""
+    engine = LLMEngine.from_engine_args(**ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    calls, seen = [0], []
+    engine.model.mtp[0].ffn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    submit = engine.runner.submit
+
+    def counted(plan, *a, **kw):
+        before = calls[0]
+        handle = submit(plan, *a, **kw)
+        seen.append((mtp_passes(plan), calls[0] - before))
+        return handle
+
+    engine.runner.submit = counted
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny GEMMs: threads only contend
+    try:
+        _drain(engine)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(want == ran for want, ran in seen), seen
+    assert {ran for _, ran in seen} >= {1, 2, 3}, "steps without drafts, with short and with full chains"
