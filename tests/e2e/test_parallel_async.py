@@ -91,3 +91,40 @@ def test_parallel_async_equals_single_process_sync(sync_single, parallel) -> Non
     assert sum(w.num_placeholders for o in orders for p in o.plans for w in p.work) > 10
     if parallel.get("data_parallel_size"):  # uneven load: some steps ran with one DP rank idle
         assert any(o.busy and any(p.empty for p in o.plans) for o in orders)
+
+
+def test_async_scheduling_with_context_parallelism_is_refused() -> None:
+    from deepinfer.config.engine import EngineArgs, EngineConfig
+
+    with pytest.raises(ValueError, match="async_scheduling: not supported with context_parallel_size > 1"):
+        EngineConfig.create(EngineArgs(**ARGS, data_parallel_size=2, enable_expert_parallel=True,
+                                       context_parallel_size=2, async_scheduling=True))
+
+
+def test_structured_outputs_under_parallel_async_scheduling() -> None:
+    """A grammar's next mask needs the token in flight: the engine brings that step home first (an empty
+    step), and the tokens are the synchronous single-process engine's."""
+    constraints = [{"regex": r"[a-z]{3}=[0-9]{1,4};"}, None, {"choice": ["yes", "no"]},
+                   {"grammar": 'start: "(" /[0-9]{1,3}/ ")"'}]
+    params = [SamplingParams(temperature=1.0 if s % 3 else 0.0, seed=s, max_tokens=16, structured_outputs=c)
+              for s, c in enumerate(constraints)]
+    runs = []
+    threads = torch.get_num_threads()
+    for kw in (dict(), dict(data_parallel_size=2, enable_expert_parallel=True, async_scheduling=True)):
+        if not kw:
+            torch.set_num_threads(1)  # as each rank of the world
+        engine = LLMEngine.from_engine_args(**ARGS, **kw)
+        try:
+            for i, p in enumerate(params):
+                engine.add_request(f"s{i}", ["x = ", "y = "][i % 2], p)
+            done = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = [(c.token_ids, c.finish_reason) for c in out.outputs]
+            runs.append(done)
+        finally:
+            if kw:
+                engine.close()
+            torch.set_num_threads(threads)
+    assert runs[0] == runs[1]
