@@ -262,9 +262,10 @@ def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: Engine
 
     if parallel.is_single:
         return
-    if args.async_scheduling:
-        raise ValueError("async_scheduling: not supported with tensor_parallel_size or data_parallel_size > 1; "
-                         "allowed: false")
+    if args.async_scheduling and parallel.context_parallel_size > 1:
+        # A step in flight leaves placeholders in the plans; a CP group's helpers run shares of known tokens only.
+        raise ValueError("async_scheduling: not supported with context_parallel_size > 1 yet; allowed: false "
+                         "(or context_parallel_size=1)")
     # Devices are counted per node; under torchrun each rank checks its LOCAL_RANK when it joins.
     per_node = launch.ranks_per_node(parallel)
     if device == "cuda" and not launched_by_torchrun() and per_node > torch.cuda.device_count():

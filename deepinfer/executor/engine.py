@@ -45,7 +45,7 @@ from deepinfer.kv.spec import HISTORY, build_layout
 from deepinfer.runner.model_runner import StepResult
 from deepinfer.runner.speculative import mtp_passes
 from deepinfer.sched.plan import StepPlan
-from deepinfer.sched.scheduler import Scheduler
+from deepinfer.sched.scheduler import Schedule, Scheduler
 from deepinfer.tokenizer import Tokenizer
 
 
@@ -102,7 +102,10 @@ class ParallelLLMEngine(LLMEngine):
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
-        self.async_scheduling, self._inflight, self.tiers = False, None, None
+        # Async scheduling: per DP rank, the schedule of the step in flight (None: no work there), its results
+        # applied once the next step is submitted, as in LLMEngine.step.
+        self.async_scheduling, self.tiers = config.async_scheduling, None
+        self._inflight: list[Schedule | None] | None = None
         self.requests = {}
         self._pending: list[RequestOutput] = []
         self.build_output = build_output  # as LLMEngine.build_output (the server's core installs deltas)
@@ -147,26 +150,30 @@ class ParallelLLMEngine(LLMEngine):
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         touched: set[str] = set()
+        if self._inflight is not None and any(seq.grammar is not None for s in self.schedulers for seq in s.running):
+            touched |= self._flush()  # a grammar's next mask (computed when planning) needs the token in flight
         schedules = [self._with_grammar_masks(s.schedule()) for s in self.schedulers]
         for schedule in schedules:
             for seq in schedule.unschedulable:
                 finish(seq, "length")
                 touched.add(seq.request.request_id)
-        if any(s.plan != StepPlan() for s in schedules):  # work or departures somewhere
+        done = None
+        # Work or departures somewhere, or (async) a step in flight whose results the ranks still hold.
+        if any(s.plan != StepPlan() for s in schedules) or self._inflight is not None:
             order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules),
                             copies=tuple(s.copies for s in schedules),
                             context_parallel=self._context_parallel([s.plan for s in schedules]),
-                            mtp_passes=max(mtp_passes(s.plan) for s in schedules) if self.config.speculative else 0)
-            self.context_parallel_chunks += len(order.context_parallel)
-            self.worker.channel.broadcast(order)
-            done = self.worker.channel.gather(self.worker.run(order))
-            if self.eplb is not None and order.busy:
-                self.eplb.after_step(self.worker)  # between this step and the next
-        tp = self.config.parallel.tensor_parallel_size
-        for d, (scheduler, schedule) in enumerate(zip(self.schedulers, schedules)):
+                            mtp_passes=max(mtp_passes(s.plan) for s in schedules) if self.config.speculative else 0,
+                            in_flight=self.async_scheduling)
+            done = self._run(order)
+        for scheduler, schedule in zip(self.schedulers, schedules):
             scheduler.commit(schedule)
-            if not schedule.empty:
-                touched |= self._apply(schedule, _Done(done[d * tp].result))
+        # As LLMEngine.step: sync, this step's results; async, the previous step's (``done`` holds those), this
+        # step staying in flight. Per DP rank, its schedule, or None where it had no work.
+        current = [None if s.empty else s for s in schedules]
+        if self.async_scheduling:
+            current, self._inflight = self._inflight, (current if any(c is not None for c in current) else None)
+        touched |= self._apply_all(current, done)
         for rid in [r for r in self.requests if r in touched]:  # arrival order
             req = self.requests[rid]
             for seq in req.seqs:
@@ -177,6 +184,31 @@ class ParallelLLMEngine(LLMEngine):
                 del self.requests[rid]
                 del self._owner[rid]
         return outputs
+
+    def _run(self, order: RunStep) -> list:
+        """Every rank runs ``order``; their replies, in rank order."""
+        self.worker.channel.broadcast(order)
+        done = self.worker.channel.gather(self.worker.run(order))
+        self.context_parallel_chunks += len(order.context_parallel)
+        if self.eplb is not None and order.busy:
+            self.eplb.after_step(self.worker)  # between this step and the next
+        return done
+
+    def _apply_all(self, schedules, done) -> set[str]:
+        """Fold each DP rank's results (its first TP rank's report in ``done``) into its schedule's sequences."""
+        touched: set[str] = set()
+        tp = self.config.parallel.tensor_parallel_size
+        for d, schedule in enumerate(schedules or ()):
+            if schedule is not None:
+                touched |= self._apply(schedule, _Done(done[d * tp].result))
+        return touched
+
+    def _flush(self) -> set[str]:
+        """Async: an empty step that brings the step in flight home, and its results applied (no new work)."""
+        dp = self.config.parallel.data_parallel_size
+        inflight, self._inflight = self._inflight, None
+        return self._apply_all(inflight, self._run(RunStep(tuple(StepPlan() for _ in range(dp)), busy=False,
+                                                           in_flight=True)))
 
     def _rollback(self, seq, num_rejected: int) -> None:
         self.schedulers[self._owner[seq.request.request_id]].rollback(seq, num_rejected)  # the owning DP rank's

@@ -35,6 +35,9 @@ class RunStep:
     # Speculative decoding: the most MTP passes any DP rank runs this step (``runner.speculative.mtp_passes``);
     # a rank with fewer runs the rest without tokens, for the MTP layer's expert-parallel collectives.
     mtp_passes: int = 0
+    # Async scheduling: this step stays in flight on the ranks, which reply with the results of the step before
+    # it (an empty result where there was none); its own are read once the next step is submitted.
+    in_flight: bool = False
 
 
 @dataclass(frozen=True, slots=True)

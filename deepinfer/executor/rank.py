@@ -24,7 +24,7 @@ from deepinfer.model.parallel.eplb import ExpertBalancer
 from deepinfer.model.parallel.shard import empty_mtp_passes, empty_step, needs_empty_steps, sharding_hook
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.input_batch import InputBatch
-from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.runner.model_runner import ModelRunner, StepResult
 from deepinfer.runner.speculative import mtp_passes
 
 
@@ -51,6 +51,7 @@ class RankWorker:
         self.speculative = config.speculative is not None
         self.runner = ModelRunner(self.model, self.storage, batch, speculative=self.speculative)
         self.reports = self.pctx.tp_rank == 0
+        self._inflight = None  # async scheduling: the step submitted last, its results not yet reported
 
     def handle(self, order):
         """Carry out one order of the engine; returns this rank's reply."""
@@ -76,7 +77,9 @@ class RankWorker:
             empty_step(self.model)
         if order.mtp_passes and needs_empty_steps(self.model):  # after the passes the runner ran, in order
             empty_mtp_passes(self.model, order.mtp_passes - (mtp_passes(plan) if self.speculative else 0))
-        result = handle.result()
+        if order.in_flight:  # its placeholders were filled from the step before, on this rank's device
+            handle, self._inflight = self._inflight, handle
+        result = handle.result() if handle is not None else StepResult()
         return StepDone(self.pctx.rank, result if self.reports else None)
 
 
