@@ -34,6 +34,8 @@ from deepinfer.executor.eplb import EplbDriver
 from deepinfer.executor.launch import follow, node_worlds, spawn_ranks
 from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
+from deepinfer.executor.remote_tiers import RemoteTiers
+from deepinfer.executor.tier_messages import CloseTiers, CollectTierStats, TierReply, TierWork
 from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.engine.sizing import build_prefix_hasher
 from deepinfer.kv.manager import CacheManager
@@ -91,7 +93,13 @@ class ParallelLLMEngine(LLMEngine):
         layout = build_layout(mc, config.cache.block_size, include_mtp=False)
         counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
         prefix = build_prefix_hasher(config)
-        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,), prefix=prefix) for c in counts]
+        caches = [CacheManager(layout, c) for c in counts]
+        # Cache tiers: each rank keeps its own (rank_tiers.py); each DP group's scheduler asks its ranks.
+        self.remote_tiers = [RemoteTiers(d, tp, cache.replay > 0, self._ask) for d, cache in enumerate(caches)] \
+            if config.cache.tiers.enabled and prefix is not None else None
+        self.schedulers = [Scheduler(sc, cache, (mc.eos_token_id,), prefix=prefix,
+                                     tiers=self.remote_tiers[d] if self.remote_tiers else None)
+                           for d, cache in enumerate(caches)]
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
@@ -103,6 +111,15 @@ class ParallelLLMEngine(LLMEngine):
         self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
         self.context_parallel_chunks = 0  # prefill chunks run split over a CP group
         atexit.register(self.close)
+
+    def _ask(self, order) -> list:
+        """Every rank carries out ``order`` (between steps); their replies in rank order."""
+        self.worker.channel.broadcast(order)
+        return self.worker.channel.gather(self.worker.handle(order))
+
+    def tier_stats(self) -> list[TierReply]:
+        """Every rank's tier counters (blocks saved and loaded, its store's stats), in rank order."""
+        return self._ask(CollectTierStats()) if self.remote_tiers else []
 
     # What single-rank callers read (the server's metrics, tests): DP rank 0's scheduler and cache.
     @property
@@ -140,10 +157,12 @@ class ParallelLLMEngine(LLMEngine):
             for seq in schedule.unschedulable:
                 finish(seq, "length")
                 touched.add(seq.request.request_id)
-        if any(s.plan != StepPlan() for s in schedules):  # work or departures somewhere
+        tier_work = self._tier_work(schedules)
+        if any(s.plan != StepPlan() for s in schedules) or any(tier_work):  # work or departures somewhere
             order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules),
                             copies=tuple(s.copies for s in schedules),
-                            context_parallel=self._context_parallel([s.plan for s in schedules]))
+                            context_parallel=self._context_parallel([s.plan for s in schedules]),
+                            tiers=tier_work)
             self.context_parallel_chunks += len(order.context_parallel)
             self.worker.channel.broadcast(order)
             done = self.worker.channel.gather(self.worker.run(order))
@@ -164,6 +183,13 @@ class ParallelLLMEngine(LLMEngine):
                 del self.requests[rid]
                 del self._owner[rid]
         return outputs
+
+    def _tier_work(self, schedules) -> tuple[TierWork, ...]:
+        """Per DP group, the step's tier work (its loads name blocks by hash: ``RemoteTiers.fetch_all``)."""
+        if not self.remote_tiers:
+            return ()
+        work = tuple(TierWork(s.saves, s.loads, r.take_prefetch()) for s, r in zip(schedules, self.remote_tiers))
+        return work if any(w != TierWork() for w in work) else ()
 
     def _context_parallel(self, plans: list[StepPlan]) -> tuple[ContextParallelChunk, ...]:
         """Per CP group, the longest prompt chunk of at least ``cp_min_chunk`` tokens among its DP ranks' plans
@@ -190,6 +216,8 @@ class ParallelLLMEngine(LLMEngine):
         if self._closed:
             return
         self._closed = True
+        if self.remote_tiers:  # write the device's cached blocks down first: a restart finds them all
+            self._ask(CloseTiers(tuple(tuple(s.cache.cached_blocks()) for s in self.schedulers)))
         self.worker.channel.broadcast(Shutdown())
         for p in self._procs:
             p.join(timeout=30)

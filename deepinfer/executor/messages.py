@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.config.engine import RuntimeFacts
+from deepinfer.executor.tier_messages import TIER_MESSAGES, TierWork
 from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.model.parallel.placement import ExpertPlacement
 from deepinfer.runner.model_runner import StepResult
@@ -32,6 +33,8 @@ class RunStep:
     copies: tuple[tuple[tuple[str, int, int], ...], ...] = ()
     # Context parallelism: at most one prefill chunk per CP group, split over the group's DP ranks.
     context_parallel: tuple[ContextParallelChunk, ...] = ()
+    # Cache tiers (tier_messages.py): per DP rank, the blocks to save and load before the step.
+    tiers: tuple[TierWork, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,4 +78,4 @@ class Shutdown:
     pass
 
 
-MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, Shutdown)
+MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, Shutdown) + TIER_MESSAGES
