@@ -81,13 +81,13 @@ def test_data_parallel_tiers_hit_on_every_rank_and_survive_a_restart(plain, tmp_
     """DP2 + EP, a host tier over a disk directory: two conversations per DP rank take turns; each rank saves
     and hits in its own tiers. Closed and restarted, the engine finds every rank's blocks in ``<dir>/rank<r>``."""
     rng = random.Random(21)
-    chats = {c: [rng.randrange(3, 4096) for _ in range(300)] for c in "abcd"}
+    chats = {c: [rng.randrange(3, 4096) for _ in range(450)] for c in "abcd"}
     pairs = ("ab", "cd")  # a, c on DP rank 0 and b, d on DP rank 1 (the idle rank first, then by prefix hits)
     disk = dict(kv_cache_dir=str(tmp_path / "kv"), kv_disk_cache_gb=0.05)
     engine = LLMEngine.from_engine_args(**ARGS, **TIERED, **disk, data_parallel_size=2, enable_expert_parallel=True)
     try:
         assert isinstance(engine, ParallelLLMEngine)
-        outs = _turns(engine, plain, chats, range(3), rng, pairs)
+        outs = _turns(engine, plain, chats, range(2), rng, pairs)
         for rid, out in outs.items():  # every later turn hit, on the rank that holds its conversation
             assert (out.num_cached_tokens > 0) == (not rid.endswith("0")), rid
         for sched in engine.schedulers:
@@ -106,7 +106,7 @@ def test_data_parallel_tiers_hit_on_every_rank_and_survive_a_restart(plain, tmp_
     again = LLMEngine.from_engine_args(**ARGS, **disk, num_cache_blocks=6, data_parallel_size=2,
                                        enable_expert_parallel=True)
     try:
-        outs = _turns(again, plain, chats, range(3, 4), rng, pairs)
+        outs = _turns(again, plain, chats, range(2, 3), rng, pairs)
         assert all(out.num_cached_tokens > 0 for out in outs.values())  # from the disk: the device starts empty
         assert all(sched.prefix_tier_hits > 0 for sched in again.schedulers)
         assert all(s.loaded > 0 and s.stats.tier("disk").hits > 0 for s in again.tier_stats())
@@ -114,14 +114,17 @@ def test_data_parallel_tiers_hit_on_every_rank_and_survive_a_restart(plain, tmp_
         again.close()
 
 
-def test_tensor_parallel_tiers_hit_with_every_shard(plain) -> None:
-    """TP2, a host tier: each TP rank saves and loads its shard of every block under the block's key; the
-    hits (all-or-nothing across the group) draw the single-process engine's tokens."""
+def test_tensor_parallel_tiers_hit_with_every_shard_or_not_at_all(plain, tmp_path) -> None:
+    """TP2, a host tier over a disk directory: each TP rank saves and loads its shard of every block under the
+    block's key, and the hits draw the single-process engine's tokens. Restarted with half of TP rank 1's
+    objects damaged, a hit on a block that rank cannot load shrinks before the model runs (all or nothing across
+    the group: rank 0's intact shard is not used alone), and the tokens are still the cache-off engine's."""
     rng = random.Random(22)
-    chats = {c: [rng.randrange(3, 4096) for _ in range(300)] for c in "ab"}
-    engine = LLMEngine.from_engine_args(**ARGS, **TIERED, tensor_parallel_size=2)
+    chats = {c: [rng.randrange(3, 4096) for _ in range(450)] for c in "ab"}
+    disk = dict(kv_cache_dir=str(tmp_path / "kv"), kv_disk_cache_gb=0.05)
+    engine = LLMEngine.from_engine_args(**ARGS, **TIERED, **disk, tensor_parallel_size=2)
     try:
-        outs = _turns(engine, plain, chats, range(3), rng, ("a", "b"))
+        outs = _turns(engine, plain, chats, range(2), rng, ("a", "b"))
         assert all(out.num_cached_tokens > 0 for rid, out in outs.items() if not rid.endswith("0"))
         assert engine.scheduler.cache.pools["history"].num_evictions > 0 and engine.scheduler.prefix_tier_hits > 0
         stats = engine.tier_stats()
@@ -129,3 +132,19 @@ def test_tensor_parallel_tiers_hit_with_every_shard(plain) -> None:
         assert stats[0].saved == stats[1].saved and stats[0].loaded == stats[1].loaded  # every shard, each time
     finally:
         engine.close()
+    files = sorted((tmp_path / "kv" / "rank1").rglob("*.kvb"))
+    assert files and list((tmp_path / "kv" / "rank0").rglob("*.kvb"))
+    for f in files[::2]:  # a flipped payload byte: the object fails its checksum when rank 1 fetches it
+        data = bytearray(f.read_bytes())
+        data[-100] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+    again = LLMEngine.from_engine_args(**ARGS, **disk, num_cache_blocks=6, tensor_parallel_size=2)
+    try:
+        _turns(again, plain, chats, range(2, 3), rng, ("a", "b"))
+        stats = again.tier_stats()
+        assert stats[1].stats.tier("disk").checksum_failures > 0 and stats[0].stats.tier("disk").checksum_failures == 0
+        assert again.remote_tiers[0].fetches > 2  # a fetch failed on rank 1, and the hit was looked up again
+        assert stats[0].loaded == stats[1].loaded > 0
+    finally:
+        again.close()
