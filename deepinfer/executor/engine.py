@@ -103,7 +103,9 @@ class ParallelLLMEngine(LLMEngine):
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
-        self.async_scheduling, self._inflight, self.tiers = False, None, None
+        self.async_scheduling, self._inflight = False, None
+        # Rank 0's own tier link: what /metrics reports, like DP rank 0's scheduler (the engine never drives it).
+        self.tiers = self.worker.tiers.link if self.worker.tiers is not None else None
         self.requests = {}
         self._pending: list[RequestOutput] = []
         self._owner: dict[str, int] = {}  # request id -> DP rank

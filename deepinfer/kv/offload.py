@@ -26,6 +26,9 @@ hit rebuilds a boundary's state by recomputing its last few positions from the w
 holds, so the link keeps history and window blocks only and a lookup never asks the store for a state block.
 Without replay (``bounded_replay=False``, or a state pool without CSA layers) every pool goes down, as a hit
 then needs the boundary's state block itself.
+
+With several ranks each rank has a link of its own over its own storage (``executor/rank_tiers.py``), and the
+engine's schedulers reach the ranks' stores through ``executor/remote_tiers.py``.
 """
 
 from __future__ import annotations

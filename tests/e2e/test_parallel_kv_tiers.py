@@ -98,6 +98,7 @@ def test_data_parallel_tiers_hit_on_every_rank_and_survive_a_restart(plain, tmp_
         assert [s.rank for s in stats] == [0, 1] and all(s.pools == ("history", "window") for s in stats)
         for s in stats:  # each rank saved evicted blocks and loaded hits from its own store
             assert s.saved > 0 and s.loaded > 0 and s.stats.tier("host").hits > 0, s
+        assert engine.tiers.saved == stats[0].saved  # /metrics reports rank 0's link
     finally:
         engine.close()
     for r in range(2):
