@@ -95,8 +95,10 @@ class ParallelLLMEngine(LLMEngine):
         prefix = build_prefix_hasher(config)
         caches = [CacheManager(layout, c) for c in counts]
         # Cache tiers: each rank keeps its own (rank_tiers.py); each DP group's scheduler asks its ranks.
-        self.remote_tiers = [RemoteTiers(d, tp, cache.replay > 0, self._ask) for d, cache in enumerate(caches)] \
-            if config.cache.tiers.enabled and prefix is not None else None
+        tiers = config.cache.tiers
+        warm = tiers.host_bytes > 0 and tiers.disk_dir is not None
+        self.remote_tiers = [RemoteTiers(d, tp, cache.replay > 0, self._ask, warm) for d, cache in enumerate(caches)] \
+            if tiers.enabled and prefix is not None else None
         self.schedulers = [Scheduler(sc, cache, (mc.eos_token_id,), prefix=prefix,
                                      tiers=self.remote_tiers[d] if self.remote_tiers else None)
                            for d, cache in enumerate(caches)]

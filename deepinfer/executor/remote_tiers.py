@@ -22,12 +22,14 @@ Ask = Callable[[object], list]  # broadcast an order to every rank; every rank's
 
 
 class RemoteTiers:
-    def __init__(self, dp: int, tp: int, replay: bool, ask: Ask) -> None:
+    def __init__(self, dp: int, tp: int, replay: bool, ask: Ask, prefetches: bool = True) -> None:
         """``dp``: the DP group; ``tp``: its ranks are dp*tp .. dp*tp + tp - 1. ``replay``: as ``TierLink``'s
-        (no state blocks in the tiers), which the ranks' links decide from the same layout."""
+        (no state blocks in the tiers), which the ranks' links decide from the same layout. ``prefetches``:
+        the tiers are host memory over a disk (otherwise there is nothing to warm and ``prefetch`` sends none)."""
         self.dp, self.tp = dp, tp
         self.pools = tuple(p for p in POOLS if not (replay and p == STATE))
         self._ask = ask
+        self._prefetches = prefetches
         self._prefetch: list[bytes] = []
         self.probes = self.fetches = 0  # round trips (tests, metrics)
 
@@ -55,6 +57,8 @@ class RemoteTiers:
 
     def prefetch(self, hashes: tuple[bytes, ...]) -> int:
         """Queue a prompt's blocks to be warmed from the disk, sent with the next step (``take_prefetch``)."""
+        if not self._prefetches:
+            return 0
         self._prefetch += hashes
         return len(hashes)
 

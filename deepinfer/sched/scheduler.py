@@ -77,7 +77,7 @@ class Scheduler:
                  tiers: TierLink | None = None) -> None:
         self.config = config
         self.prefix = prefix
-        self.tiers = tiers
+        self.tiers = tiers  # a TierLink; with several ranks, its stand-in executor/remote_tiers.py's RemoteTiers
         if tiers is not None:
             cache.record_evictions()
         self._loads: list[tuple[str, int, bytes]] = []
