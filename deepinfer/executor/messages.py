@@ -78,4 +78,5 @@ class Shutdown:
     pass
 
 
-MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, Shutdown) + TIER_MESSAGES
+MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, Shutdown)
+MESSAGES += TIER_MESSAGES  # the cache tiers' orders and replies (tier_messages.py)
