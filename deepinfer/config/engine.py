@@ -56,7 +56,9 @@ class EngineArgs:
     # Prefix caching (kv/manager.py): hits at every block boundary whose window/state tails are retained.
     enable_prefix_caching: bool = True
     # The cache tiers below the device pools (sizes in GiB, like cache_memory_gb; kv/offload.py): evicted
-    # prefix-cache blocks go to host memory, then to the disk directory, and come back on a hit.
+    # prefix-cache blocks go to host memory, then to the disk directory, and come back on a hit. With several
+    # ranks each rank keeps its own tiers (executor/rank_tiers.py): its disk tier is kv_cache_dir/rank<r> and
+    # both sizes are per node, split evenly among the node's ranks.
     kv_cache_dir: str | None = None  # local directory of the disk tier (kept across restarts)
     kv_host_cache_gb: float = 0.0  # host-memory tier (device copies staged in pinned buffers); 0 = none
     kv_disk_cache_gb: float | None = None  # size limit of kv_cache_dir; required with it
@@ -276,10 +278,13 @@ def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: Engine
         # A context-parallel chunk's streams come back without the step index the MTP layer's pass reads.
         raise ValueError("speculative_config: not supported with context_parallel_size > 1 yet; allowed: None "
                          "(or context_parallel_size=1)")
-    if args.kv_host_cache_gb or args.kv_cache_dir is not None:
+    if (args.kv_host_cache_gb or args.kv_cache_dir is not None) and (args.async_scheduling
+                                                                      or args.speculative_config is not None):
+        # Each works with several ranks on its own; together they are not tested yet.
         name = "kv_host_cache_gb" if args.kv_host_cache_gb else "kv_cache_dir"
-        raise ValueError(f"{name}: cache tiers are not supported with tensor_parallel_size or "
-                         "data_parallel_size > 1 yet (each rank's blocks live in its own process)")
+        raise ValueError(f"{name}: cache tiers with several ranks are not supported together with async_scheduling "
+                         "or speculative_config yet; allowed: no cache tiers, or async_scheduling=false and "
+                         "speculative_config=None")
 
 
 def _check_batch_invariant(device: str, parallel: ParallelConfig) -> None:

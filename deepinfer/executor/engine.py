@@ -37,6 +37,8 @@ from deepinfer.executor.eplb import EplbDriver
 from deepinfer.executor.launch import follow, node_worlds, spawn_ranks
 from deepinfer.executor.messages import Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
+from deepinfer.executor.remote_tiers import RemoteTiers
+from deepinfer.executor.tier_messages import CloseTiers, CollectTierStats, TierReply, TierWork
 from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.engine.sizing import build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
@@ -97,15 +99,25 @@ class ParallelLLMEngine(LLMEngine):
         layout = build_layout(mc, config.cache.block_size, include_mtp=spec is not None)
         counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
         prefix = build_prefix_hasher(config)
-        self.schedulers = [Scheduler(sc, CacheManager(layout, c), (mc.eos_token_id,), spec, prefix) for c in counts]
+        caches = [CacheManager(layout, c) for c in counts]
+        # Cache tiers: each rank keeps its own (rank_tiers.py); each DP group's scheduler asks its ranks.
+        tiers = config.cache.tiers
+        warm = tiers.host_bytes > 0 and tiers.disk_dir is not None
+        self.remote_tiers = [RemoteTiers(d, tp, cache.replay > 0, self._ask, warm) for d, cache in enumerate(caches)] \
+            if tiers.enabled and prefix is not None else None
+        self.schedulers = [Scheduler(sc, cache, (mc.eos_token_id,), spec, prefix,
+                                     self.remote_tiers[d] if self.remote_tiers else None)
+                           for d, cache in enumerate(caches)]
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
         self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
         # Async scheduling: per DP rank, the schedule of the step in flight (None: no work there), its results
         # applied once the next step is submitted, as in LLMEngine.step.
-        self.async_scheduling, self.tiers = config.async_scheduling, None
+        self.async_scheduling = config.async_scheduling
         self._inflight: list[Schedule | None] | None = None
+        # Rank 0's own tier link: what /metrics reports, like DP rank 0's scheduler (the engine never drives it).
+        self.tiers = self.worker.tiers.link if self.worker.tiers is not None else None
         self.requests = {}
         self._pending: list[RequestOutput] = []
         self.build_output = build_output  # as LLMEngine.build_output (the server's core installs deltas)
@@ -114,6 +126,15 @@ class ParallelLLMEngine(LLMEngine):
         self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
         self.context_parallel_chunks = 0  # prefill chunks run split over a CP group
         atexit.register(self.close)
+
+    def _ask(self, order) -> list:
+        """Every rank carries out ``order`` (between steps); their replies in rank order."""
+        self.worker.channel.broadcast(order)
+        return self.worker.channel.gather(self.worker.handle(order))
+
+    def tier_stats(self) -> list[TierReply]:
+        """Every rank's tier counters (blocks saved and loaded, its store's stats), in rank order."""
+        return self._ask(CollectTierStats()) if self.remote_tiers else []
 
     # What single-rank callers read (the server's metrics, tests): DP rank 0's scheduler and cache.
     @property
@@ -158,13 +179,14 @@ class ParallelLLMEngine(LLMEngine):
                 finish(seq, "length")
                 touched.add(seq.request.request_id)
         done = None
-        # Work or departures somewhere, or (async) a step in flight whose results the ranks still hold.
-        if any(s.plan != StepPlan() for s in schedules) or self._inflight is not None:
+        tier_work = self._tier_work(schedules)
+        # Work, departures or tier work somewhere, or (async) a step in flight whose results the ranks still hold.
+        if any(s.plan != StepPlan() for s in schedules) or any(tier_work) or self._inflight is not None:
             order = RunStep(tuple(s.plan for s in schedules), busy=any(not s.empty for s in schedules),
                             copies=tuple(s.copies for s in schedules),
                             context_parallel=self._context_parallel([s.plan for s in schedules]),
                             mtp_passes=max(mtp_passes(s.plan) for s in schedules) if self.config.speculative else 0,
-                            in_flight=self.async_scheduling)
+                            in_flight=self.async_scheduling, tiers=tier_work)
             done = self._run(order)
         for scheduler, schedule in zip(self.schedulers, schedules):
             scheduler.commit(schedule)
@@ -213,6 +235,13 @@ class ParallelLLMEngine(LLMEngine):
     def _rollback(self, seq, num_rejected: int) -> None:
         self.schedulers[self._owner[seq.request.request_id]].rollback(seq, num_rejected)  # the owning DP rank's
 
+    def _tier_work(self, schedules) -> tuple[TierWork, ...]:
+        """Per DP group, the step's tier work (its loads name blocks by hash: ``RemoteTiers.fetch_all``)."""
+        if not self.remote_tiers:
+            return ()
+        work = tuple(TierWork(s.saves, s.loads, r.take_prefetch()) for s, r in zip(schedules, self.remote_tiers))
+        return work if any(w != TierWork() for w in work) else ()
+
     def _context_parallel(self, plans: list[StepPlan]) -> tuple[ContextParallelChunk, ...]:
         """Per CP group, the longest prompt chunk of at least ``cp_min_chunk`` tokens among its DP ranks' plans
         (ties: the lower rank, then the earlier work), to be split over the group."""
@@ -238,6 +267,8 @@ class ParallelLLMEngine(LLMEngine):
         if self._closed:
             return
         self._closed = True
+        if self.remote_tiers:  # write the device's cached blocks down first: a restart finds them all
+            self._ask(CloseTiers(tuple(tuple(s.cache.cached_blocks()) for s in self.schedulers)))
         self.worker.channel.broadcast(Shutdown())
         for p in self._procs:
             p.join(timeout=30)

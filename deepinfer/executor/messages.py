@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.config.engine import RuntimeFacts
+from deepinfer.executor.tier_messages import TIER_MESSAGES, TierWork
 from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.model.parallel.placement import ExpertPlacement
 from deepinfer.runner.model_runner import StepResult
@@ -38,6 +39,8 @@ class RunStep:
     # Async scheduling: this step stays in flight on the ranks, which reply with the results of the step before
     # it (an empty result where there was none); its own are read once the next step is submitted.
     in_flight: bool = False
+    # Cache tiers (tier_messages.py): per DP rank, the blocks to save and load before the step.
+    tiers: tuple[TierWork, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +85,4 @@ class Shutdown:
 
 
 MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, Shutdown)
+MESSAGES += TIER_MESSAGES  # the cache tiers' orders and replies (tier_messages.py)

@@ -17,6 +17,8 @@ from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
 from deepinfer.executor.messages import (CollectExpertLoad, ExpertLoad, ExpertsMoved, MoveExperts, Ready, RunStep,
                                          Shutdown, StepDone)
+from deepinfer.executor.rank_tiers import RankTiers
+from deepinfer.executor.tier_messages import TIER_ORDERS
 from deepinfer.kv.block_budget import cdiv
 from deepinfer.model.loader import load_model
 from deepinfer.model.parallel.context import ContextShare
@@ -41,7 +43,9 @@ class RankWorker:
                                 shard_model=sharding_hook(self.pctx))
         # Redundant expert slots before the cache is sized: they take their memory first.
         self.balancer = ExpertBalancer(self.model, config.eplb) if config.eplb is not None else None
-        _, self.storage, self.facts = build_cache(config, self.model)
+        cache, self.storage, self.facts = build_cache(config, self.model)
+        # This rank's own cache tiers (rank_tiers.py): it saves and loads its blocks (its shard of them) itself.
+        self.tiers = RankTiers.open(config, env, self.pctx.dp_rank, self.storage, replay=cache.replay > 0)
         sc, mc = config.scheduler, config.model
         batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size), mc.vocab_size,
                            self.pctx.device)
@@ -63,14 +67,21 @@ class RankWorker:
         if isinstance(order, MoveExperts):
             self.balancer.apply(order.placements)
             return ExpertsMoved(self.pctx.rank)
+        if isinstance(order, TIER_ORDERS) and self.tiers is not None:
+            return self.tiers.handle(order)
         raise TypeError(f"rank {self.pctx.rank}: unexpected order {type(order).__name__}")
 
     def run(self, order: RunStep) -> StepDone:
         if self.balancer is not None:
             self.balancer.advance()
         plan = order.plans[self.pctx.dp_rank]
+        tier_work = order.tiers[self.pctx.dp_rank] if order.tiers else None
+        if tier_work is not None:  # saves first: a block this plan evicts may be a copy's source
+            self.tiers.save(tier_work)
         for pool, src, dst in order.copies[self.pctx.dp_rank] if order.copies else ():
             self.storage.copy_block(pool, src, dst)
+        if tier_work is not None:
+            self.tiers.load(tier_work)
         share = self._share(order)
         handle = self.runner.submit(plan, share=share)
         if plan.empty and share is None and order.busy and needs_empty_steps(self.model):
@@ -81,7 +92,6 @@ class RankWorker:
             handle, self._inflight = self._inflight, handle
         result = handle.result() if handle is not None else StepResult()
         return StepDone(self.pctx.rank, result if self.reports else None)
-
 
     def _share(self, order: RunStep) -> ContextShare | None:
         """This rank's part in its CP group's chunk of the step, if the group has one."""

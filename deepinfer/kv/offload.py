@@ -26,12 +26,16 @@ hit rebuilds a boundary's state by recomputing its last few positions from the w
 holds, so the link keeps history and window blocks only and a lookup never asks the store for a state block.
 Without replay (``bounded_replay=False``, or a state pool without CSA layers) every pool goes down, as a hit
 then needs the boundary's state block itself.
+
+With several ranks each rank has a link of its own over its own storage (``executor/rank_tiers.py``), and the
+engine's schedulers reach the ranks' stores through ``executor/remote_tiers.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from typing import Callable
 
 import torch
 
@@ -140,6 +144,21 @@ class TierLink:
         key = self.key(pool, content_hash)
         # Pending first: once a batch leaves the pending set its objects are in the store already.
         return self._writeback.pending(key) or self.store.exists(key)
+
+    def probe(self, hashes: tuple[bytes, ...]) -> "Callable[[str, bytes], bool]":
+        """The ``in_tier`` test of one prefix lookup over ``hashes`` (here: ``exists``; a parallel engine's
+        ``executor/remote_tiers.py`` asks the ranks that hold the stores once per lookup)."""
+        return self.exists
+
+    def fetch_all(self, blocks: list[tuple[str, bytes]]) -> dict[tuple[str, bytes], memoryview] | None:
+        """The payloads of a hit's blocks (pool, hash) by block, checked; None when one is gone or unusable."""
+        out = {}
+        for pool, h in blocks:
+            payload = self.fetch(pool, h)
+            if payload is None:
+                return None
+            out[(pool, h)] = payload
+        return out
 
     def fetch(self, pool: str, content_hash: bytes) -> memoryview | None:
         """The block's payload, checked; None (and the object deleted when it is unusable) otherwise."""

@@ -77,7 +77,7 @@ class Scheduler:
                  tiers: TierLink | None = None) -> None:
         self.config = config
         self.prefix = prefix
-        self.tiers = tiers
+        self.tiers = tiers  # a TierLink; with several ranks, its stand-in executor/remote_tiers.py's RemoteTiers
         if tiers is not None:
             cache.record_evictions()
         self._loads: list[tuple[str, int, bytes]] = []
@@ -192,18 +192,13 @@ class Scheduler:
             return None
         # At least one token is computed: the step that brings the sequence up to date draws from its logits.
         limit = seq.num_tokens - 1
-        return self.cache.match_prefix(self._chain(seq, limit), limit,
-                                       self.tiers.exists if self.tiers is not None else None)
+        chain = self._chain(seq, limit)
+        return self.cache.match_prefix(chain, limit, self.tiers.probe(chain) if self.tiers is not None else None)
 
     def _fetch(self, hit: PrefixHit) -> dict[tuple[str, bytes], bytes] | None:
-        """Payloads of the hit's blocks in a lower tier; None when one is gone or unusable."""
-        out = {}
-        for pool, _, h in hit.loads:
-            payload = self.tiers.fetch(pool, h)
-            if payload is None:
-                return None
-            out[(pool, h)] = payload
-        return out
+        """Payloads of the hit's blocks in a lower tier; None when one is gone or unusable. (With several
+        ranks, ``executor/remote_tiers.py``: the payloads stay in the ranks and these are their keys.)"""
+        return self.tiers.fetch_all([(pool, h) for pool, _, h in hit.loads])
 
     def cached_prefix(self, seq: Sequence) -> int:
         """Tokens of the sequence a lookup in this scheduler's cache would find now (routing across ranks)."""

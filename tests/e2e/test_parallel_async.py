@@ -101,6 +101,15 @@ def test_async_scheduling_with_context_parallelism_is_refused() -> None:
                                        context_parallel_size=2, async_scheduling=True))
 
 
+def test_tiers_with_async_or_speculation_on_several_ranks_are_refused(tmp_path) -> None:
+    from deepinfer.config.engine import EngineArgs, EngineConfig
+
+    for extra in ({"async_scheduling": True},
+                  {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}):
+        with pytest.raises(ValueError, match="kv_cache_dir: cache tiers with several ranks"):
+            EngineConfig.create(EngineArgs(**ARGS, data_parallel_size=2, kv_cache_dir=str(tmp_path), **extra))
+
+
 def test_structured_outputs_under_parallel_async_scheduling() -> None:
     """A grammar's next mask needs the token in flight: the engine brings that step home first (an empty
     step), and the tokens are the synchronous single-process engine's."""
