@@ -44,3 +44,22 @@ def assert_same(got: Scored, want: Scored, tolerance: float) -> None:
     for rid, (tokens, logprobs) in want.items():
         assert got[rid][0] == tokens, rid
         assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < tolerance, rid
+
+
+def single_thread_reference(engine_args: dict, run):
+    """``run(engine)`` on a single-process engine built from ``engine_args``, with torch on one thread as each
+    rank of a multi-process world runs (tiny GEMMs: more threads only contend, and the reference then sums in
+    the ranks' order); the run must have preempted, since the worlds compared with it are meant to."""
+    import torch
+
+    from deepinfer import LLMEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine.from_engine_args(**engine_args)
+        out = run(engine)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    return out

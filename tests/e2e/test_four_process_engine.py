@@ -20,7 +20,7 @@ from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
-from deepinfer.testing.staggered import Scored, arrivals_by_step, assert_same, drain
+from deepinfer.testing.staggered import Scored, arrivals_by_step, assert_same, drain, single_thread_reference
 
 MAX_TOKENS = 5
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
@@ -48,15 +48,7 @@ def _assert_same(got: Scored, want: Scored) -> None:
 
 @pytest.fixture(scope="module")
 def single() -> Scored:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = LLMEngine.from_engine_args(**ARGS)
-        out = _drain(engine)
-    finally:
-        torch.set_num_threads(threads)
-    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
-    return out
+    return single_thread_reference(ARGS, _drain)
 
 
 def _run_world(monkeypatch, **parallel) -> tuple[Scored, ParallelLLMEngine]:

@@ -12,6 +12,7 @@ import torch
 from deepinfer import LLMEngine, SamplingParams
 from deepinfer.assets import demo_model_dir
 from deepinfer.executor.engine import ParallelLLMEngine
+from deepinfer.testing.staggered import single_thread_reference
 
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
             max_num_batched_tokens=48, num_cache_blocks=2, load_progress=False)
@@ -55,14 +56,7 @@ def _run(engine: LLMEngine) -> dict:
 
 @pytest.fixture(scope="module")
 def sync_single() -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank of the worlds below
-    try:
-        engine = LLMEngine.from_engine_args(**ARGS)
-        out = _run(engine)
-    finally:
-        torch.set_num_threads(threads)
-    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    out = single_thread_reference(ARGS, _run)
     assert out["r1"][0][3] == "stop" and out["r4"][0][3] == "abort"
     return out
 

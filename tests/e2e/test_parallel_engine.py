@@ -15,7 +15,7 @@ from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
-from deepinfer.testing.staggered import arrivals_by_step, drain
+from deepinfer.testing.staggered import arrivals_by_step, drain, single_thread_reference
 
 MAX_TOKENS = 5
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
@@ -36,15 +36,7 @@ def _drain(engine: LLMEngine) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def single() -> dict[str, list[int]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank of the worlds below (tiny GEMMs: threads only contend)
-    try:
-        engine = LLMEngine.from_engine_args(**ARGS)
-        out = _drain(engine)
-    finally:
-        torch.set_num_threads(threads)
-    assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
-    return out
+    return single_thread_reference(ARGS, _drain)
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
