@@ -63,3 +63,30 @@ def single_thread_reference(engine_args: dict, run):
         torch.set_num_threads(threads)
     assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
     return out
+
+
+def run_world(engine_args: dict, run, monkeypatch=None):
+    """``run(engine)`` on the multi-process engine ``engine_args`` ask for, with this process (rank 0) on one
+    thread and, given ``monkeypatch``, the ranks it spawns too (``OMP_NUM_THREADS``), as the single-thread
+    reference runs; afterwards every DP rank's cache holds no request and passes its integrity check. Returns
+    (what ``run`` returned, the closed engine)."""
+    import torch
+
+    from deepinfer import LLMEngine
+    from deepinfer.executor.engine import ParallelLLMEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if monkeypatch is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks, whatever the machine's core count
+    engine = LLMEngine.from_engine_args(**engine_args)
+    try:
+        assert isinstance(engine, ParallelLLMEngine)
+        got = run(engine)
+        for sched in engine.schedulers:
+            assert sched.cache.num_requests == 0
+            sched.cache.check_integrity()
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    return got, engine

@@ -15,7 +15,7 @@ from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
-from deepinfer.testing.staggered import Scored, arrivals_by_step, assert_same, drain
+from deepinfer.testing.staggered import Scored, arrivals_by_step, assert_same, drain, run_world
 
 MAX_TOKENS = 4
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
@@ -59,20 +59,7 @@ def single() -> Scored:
 
 
 def _world(monkeypatch, args: dict, prompts, arrivals, **parallel) -> tuple[Scored, ParallelLLMEngine]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks, whatever the machine's core count
-    engine = LLMEngine.from_engine_args(**args, **parallel)
-    try:
-        assert isinstance(engine, ParallelLLMEngine)
-        got = _drain(engine, prompts, arrivals)
-        for sched in engine.schedulers:
-            assert sched.cache.num_requests == 0
-            sched.cache.check_integrity()
-    finally:
-        engine.close()
-        torch.set_num_threads(threads)
-    return got, engine
+    return run_world({**args, **parallel}, lambda engine: _drain(engine, prompts, arrivals), monkeypatch)
 
 
 @pytest.mark.parametrize("parallel", [

@@ -14,13 +14,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
-from deepinfer.testing.staggered import Scored, arrivals_by_step, assert_same, drain, single_thread_reference
+from deepinfer.testing.staggered import Scored, arrivals_by_step, assert_same, drain, run_world, single_thread_reference
 
 MAX_TOKENS = 5
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
@@ -52,20 +51,7 @@ def single() -> Scored:
 
 
 def _run_world(monkeypatch, **parallel) -> tuple[Scored, ParallelLLMEngine]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # rank 0, in this process
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned ranks, whatever the machine's core count
-    engine = LLMEngine.from_engine_args(**ARGS, **parallel)
-    try:
-        assert isinstance(engine, ParallelLLMEngine)
-        got = _drain(engine)
-        for sched in engine.schedulers:
-            assert sched.cache.num_requests == 0
-            sched.cache.check_integrity()
-    finally:
-        engine.close()
-        torch.set_num_threads(threads)
-    return got, engine
+    return run_world({**ARGS, **parallel}, _drain, monkeypatch)
 
 
 @pytest.mark.parametrize("parallel", [dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),

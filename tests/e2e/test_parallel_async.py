@@ -11,8 +11,7 @@ import torch
 
 from deepinfer import LLMEngine, SamplingParams
 from deepinfer.assets import demo_model_dir
-from deepinfer.executor.engine import ParallelLLMEngine
-from deepinfer.testing.staggered import single_thread_reference
+from deepinfer.testing.staggered import run_world, single_thread_reference
 
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=128, max_num_seqs=8,
             max_num_batched_tokens=48, num_cache_blocks=2, load_progress=False)
@@ -63,22 +62,17 @@ def sync_single() -> dict:
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
                                       dict(data_parallel_size=2, enable_expert_parallel=True)], ids=["tp2", "dp2-ep"])
-def test_parallel_async_equals_single_process_sync(sync_single, parallel) -> None:
-    threads = torch.get_num_threads()
-    engine = LLMEngine.from_engine_args(**ARGS, **parallel, async_scheduling=True)
+def test_parallel_async_equals_single_process_sync(monkeypatch, sync_single, parallel) -> None:
     orders = []
-    try:
-        assert isinstance(engine, ParallelLLMEngine)
+
+    def go(engine):
         run = engine.worker.run
         engine.worker.run = lambda order: (orders.append(order), run(order))[1]  # rank 0's copy of each order
-        got = _run(engine)
+        out = _run(engine)
         assert sum(s.num_preemptions for s in engine.schedulers) > 0, "the test must exercise preemption"
-        for s in engine.schedulers:
-            assert s.cache.num_requests == 0
-            s.cache.check_integrity()
-    finally:
-        engine.close()
-        torch.set_num_threads(threads)
+        return out
+
+    got, _ = run_world({**ARGS, **parallel, "async_scheduling": True}, go, monkeypatch)
     assert got == sync_single
     # Step N+1 was planned with step N's tokens in flight, and every order said so.
     assert all(o.in_flight for o in orders)
