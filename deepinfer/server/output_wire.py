@@ -2,14 +2,13 @@
 
 The engine's ``RequestOutput`` is cumulative (every sample's whole text, token ids and logprobs so far),
 so sending it as is costs O(length) per step and request: O(length^2) bytes over a generation, and worse
-with logprobs. The core sends what is new since its previous message for that request (``DeltaEncoder``)
+with logprobs. The core sends what is new since its previous message for that request (``DeltaBuilder``)
 and the server rebuilds the very same cumulative ``RequestOutput`` (``OutputAssembler``); the engine's
 outputs only ever grow, which is what makes this exact (tests/unit/test_output_wire.py).
 
-The engine core builds its deltas straight from the request's sequences (``DeltaBuilder``, installed as the
-engine's output builder): the cumulative output is never made there, which was a third of the core's
-per-token host work (``build_output`` copies every sample's token ids and builds two objects, then the
-encoder slices them again). ``DeltaEncoder`` does the same from cumulative outputs (any engine's).
+The deltas are built straight from the request's sequences (``DeltaBuilder``, installed as the engine's
+output builder): the cumulative output is never made in the core, where building it and then slicing it
+again was a third of the per-token host work.
 """
 
 from __future__ import annotations
@@ -43,35 +42,6 @@ class OutputDelta:
     # The request's first message only: the prompt (never changes afterwards).
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
-
-
-class DeltaEncoder:
-    """The core side: remembers, per request, how much of each sample and of the prompt logprobs was sent."""
-
-    def __init__(self) -> None:
-        # request id -> (prompt logprobs sent, per sample (chars, token ids, logprobs) sent)
-        self._sent: dict[str, tuple[int, list[tuple[int, int, int]]]] = {}
-
-    def encode(self, out: RequestOutput) -> OutputDelta:
-        first = out.request_id not in self._sent
-        n_prompt_lp, samples_sent = self._sent.get(out.request_id) or (0, [(0, 0, 0)] * len(out.outputs))
-        samples, now_sent = [], []
-        for c, (chars, ids, lps), dt, dids in zip(out.outputs, samples_sent, out.delta_text, out.delta_token_ids):
-            samples.append(SampleDelta(c.index, c.text[chars:], c.token_ids[ids:],
-                                       None if c.logprobs is None else c.logprobs[lps:], c.finish_reason,
-                                       c.stop_reason, c.cumulative_logprob, dt, dids))
-            now_sent.append((len(c.text), len(c.token_ids), len(c.logprobs or ())))
-        plp = out.prompt_logprobs
-        if out.finished:
-            self._sent.pop(out.request_id, None)
-        else:
-            self._sent[out.request_id] = (len(plp or ()), now_sent)
-        return OutputDelta(out.request_id, tuple(samples), out.finished, out.num_cached_tokens,
-                           None if plp is None else plp[n_prompt_lp:],
-                           out.prompt if first else None, out.prompt_token_ids if first else None)
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
 
 
 class DeltaBuilder:

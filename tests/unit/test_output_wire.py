@@ -9,41 +9,12 @@ from deepinfer import LLMEngine, SamplingParams
 from deepinfer.executor.codec import decode, encode
 from deepinfer.server.core_messages import MESSAGES, StepOutputs
 from deepinfer.server.engine_stats import snapshot
-from deepinfer.server.output_wire import DeltaEncoder, OutputAssembler
-
-
-def test_deltas_rebuild_the_engine_outputs_exactly() -> None:
-    engine = LLMEngine.from_engine_args(device="cpu", block_size=128, load_progress=False, max_num_batched_tokens=32)
-    engine.add_request("greedy", "def " * 20, SamplingParams(temperature=0, max_tokens=6, logprobs=2,
-                                                             prompt_logprobs=2, ignore_eos=True))
-    engine.add_request("seeded", "class A:", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, stop=["\n"]))
-    engine.add_request("aborted", "import os", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    encoder, assembler = DeltaEncoder(), OutputAssembler()
-    seen: dict[str, int] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        steps += 1
-        if steps == 4:
-            engine.abort_request("aborted")
-        message = StepOutputs(tuple(encoder.encode(o) for o in outputs), snapshot(engine))
-        received = decode(encode(message, MESSAGES), MESSAGES)
-        assert received.stats == message.stats
-        for out, delta in zip(outputs, received.outputs):
-            assert assembler.assemble(delta) == out
-            # Only what is new travels: the prompt once, each sample's tokens since the previous message.
-            assert (delta.prompt_token_ids is None) == (out.request_id in seen)
-            assert [len(s.token_ids) for s in delta.samples] == [len(d) for d in out.delta_token_ids]
-            seen[out.request_id] = seen.get(out.request_id, 0) + 1
-    assert set(seen) == {"greedy", "seeded", "aborted"} and seen["greedy"] > 2  # prompt logprobs came in chunks
-    assert not encoder._sent and not assembler._requests  # finished requests leave no state behind
+from deepinfer.server.output_wire import DeltaBuilder, OutputAssembler
 
 
 def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
-    """The engine core's own builder (no cumulative outputs made) against the engine's outputs: two engines
-    run the same requests in lockstep, one building RequestOutputs, one DeltaBuilder deltas."""
-    from deepinfer.server.output_wire import DeltaBuilder
-
+    """The engine core's builder (no cumulative outputs made) against the engine's outputs: two engines run
+    the same requests in lockstep, one building RequestOutputs, one DeltaBuilder deltas."""
     def start() -> LLMEngine:
         engine = LLMEngine.from_engine_args(device="cpu", block_size=128, load_progress=False,
                                             max_num_batched_tokens=32)
@@ -58,6 +29,7 @@ def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
     builder = DeltaBuilder()
     core.build_output = builder.build
     assembler = OutputAssembler()
+    seen: dict[str, int] = {}
     steps = 0
     while plain.has_unfinished_requests():
         outputs, deltas = plain.step(), core.step()
@@ -66,8 +38,15 @@ def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
             plain.abort_request("aborted")
             core.abort_request("aborted")
         assert [o.request_id for o in outputs] == [d.request_id for d in deltas]
-        received = decode(encode(StepOutputs(tuple(deltas), snapshot(core)), MESSAGES), MESSAGES)
+        message = StepOutputs(tuple(deltas), snapshot(core))
+        received = decode(encode(message, MESSAGES), MESSAGES)
+        assert received.stats == message.stats
         for out, delta in zip(outputs, received.outputs):
             assert assembler.assemble(delta) == out
+            # Only what is new travels: the prompt once, each sample's tokens since the previous message.
+            assert (delta.prompt_token_ids is None) == (out.request_id in seen)
+            assert [len(s.token_ids) for s in delta.samples] == [len(d) for d in out.delta_token_ids]
+            seen[out.request_id] = seen.get(out.request_id, 0) + 1
+    assert set(seen) == {"greedy", "seeded", "aborted"} and seen["greedy"] > 2  # prompt logprobs came in chunks
     assert not core.has_unfinished_requests() and steps > 4
     assert not builder._sent and not assembler._requests
