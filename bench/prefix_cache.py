@@ -208,8 +208,7 @@ def main() -> None:
             run_seconds = sum(r["seconds"] for r in results[label])
             results["tiers"] = {"copies": timer.report(run_seconds), "limits": copy_limits(a.device),
                                 "saved_blocks": engine.tiers.saved, "loaded_blocks": engine.tiers.loaded,
-                                "staging_waits": {k: getattr(r, "waits", 0) for k, r in (
-                                    ("save", engine.tiers._ring), ("load", engine.tiers._load_ring))}}
+                                "staging_waits": engine.tiers.staging_waits}
         del engine
         if a.device == "cuda":
             torch.cuda.empty_cache()

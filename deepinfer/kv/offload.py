@@ -242,6 +242,12 @@ class TierLink:
             self.loaded_bytes += len(mine) * size
 
     @property
+    def staging_waits(self) -> dict[str, int]:
+        """Times a save or a load waited for a staging region still in use (0 on the CPU: no rings)."""
+        return {kind: ring.waits if ring is not None else 0
+                for kind, ring in (("save", self._ring), ("load", self._load_ring))}
+
+    @property
     def save_copy_seconds(self) -> float:
         """Device time of the completed device-to-host copies (0 on the CPU, where nothing is timed)."""
         return self._writeback.copy_seconds
