@@ -18,7 +18,9 @@ layers, one of them hash-routed. Eager times of the same batched path are kept f
 All 43 layers do not fit one H200: their native-format weights take ~154 GB (~3.6 GB a layer, 3.4 GB of it
 the 256 FP4 experts) against its 141 GB, so N layers are timed and the figures extrapolated; an N that does not
 fit stops with a message naming --layers.
-With --hf the HF transformers peer (bf16, same shapes, eager attention) runs where it fits: decode at batch
+With --modes default batch-invariant every point is timed with both op tables in turn on the same model
+(``DEEPINFER_BATCH_INVARIANT``'s table swapped in with ``use_op_table``), rows tagged with their mode, and the
+JSON named ``layer_sweep_modes.json``. With --hf the HF transformers peer (bf16, same shapes, eager attention) runs where it fits: decode at batch
 <= 32 after an HF prefill of the smallest context, prefill at L <= 4096. JSON goes to --out.
 """
 
@@ -40,6 +42,7 @@ from deepinfer.config import ModelConfig  # noqa: E402
 from deepinfer.kv.spec import build_layout  # noqa: E402
 from deepinfer.model.branches import INLINE  # noqa: E402
 from deepinfer.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from deepinfer.model.device import use_op_table  # noqa: E402
 from deepinfer.model.loader import load_model  # noqa: E402
 from deepinfer.ops.table import select  # noqa: E402
 from deepinfer.runner.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -54,6 +57,10 @@ TINY = {**FLASH, "vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4
         "qk_rope_head_dim": 32, "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 128, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "index_n_heads": 4, "index_head_dim": 64,
         "index_topk": 8}
+
+
+# --modes: the op table each mode times (the value: ``select``'s batch_invariant).
+MODES = {"default": False, "batch-invariant": True}
 
 
 def from_layer(native: dict, first: int) -> dict:
@@ -319,6 +326,8 @@ def main() -> None:
     a.add_argument("--first-layer", type=int, default=2, help="bench V4-Flash's layers from this one on")
     a.add_argument("--ab-overlap", action="store_true",
                    help="also time each decode point with the layer branches on one stream (model/branches.py)")
+    a.add_argument("--modes", nargs="+", choices=list(MODES), default=["default"],
+                   help="op tables to time at every point, in turn (default: the default table only)")
     a.add_argument("--hf-only", metavar="JSON", default=None,
                    help="re-time only the HF peer (same shapes as JSON's rows) and write JSON with them replaced")
     args = a.parse_args()
@@ -340,37 +349,39 @@ def main() -> None:
     floor_bytes = weight_bytes_per_layer(model, model.cfg.num_experts_per_tok)
     rows = []
     max_len = max(args.contexts) + 256
-    for c in args.contexts:
-        for b in args.batches:
-            times = decode_ms(model, b, c, args.device, max_len)
-            if "replay_ms" in times:
-                # 43-layer step = 43 layers of replay + the host's once-per-step work (index build, copies).
-                host_ms = max(times["graph_ms"] - times["replay_ms"], 0.0)
-                ms = per_layer_ms(times["replay_ms"], times["head_ms"], host_ms, n, times["preamble_ms"])
-            else:
-                host_ms, ms = None, times["eager_ms"] / n
-            serial = {}
-            if args.ab_overlap and "replay_ms" in times:  # the same point, every branch inline, same process
-                on = set_branches(model, INLINE)
-                t1 = decode_ms(model, b, c, args.device, max_len)
-                set_branches(model, on)
-                serial = {"serial_ms_per_layer": per_layer_ms(t1["replay_ms"], t1["head_ms"],
-                                                              max(t1["graph_ms"] - t1["replay_ms"], 0.0), n,
-                                                              t1["preamble_ms"]),
-                          "serial_replay_ms_per_layer": t1["replay_ms"] / n}
-            rows.append({"kind": "decode", "context": c, "batch": b, "ms_per_layer": ms, **serial,
-                         "step_ms": times.get("graph_ms"), "host_ms_per_step": host_ms,
-                         "head_ms_per_step": times.get("head_ms"),
-                         "preamble_ms_per_step": times.get("preamble_ms"),
-                         "eager_ms_per_layer": times["eager_ms"] / n,
-                         "replay_ms_per_layer": times["replay_ms"] / n if "replay_ms" in times else None,
-                         "tok_s_43_layers": b / (ms * 43 / 1e3), "tpot_43_layers_ms": ms * 43,
-                         "bytes_per_layer": decode_bytes_per_layer(model, b, c),
-                         "floor_ms_b1": floor_bytes / bw * 1e3 if bw else None})
-            print(rows[-1], flush=True)
-    for length in args.prefill:
+    tables = {mode: select(args.device, batch_invariant=MODES[mode]) for mode in args.modes}
+    for c, b, mode in ((c, b, mode) for c in args.contexts for b in args.batches for mode in args.modes):
+        use_op_table(model, tables[mode])
+        times = decode_ms(model, b, c, args.device, max_len)
+        if "replay_ms" in times:
+            # 43-layer step = 43 layers of replay + the host's once-per-step work (index build, copies).
+            host_ms = max(times["graph_ms"] - times["replay_ms"], 0.0)
+            ms = per_layer_ms(times["replay_ms"], times["head_ms"], host_ms, n, times["preamble_ms"])
+        else:
+            host_ms, ms = None, times["eager_ms"] / n
+        serial = {}
+        if args.ab_overlap and "replay_ms" in times:  # the same point, every branch inline, same process
+            on = set_branches(model, INLINE)
+            t1 = decode_ms(model, b, c, args.device, max_len)
+            set_branches(model, on)
+            serial = {"serial_ms_per_layer": per_layer_ms(t1["replay_ms"], t1["head_ms"],
+                                                          max(t1["graph_ms"] - t1["replay_ms"], 0.0), n,
+                                                          t1["preamble_ms"]),
+                      "serial_replay_ms_per_layer": t1["replay_ms"] / n}
+        rows.append({"kind": "decode", "mode": mode, "context": c, "batch": b, "ms_per_layer": ms, **serial,
+                     "step_ms": times.get("graph_ms"), "host_ms_per_step": host_ms,
+                     "head_ms_per_step": times.get("head_ms"),
+                     "preamble_ms_per_step": times.get("preamble_ms"),
+                     "eager_ms_per_layer": times["eager_ms"] / n,
+                     "replay_ms_per_layer": times["replay_ms"] / n if "replay_ms" in times else None,
+                     "tok_s_43_layers": b / (ms * 43 / 1e3), "tpot_43_layers_ms": ms * 43,
+                     "bytes_per_layer": decode_bytes_per_layer(model, b, c),
+                     "floor_ms_b1": floor_bytes / bw * 1e3 if bw else None})
+        print(rows[-1], flush=True)
+    for length, mode in ((length, mode) for length in args.prefill for mode in args.modes):
+        use_op_table(model, tables[mode])
         ms = prefill_ms(model, length, args.device, args.chunk) / n
-        rows.append({"kind": "prefill", "tokens": length, "chunk": args.chunk, "ms_per_layer": ms,
+        rows.append({"kind": "prefill", "mode": mode, "tokens": length, "chunk": args.chunk, "ms_per_layer": ms,
                      "ttft_43_layers_ms": ms * 43, "flops_per_layer": prefill_flops(model.cfg, length)})
         print(rows[-1], flush=True)
     if args.hf and args.device == "cuda":
@@ -391,7 +402,7 @@ def main() -> None:
         meta["hf_transformers"] = transformers.__version__
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "layer_sweep_tiny" if args.tiny else "layer_sweep"
+    name = "layer_sweep_tiny" if args.tiny else "layer_sweep" if args.modes == ["default"] else "layer_sweep_modes"
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(json.dumps(meta))
 

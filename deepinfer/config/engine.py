@@ -288,15 +288,11 @@ def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: Engine
 
 
 def _check_batch_invariant(device: str, parallel: ParallelConfig) -> None:
-    if device == "cuda":
-        from deepinfer.ops.table import BATCH_INVARIANT_CUDA_ERROR
-
-        raise ValueError(BATCH_INVARIANT_CUDA_ERROR)
     if not parallel.is_single:
         # The worker processes build their models apart (deepinfer/executor/rank.py) and their
         # collectives have no fixed-order variant yet.
         raise ValueError("DEEPINFER_BATCH_INVARIANT=1: not supported with tensor_parallel_size or "
-                         "data_parallel_size > 1 yet; it runs on one CPU device (unset it for several)")
+                         "data_parallel_size > 1 yet; it runs on one device, CPU or GPU (unset it for several)")
 
 
 def _eplb_config(args: EngineArgs, parallel: ParallelConfig, model: ModelConfig) -> EplbConfig | None:

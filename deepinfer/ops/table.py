@@ -47,6 +47,8 @@ A step's cache row lists from its index tensors, once per step (``ops/ref/step_r
 ``REF_BATCH_INVARIANT`` (``DEEPINFER_BATCH_INVARIANT=1`` on the CPU, ``ops/ref/batch_invariant.py``) is REF
 with every entry whose result row could depend on the batch replaced by a twin that computes each row the
 same way whatever the batch and the step's shape (fixed GEMM row tiles, fixed key/entry chunks, ordered sums).
+On CUDA the same switch builds ``triton_ops`` with ``KernelTuning.invariant()`` (K segments fixed by the
+weight's shape, one kernel per op for every M, attention's position-anchored split only).
 
 Structured outputs' grammar masks, in place before the draw (``ops/ref/token_mask.py``):
 
@@ -187,7 +189,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
         rows = torch.arange(e, device=keys.device, dtype=torch.int32).expand(len(q), e).contiguous()
         return tri_index.indexer_topk(q, weights.float(), keys, rows, limits, topk, scale)
 
-    return OpTable("triton", attention, indexer_select, partial(tri_fp8.fp8_linear, tuning=tuning),
+    table = OpTable("triton", attention, indexer_select, partial(tri_fp8.fp8_linear, tuning=tuning),
                    partial(tri_fp8.fp8_linear_grouped, tuning=tuning), tri_moe.moe_experts_fp4,
                    partial(tri_attn.sparse_attention_indexed, tuning=tuning), tri_index.indexer_topk,
                    tri_emit.compress_emit, tri_state.compress_state, partial(tri_mhc.hc_pre, tuning=tuning),
@@ -197,19 +199,24 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
                    fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
                    linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning, token_mask=tri_mask.token_mask)
+    if not tuning.batch_invariant:
+        return table
+    # Batch-invariant (``tuning.invariant()``): the tuning already fixes the FP8 GEMMs' K segments and
+    # attention's split; the bf16 GEMMs (router, side projections, LM head, MTP projections) move from
+    # cuBLAS and the decode-only kernel to the one kernel for every M. Every other entry computes a row the
+    # same way whatever the batch by construction (one program per row / window / expert-tile column, fixed
+    # block sizes, no split derived from the token count; tests/gpu/test_batch_invariant_kernels.py).
+    return dataclasses.replace(
+        table, name="triton-batch-invariant", linear=partial(tri_linear.linear_invariant, tuning=tuning),
+        dense=partial(tri_linear.dense_invariant, tuning=tuning),
+        dense_grouped=partial(tri_linear.dense_grouped_invariant, tuning=tuning), batch_invariant=True)
 
 
 def select(device: str, batch_invariant: bool = False) -> OpTable:
     """The op table of ``device``, chosen once at start-up. ``batch_invariant`` (``DEEPINFER_BATCH_INVARIANT``):
-    the batch-invariant table; the CPU has one, the GPU not yet (an error, never a silent fallback)."""
-    if batch_invariant:
-        if device == "cuda":
-            raise ValueError(BATCH_INVARIANT_CUDA_ERROR)
-        return REF_BATCH_INVARIANT
-    return triton_ops() if device == "cuda" else REF
-
-
-BATCH_INVARIANT_CUDA_ERROR = (
-    "DEEPINFER_BATCH_INVARIANT=1: the GPU has no batch-invariant kernels yet (its decode-sized fast paths and "
-    "the bf16 GEMMs change a row's bits with the batch); the batch-invariant mode exists on the CPU only "
-    "(device='cpu' / DEEPINFER_ACCELERATOR=cpu). Unset DEEPINFER_BATCH_INVARIANT to run on cuda.")
+    the batch-invariant table of that device (CPU: ``REF_BATCH_INVARIANT``; CUDA: the Triton kernels with
+    ``KernelTuning.invariant()``)."""
+    if device == "cuda":
+        tuning = KernelTuning.for_device()
+        return triton_ops(tuning.invariant() if batch_invariant else tuning)
+    return REF_BATCH_INVARIANT if batch_invariant else REF

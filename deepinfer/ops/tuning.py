@@ -9,8 +9,12 @@ passes a modified copy (``dataclasses.replace``) instead of patching a module.
 Which choices change bits: the FP8 split-K (``fp8_split_target``, ``fp8_tiles``, ``fp8_decode_max_m``)
 changes the order of the K reduction, and the attention small-batch split (``attention_small_split``)
 changes where the softmax merge happens; both depend on the batch size, so a batch-invariant table must
-fix them. The remaining fields never change a result's bits (tests/gpu check the
-fast division and the e4m3 bit placement against their plain forms).
+fix them: ``invariant()`` is that table's tuning (``batch_invariant=True``). With it the dense GEMMs sum K
+in segments that are a function of (N, K) and the SM count only (``k_segments``), one kernel family for
+every M (no swap-AB decode path, no weight-as-A prefill path, no cuBLAS), tiles of one MMA instruction
+family (``invariant_fp8_tiles``), and attention keeps its fixed, position-anchored split. The remaining
+fields never change a result's bits (tests/gpu check the fast division and the e4m3 bit placement against
+their plain forms).
 
 Importable without Triton (the CPU path reads none of it).
 """
@@ -50,6 +54,13 @@ class KernelTuning:
     attention_fill_programs: int = 64
     # mHC Sinkhorn divisions by the branch-free fast path (the bits of div_rn).
     mhc_fast_div: bool = True
+    # Batch-invariant kernels (DEEPINFER_BATCH_INVARIANT=1): every launcher computes a row the same way for
+    # every M. Set by ``invariant()``, which also fixes the choices above that depend on the batch.
+    batch_invariant: bool = False
+    # FP8 tiles of the batch-invariant table, per M bucket like ``fp8_tiles``: BLOCK_M >= 64 and warps a
+    # multiple of 4, so every bucket runs the same wgmma m64 instruction (launchers assert it); the K
+    # reduction is fixed by ``k_segments`` whatever the tile.
+    invariant_fp8_tiles: tuple[tuple[int | None, FP8Tile], ...] = ((256, (64, 64, 4, 4)), (None, (128, 128, 8, 3)))
 
     def __post_init__(self) -> None:
         if self.num_sms <= 0:
@@ -58,12 +69,36 @@ class KernelTuning:
             raise ValueError("fp8_split_target, fp8_decode_max_m and attention_small_split must be >= 0")
         if self.fp8_decode_max_m > max(b for b, _ in self.fp8_decode_tiles):
             raise ValueError(f"fp8_decode_max_m: {self.fp8_decode_max_m} exceeds the largest decode tile bucket")
-        if self.fp8_tiles[-1][0] is not None:
-            raise ValueError("fp8_tiles: the last bucket must be None (every larger M)")
+        if self.fp8_tiles[-1][0] is not None or self.invariant_fp8_tiles[-1][0] is not None:
+            raise ValueError("fp8_tiles, invariant_fp8_tiles: the last bucket must be None (every larger M)")
+        if any(bm < 64 or warps % 4 for _, (bm, _, warps, _) in self.invariant_fp8_tiles):
+            raise ValueError("invariant_fp8_tiles: BLOCK_M >= 64 and warps a multiple of 4 (one wgmma family)")
 
     @property
     def split_target(self) -> int:
         return self.fp8_split_target or 2 * self.num_sms
+
+    def invariant(self) -> "KernelTuning":
+        """The batch-invariant table's choices: no small-batch attention split, no decode or weight-as-A FP8
+        paths (their sums differ from the MMA kernel's), ``batch_invariant`` for the launchers."""
+        return dataclasses.replace(self, attention_small_split=0, fp8_decode_max_m=0, batch_invariant=True)
+
+    def split_for(self, programs: int, k: int) -> int:
+        """K splits (a power of two, at most one per 128-wide K block) until ``programs * split`` fills the GPU."""
+        split = 1
+        while programs * split < self.split_target and split * 2 <= -(-k // 128) and split < self.fp8_max_split:
+            split *= 2
+        return split
+
+    def k_segment(self, n: int, k: int, block_n: int = 64) -> int:
+        """K per segment (whole 128-wide blocks) of a batch-invariant GEMM of [N, K]: it sums K in consecutive
+        segments, each from zero, and adds the segments in order. The segments are the K split that fills the
+        GPU at M = 1 with ``block_n``-wide tiles: a function of (N, K) and the SM count only, never of M.
+        Launchers run them as split-K programs or one after another inside a program, with the same bits."""
+        return -(-(-(-k // 128)) // self.split_for(-(-n // block_n), k)) * 128
+
+    def invariant_fp8_tile(self, m: int) -> FP8Tile:
+        return next(t for b, t in self.invariant_fp8_tiles if b is None or m <= b)
 
     def fp8_tile(self, m: int) -> tuple[int | None, FP8Tile]:
         """(bucket, tile) of the first bucket holding M."""

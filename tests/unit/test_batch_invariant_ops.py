@@ -43,19 +43,35 @@ def _tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-def test_select_picks_the_table_once_and_refuses_cuda() -> None:
+def test_select_picks_the_table_once() -> None:
     assert select("cpu") is REF and select("cpu", batch_invariant=True) is REF_BATCH_INVARIANT
     assert REF_BATCH_INVARIANT.batch_invariant and not REF.batch_invariant
-    with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT=1.*CPU only"):
-        select("cuda", batch_invariant=True)
+
+
+def test_invariant_tuning_fixes_every_batch_dependent_choice() -> None:
+    """The CUDA table's tuning (``KernelTuning.invariant``): no small-batch attention split, no FP8 decode path,
+    and K segments that depend on the weight's shape only (the same for every M by construction: M is not an
+    argument), whole 128-wide blocks, covering K."""
+    from deepinfer.ops.tuning import H200, KernelTuning
+
+    t = H200.invariant()
+    assert t.batch_invariant and t.attention_small_split == 0 and t.fp8_decode_max_m == 0
+    assert not H200.batch_invariant
+    for n, k in [(4096, 4096), (129280, 4096), (4096, 256), (1536, 4096), (24576, 1536), (64, 200)]:
+        seg = t.k_segment(n, k)
+        assert seg % 128 == 0 and 0 < seg <= -(-k // 128) * 128
+        assert -(-k // seg) <= t.fp8_max_split
+    assert t.k_segment(4096, 4096) == 512  # 64 tiles at M = 1 -> 8 segments fill 2 x 132 SMs
+    assert KernelTuning(num_sms=16).invariant().k_segment(4096, 4096) == 4096  # 64 tiles already fill 32
+    with pytest.raises(ValueError, match="one wgmma family"):
+        KernelTuning(invariant_fp8_tiles=((64, (16, 64, 4, 4)), (None, (128, 128, 8, 3))))
 
 
 def test_engine_config_carries_the_mode_and_refuses_what_it_cannot_keep(monkeypatch) -> None:
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     cfg = EngineConfig.create(EngineArgs(device="cpu"))
     assert cfg.batch_invariant and cfg.mode_labels()["batch_invariant"] == "1"
-    with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT=1: the GPU has no batch-invariant kernels"):
-        EngineConfig.create(EngineArgs(device="cuda"))
+    assert EngineConfig.create(EngineArgs(device="cuda")).batch_invariant  # the Triton table's invariant tuning
     with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT=1: not supported with tensor_parallel_size"):
         EngineConfig.create(EngineArgs(device="cpu", data_parallel_size=2))
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "maybe")

@@ -104,27 +104,14 @@ def _write_tile(acc, offs_m, offs_n, mn_mask, y_ptr, part_ptr, ticket_ptr, tile,
 
 
 @triton.jit
-def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, k_per_split, group_rows,
-    stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT: tl.constexpr, BITS: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    # Grouped (block-diagonal) use: output rows [g*r, (g+1)*r) read input columns [g*K, (g+1)*K).
-    x_ptr += (pid_n * BLOCK_N // group_rows) * K
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _fp8_k_range(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_mask, n_mask, K, k_start, k_len, stride_xm, stride_wn,
+                 stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                 BITS: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] sum over K in [k_start, k_start + k_len), from zero, one 128-wide block at a
+    time: each block's MMA from zero, times its weight scale, added in K order."""
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    mn_mask = m_mask[:, None] & n_mask[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    for i in range(0, k_per_split, BLOCK_K):
+    for i in range(0, k_len, BLOCK_K):
         k0 = k_start + i
         k_idx = k0 + offs_k
         k_mask = k_idx < K
@@ -137,8 +124,42 @@ def _fp8_linear_kernel(
         else:
             part = tl.dot(x.to(tl.bfloat16), tl.trans(_to_bf16(w, BITS)))
         # One scale per 128x128 weight block: BLOCK_K == 128 keeps one k-block per iteration.
-        s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask & (k0 < K), other=0.0)
+        # (k0 broadcast before the compare: Triton's interpreter rejects a scalar-and-vector mask here.)
+        s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask & (offs_n * 0 + k0 < K), other=0.0)
         acc += part * s[None, :]
+    return acc
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
+    M, N, K, k_per_split, group_rows,
+    stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr, BITS: tl.constexpr, SEGS: tl.constexpr = 1,
+):
+    """Program (m tile, n tile, K split): its K range is SEGS segments of ``k_per_split``; with SEGS > 1
+    (batch-invariant, large M) each segment is summed from zero and the segments are added in order, which
+    is exactly what SPLIT = SEGS programs and ``_write_tile``'s ordered reduction compute (small M)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    # Grouped (block-diagonal) use: output rows [g*r, (g+1)*r) read input columns [g*K, (g+1)*K).
+    x_ptr += (pid_n * BLOCK_N // group_rows) * K
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    if SEGS == 1:
+        acc = _fp8_k_range(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_mask, n_mask, K, pid_k * k_per_split, k_per_split,
+                           stride_xm, stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BITS)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for sg in range(SEGS):
+            # Segment (pid_k * SEGS + sg); pid_k is 0 here (SEGS > 1 launches no K split).
+            acc += _fp8_k_range(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_mask, n_mask, K, (pid_k * SEGS + sg) * k_per_split,
+                                k_per_split, stride_xm, stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BITS)
     _write_tile(acc, offs_m, offs_n, mn_mask, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k,
                 stride_ym, stride_pm, stride_psplit, SPLIT)
 
@@ -316,12 +337,7 @@ def _tickets(device: torch.device) -> torch.Tensor:
 
 
 def _split(programs: int, k: int, tuning: KernelTuning) -> int:
-    """K splits (a power of two, at most one per 128-wide K block) until ``programs * split`` fills the GPU."""
-    split = 1
-    while (programs * split < tuning.split_target and split * 2 <= triton.cdiv(k, 128)
-           and split < tuning.fp8_max_split):
-        split *= 2
-    return split
+    return tuning.split_for(programs, k)
 
 
 def _config(m: int, n: int, k: int, tuning: KernelTuning) -> tuple[int, int, int, int, int]:
@@ -358,6 +374,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
     group_rows = n // groups
     assert n % groups == 0 and (groups == 1 or group_rows % 128 == 0), f"{n} rows in {groups} groups"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if tuning.batch_invariant:
+        return _launch_invariant(x, weight, scale, y, group_rows, tuning)
     c = dict(tuning.fp8_wa_tile)
     bits = tuning.fp8_e4m3_by_bits
     if pow2_scales and m >= tuning.fp8_wa_min_m and x.dtype == torch.bfloat16 and group_rows % c["BLOCK_N"] == 0:
@@ -384,6 +402,30 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, SPLIT=split,
         BITS=bits,
         num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def _launch_invariant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, group_rows: int,
+                      tuning: KernelTuning) -> torch.Tensor:
+    """Batch-invariant launch (``tuning.batch_invariant``): the MMA kernel for every M, K summed in
+    ``tuning.k_segment(N, K)`` segments added in order. The tile (one wgmma family for every bucket) and
+    whether the segments run as split-K programs (too few tiles to fill the GPU) or inside each program
+    change with M; neither changes a row's bits (tests/gpu/test_batch_invariant_kernels.py)."""
+    m = x.shape[0]
+    n, k = weight.shape
+    bm, bn, warps, stages = tuning.invariant_fp8_tile(m)
+    assert bm >= 64 and warps % 4 == 0, "batch-invariant tiles must all use the wgmma m64 instruction"
+    seg = tuning.k_segment(n, k)
+    segs = triton.cdiv(k, seg)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = segs if tiles < tuning.num_sms and tiles <= MAX_TILES else 1
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    _fp8_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        x, weight, scale, y, part, _tickets(x.device), m, n, k, seg, group_rows,
+        x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, SPLIT=split,
+        BITS=tuning.fp8_e4m3_by_bits, SEGS=segs // split, num_warps=warps, num_stages=stages,
     )
     return y
 

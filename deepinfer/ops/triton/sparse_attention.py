@@ -229,6 +229,8 @@ def sparse_attention_indexed(
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
     split, window_alone = SPLIT, False
     small = tuning.attention_small_split
+    # The small-batch split's merge order depends on how many queries the step has.
+    assert not (small and tuning.batch_invariant), "batch-invariant attention: the fixed split only"
     if small and L * triton.cdiv(H, block_h) < tuning.attention_fill_programs:
         # At most ~8 splits of the last source (long HCA lists get wider splits), window apart.
         width = n2 if has_extra else n

@@ -1,0 +1,109 @@
+"""The CUDA batch-invariant table (``triton_ops(KernelTuning.invariant())``): GEMM rows have the same bits for
+every M.
+
+Oracle rule (determinism.md §6), as for the CPU table (tests/unit/test_batch_invariant_ops.py): a row computed
+alone equals, bit for bit, the same row placed at the start, middle and end of calls with other rows, at
+sizes that cross every tile bucket and both ways of running the K segments (split-K programs while the
+tiles do not fill the GPU, in-program segments once they do). Against the fp32 reference the results agree
+within bf16 rounding. And the default table is shown to change a row's bits with M, so that these
+comparisons can fail. (The other entries of the table, attention, indexer, mHC, norms, routing, experts,
+compressor, have their own batch-invariance tests beside their kernels' tests in this folder.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deepinfer.model.quant import quant_fp8_block, ue8m0_to_float
+from deepinfer.ops.ref.fp8_linear import fp8_linear as ref_fp8_linear
+from deepinfer.ops.tuning import H200
+from tests.gpu.conftest import INTERPRET, rel_err
+from tests.unit.test_batch_invariant_ops import _rows_invariant
+
+# The interpreter runs the launch logic (segments, splits, tickets) at a small SM count, so that both launch
+# modes occur at small shapes; the GPU runs the device's own count.
+SIZES = (2, 7, 16, 17, 40) if INTERPRET else (2, 7, 16, 63, 64, 65, 130, 256, 257, 600, 2048)
+
+
+def _tables(device: str):
+    from deepinfer.ops.table import triton_ops
+
+    tuning = dataclasses.replace(H200, num_sms=4) if INTERPRET else None
+    default = triton_ops(tuning)
+    return default, triton_ops((tuning or default.tuning).invariant())
+
+
+def _fp8_weight(n: int, k: int, seed: int, device: str):
+    g = torch.Generator().manual_seed(seed)
+    q, s = quant_fp8_block(torch.randn(n, k, generator=g) * 0.05, (128, 128))
+    return q.to(device), ue8m0_to_float(s).float().to(device)
+
+
+def _rows(k: int, device: str, dtype=torch.bfloat16):
+    return lambda m, g: (torch.randn(m, k, generator=g).to(device, dtype),)
+
+
+FP8_SHAPES = [(200, 256)] if INTERPRET else [(4096, 4096), (1536, 4096), (4096, 1024), (24576, 1536), (512, 4096)]
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("n, k", FP8_SHAPES)
+def test_fp8_linear_rows_are_invariant(n, k, device) -> None:
+    _, table = _tables(device)
+    assert table.batch_invariant and table.name == "triton-batch-invariant"
+    w, s = _fp8_weight(n, k, n + k, device)
+    fn = lambda x: table.fp8_linear(x, w, s, pow2_scales=True)  # noqa: E731 (UE8M0: every fast path eligible)
+    _rows_invariant(fn, _rows(k, device), SIZES)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    assert rel_err(fn(x), ref_fp8_linear(x.float(), w, s)) <= 1e-2
+
+
+@pytest.mark.interpret_ok
+def test_fp8_linear_grouped_rows_are_invariant(device) -> None:
+    _, table = _tables(device)
+    groups, r, k = (2, 128, 256) if INTERPRET else (8, 1024, 4096)  # V4-Flash wo_a: 8 groups of 1024 rows
+    w, s = _fp8_weight(groups * r, k, 5, device)
+    _rows_invariant(lambda x: table.fp8_linear_grouped(x, w, s, groups, pow2_scales=True),
+                    _rows(groups * k, device), SIZES)
+
+
+BF16_SHAPES = [(100, 200)] if INTERPRET else [(256, 4096), (2624, 4096), (1024, 4096), (129280, 4096), (4096, 256)]
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("n, k", BF16_SHAPES)
+def test_bf16_linear_and_dense_rows_are_invariant(n, k, device) -> None:
+    """Router, side projections, LM head: ``linear`` and ``dense`` are the same kernel for every M."""
+    _, table = _tables(device)
+    g = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(device, torch.bfloat16)
+    sizes = SIZES if n < 100_000 else (2, 7, 64, 65, 257)
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    _rows_invariant(lambda x: table.linear(x, w.to(dtype)), _rows(k, device, dtype), sizes)
+    x3 = torch.randn(3, 5, k, generator=g).to(device, dtype)  # leading dims flatten into rows
+    assert torch.equal(table.dense(x3, w.to(dtype)), table.linear(x3.reshape(15, k), w.to(dtype)).view(3, 5, n))
+    assert rel_err(table.dense(x3, w.to(dtype)).float(), x3.float() @ w.float().T) <= 1e-2
+
+
+@pytest.mark.interpret_ok
+def test_grouped_dense_rows_are_invariant(device) -> None:
+    _, table = _tables(device)
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    w = (torch.randn(2 * 96, 128, generator=torch.Generator().manual_seed(3)) * 0.1).to(device, dtype)
+    _rows_invariant(lambda x: table.dense_grouped(x.transpose(0, 1), w).transpose(0, 1),
+                    lambda m, g: (torch.randn(m, 2, 128, generator=g).to(device, dtype),), SIZES)
+
+
+def test_default_table_changes_rows_with_the_batch(device) -> None:
+    """The comparison has teeth: the default FP8 and bf16 GEMMs (decode path, split-K by M, weight-as-A at
+    large M, cuBLAS) give some row other bits at some M."""
+    default, _ = _tables(device)
+    w, s = _fp8_weight(4096, 4096, 7, device)
+    with pytest.raises(AssertionError, match="differs"):
+        _rows_invariant(lambda x: default.fp8_linear(x, w, s, pow2_scales=True), _rows(4096, device), SIZES)
+    wb = (torch.randn(1024, 4096, generator=torch.Generator().manual_seed(8)) * 0.02).to(device, torch.bfloat16)
+    with pytest.raises(AssertionError, match="differs"):
+        _rows_invariant(lambda x: default.dense(x, wb), _rows(4096, device), SIZES)
