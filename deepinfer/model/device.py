@@ -115,7 +115,7 @@ class FP8Linear(nn.Module):
             else:  # group rows straddle a scale block: dequantize this group's rows (small models only)
                 w = self.weight_fp8[i * r : (i + 1) * r].float() * self.weight_scale.repeat_interleave(128, 0)[
                     i * r : (i + 1) * r].repeat_interleave(128, 1)[:, : x.shape[-1]]
-                outs.append((x[i].float() @ w.t()).to(x.dtype))
+                outs.append(self.ops.dense(x[i].float(), w).to(x.dtype))
         return torch.stack(outs)
 
 

@@ -112,11 +112,12 @@ INVARIANT_CONFIGS = ((16, (16, 4, 4)), (32, (32, 4, 4)), (64, (64, 4, 3)), (None
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, tuning: KernelTuning = H200) -> torch.Tensor:
     """``linear`` whose every row has the same bits for any M: K summed in ``tuning.k_segment(N, K)``
     segments, added in order (as split-K programs while the tiles do not fill the GPU, else inside each
-    program); bf16/fp16 operands of one dtype (the GPU model's), accumulation in fp32."""
+    program); operands of one dtype, bf16/fp16 (the GPU model's) or fp32 (exact fp32 products), accumulation
+    in fp32."""
     m, k = x.shape
     n = weight.shape[0]
-    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) or _INTERPRET, (
-        f"batch-invariant linear: x {x.dtype} and weight {weight.dtype} must both be bf16 or fp16")
+    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32), (
+        f"batch-invariant linear: x {x.dtype} and weight {weight.dtype} must be one of bf16, fp16, fp32")
     assert weight.shape[1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -132,7 +133,8 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, tuning: KernelTuning
     _linear_decode_kernel[(n_tiles, split, m_tiles)](
         x, weight, y, part, _tickets(x.device), m, n, k, seg,
         x.stride(0), weight.stride(0), y.stride(0), part.stride(-2), part.stride(0),
-        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=split, IEEE=_INTERPRET, SEGS=segs // split,
+        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=split, IEEE=x.dtype == torch.float32 or _INTERPRET,
+        SEGS=segs // split,
         num_warps=warps, num_stages=stages,
     )
     return y
