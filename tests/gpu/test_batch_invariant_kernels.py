@@ -107,3 +107,13 @@ def test_default_table_changes_rows_with_the_batch(device) -> None:
     wb = (torch.randn(1024, 4096, generator=torch.Generator().manual_seed(8)) * 0.02).to(device, torch.bfloat16)
     with pytest.raises(AssertionError, match="differs"):
         _rows_invariant(lambda x: default.dense(x, wb), _rows(4096, device), SIZES)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("c", [256, 512, 1536, 4096])
+def test_rms_norm_rows_are_invariant(c, device) -> None:
+    """The norm packs several short rows into one program; the packing must not follow the row count (the
+    demo model's C = 256 rows changed by a bf16 ulp with the batch before it was fixed)."""
+    _, table = _tables(device)
+    w = (torch.rand(c, generator=torch.Generator().manual_seed(c)) + 0.5).to(device)
+    _rows_invariant(lambda x: table.rms_norm(x, w, 1e-6), _rows(c, device), SIZES)

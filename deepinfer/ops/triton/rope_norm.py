@@ -134,10 +134,11 @@ def _norm_rope_program(
     tl.store(out_ptr + t_out * stride_ot + offs_h[:, None] * stride_oh + COL0 + offs_w[None, :], y.to(DT), mask=mask)
 
 
-def tiles(h: int, w: int) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_W, num_warps) from the row count per token and row width only (never from T)."""
+def tiles(h: int, w: int, fixed_rows: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_W, num_warps) from the row count per token and row width only (never from T); with
+    ``fixed_rows`` (h is a batch, not a model shape) from the row width alone."""
     block_w = max(2, triton.next_power_of_2(w))
-    block_h = max(1, min(triton.next_power_of_2(h), TILE_ELEMS // block_w))
+    block_h = max(1, TILE_ELEMS // block_w if fixed_rows else min(triton.next_power_of_2(h), TILE_ELEMS // block_w))
     return block_h, block_w, min(16, max(4, block_h * block_w // 1024))
 
 
@@ -145,7 +146,7 @@ _CONSTS = ("NORM", "ROPE", "INVERSE", "BLOCK_H", "BLOCK_W", "OUT_ROWS")
 
 
 def _job(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, norm: int, rope_dim: int,
-         inverse: bool, col0: int, width: int, out_rows: torch.Tensor | None = None):
+         inverse: bool, col0: int, width: int, out_rows: torch.Tensor | None = None, fixed_rows: bool = False):
     """One launch's (programs, runtime args, constexprs, num_warps), or None when there is nothing to do.
     x, out [T, H, D] with unit channel stride; rows' channels [col0, col0 + width) are processed. With
     ``out_rows`` [T], token t is written to out[out_rows[t]] (out then has any number of rows)."""
@@ -167,7 +168,7 @@ def _job(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, norm:
         weight = weight.contiguous()
     else:
         weight = x  # unused placeholder
-    block_h, block_w, num_warps = tiles(h, width)
+    block_h, block_w, num_warps = tiles(h, width, fixed_rows)
     args = (x, weight, cos, sin, out, out if out_rows is None else out_rows,
             h, width, col0, (width - rope_dim) // 2, 1.0 / width, float(eps),
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0))
@@ -215,10 +216,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     """Weighted RMSNorm of x [..., C] over C -> [..., C] in x.dtype (written into ``out`` when given)."""
     c = x.shape[-1]
     out = _new_out(x, out)
-    # All rows as one "token" of N rows: row blocks of BLOCK_H rows share a program when C is small.
+    # All rows as one "token" of N rows: row blocks of BLOCK_H rows share a program when C is small. The block
+    # is the same for every N (``fixed_rows``): with BLOCK_H from N, the tile's thread layout, hence a row's
+    # reduction order, changed with the batch (a bf16 ulp of the hidden state now and then at C = 256).
     x2 = x.reshape(1, -1, c)
     _launch(x2 if x2.stride(2) == 1 else x2.contiguous(), out.view(1, -1, c), weight, None, None, eps,
-            NORM_WEIGHTED, 0, False, 0, c)
+            NORM_WEIGHTED, 0, False, 0, c, fixed_rows=True)
     return out
 
 
