@@ -273,7 +273,7 @@ def mode_line(config: EngineConfig, ops) -> str:
         return head + ("batch_invariant=1: a request's tokens and logprobs do not depend on the batch, its order "
                        "or the schedule (chunking, prefix hits, preemption, speculation)")
     return head + ("batch_invariant=0: a request's logits may move in their last bits with the batch "
-                   "(DEEPINFER_BATCH_INVARIANT=1 on the CPU makes them invariant)")
+                   "(DEEPINFER_BATCH_INVARIANT=1 makes them invariant)")
 
 
 class _StepGrammar:
