@@ -65,9 +65,6 @@ def build_v41_layout(cfg: V41Config, block_size: int = 256, dspark: bool = False
     if block_size <= 0 or block_size % 128:
         raise ValueError(f"block_size: must be a positive multiple of 128, got {block_size}")
     specs = [_layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)]
-    if dspark:
-        specs += [LayerCacheSpec(dspark_key(s), SWA, 0, (TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, MODEL_DTYPE),),
-                                 cfg.sliding_window, 0) for s in range(cfg.num_nextn_predict_layers)]
     if cfg.active_engram_layers:
         if cfg.vocab_size > EXACT_FLOAT32_IDS:
             raise ValueError(f"vocab_size: {cfg.vocab_size} ids do not fit the float32 token-id cache of Engram "
@@ -75,4 +72,8 @@ def build_v41_layout(cfg: V41Config, block_size: int = 256, dspark: bool = False
         lookback = cfg.engram_max_ngram_size - 1
         specs.append(LayerCacheSpec(ENGRAM_KEY, SWA, 0, (TensorSpec("token_ids", WINDOW, 1, 1, FLOAT32),),
                                     lookback, 0))
+    if dspark:
+        context = TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, MODEL_DTYPE)
+        specs += [LayerCacheSpec(dspark_key(s), SWA, 0, (context,), cfg.sliding_window, 0)
+                  for s in range(cfg.num_nextn_predict_layers)]
     return CacheLayout(block_size, tuple(specs))

@@ -113,9 +113,9 @@ class DraftCheck:
         kw = {}
         if seq.params.temperature > 0:  # the target's seeded noise at the drafted positions
             block = self.plain.cfg.dspark.block_size
+            drafted = torch.arange(len(ids), len(ids) + block)  # positions of the drafts' tokens
             kw = dict(temperature=seq.params.temperature,
-                      noise=gumbel_noise(torch.full((block,), seq.seed), torch.arange(len(ids), len(ids) + block), VOCAB,
-                                         SALT_TARGET))
+                      noise=gumbel_noise(torch.full((block,), seq.seed), drafted, VOCAB, SALT_TARGET))
         block = self.plain.propose(ids[-1], cache, **kw)
         want = verify_length(block.confidence, self.k, self.varlen)
         got = seq.drafts
