@@ -65,7 +65,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
                    help="""config.json fields to change, e.g. '{"num_hidden_layers": 4}' (the first 4 layers)""")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (k 1..4)')
+                   help='speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (V4, k 1..4; '
+                        'V4.1: "dspark", k 1..5)')
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="cache numerics: auto = the model's released cache formats (V4.1: FP8 window KV, MXFP4 "
                         "index keys, NVFP4 compressed KV; V4: the activation dtype), bfloat16/float32 = no cache "

@@ -85,8 +85,8 @@ class EngineArgs:
     # config.json alone, generated on the device (benchmarks of full shapes without the download).
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | None = None  # config.json fields to change, e.g. {"num_hidden_layers": 4}
-    # Speculative decoding with the checkpoint's MTP layer: {"method": "mtp", "num_speculative_tokens": k}
-    # (or its JSON text); None: off.
+    # Speculative decoding with the checkpoint's drafter: {"method": "mtp", "num_speculative_tokens": k} (V4),
+    # {"method": "dspark", ...} (V4.1), or its JSON text; None: off.
     speculative_config: dict | str | None = None
     kv_cache_dtype: str = "auto"  # cache numerics, vLLM's name; KV_CACHE_DTYPES says what each value means
 
@@ -307,8 +307,15 @@ def _eplb_config(args: EngineArgs, parallel: ParallelConfig, model: ModelConfig)
     return EplbConfig.parse(args.eplb_config).validate(model.n_routed_experts, parallel.expert_parallel_size)
 
 
-def _check_speculative(spec: SpeculativeConfig, model: ModelConfig, args: EngineArgs) -> None:
-    if model.num_nextn_predict_layers < 1:
+def _check_speculative(spec: SpeculativeConfig, model: ModelConfig | V41Config, args: EngineArgs) -> None:
+    if isinstance(model, V41Config):
+        from deepinfer.config.v41_engine import check_v41_speculative
+
+        check_v41_speculative(spec, model)
+    elif spec.method != "mtp":
+        raise ValueError(f"speculative_config.method: {spec.method!r} is DeepSeek-V4.1's drafter; allowed for this "
+                         "DeepSeek-V4 checkpoint: mtp")
+    elif model.num_nextn_predict_layers < 1:
         raise ValueError("speculative_config.method: 'mtp' needs a checkpoint with an MTP layer "
                          "(num_nextn_predict_layers >= 1); this model has none")
     if args.async_scheduling:

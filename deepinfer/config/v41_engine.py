@@ -1,16 +1,21 @@
 """What the engine supports for a DeepSeek-V4.1 checkpoint so far, checked before anything is loaded.
 
 The engine runs V4.1 through its CPU reference step (``model/v41/paged.py``) with continuous batching,
-chunked prefill, preemption, prefix caching, async scheduling and the cache tiers. Not yet: the GPU kernels,
-several ranks, DSpark speculative decoding, weight overrides and dummy weights, the batch-invariant op table
-(V4.1's path does not go through it). Each is refused here with the field and what is allowed.
+chunked prefill, preemption, prefix caching, async scheduling, the cache tiers and DSpark speculative decoding
+(``runner/dspark.py``). Not yet: the GPU kernels, several ranks, weight overrides and dummy weights, the
+batch-invariant op table (V4.1's path does not go through it). Each is refused here with the field and what
+is allowed.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deepinfer.config.speculative import SpeculativeConfig
+    from deepinfer.config.v41 import V41Config
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
@@ -33,9 +38,6 @@ def check_v41_engine_args(args, device: str) -> None:
     for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
         if getattr(args, name) != 1:
             raise ValueError(f"{name}: {what} runs on one device so far; allowed: 1")
-    if args.speculative_config is not None:
-        raise ValueError(f"speculative_config: DSpark speculative decoding of {what} is not in the engine yet; "
-                         "allowed: None")
     if args.hf_overrides is not None:
         raise ValueError(f"hf_overrides: not supported for {what} yet; allowed: None")
     if args.load_format != "auto":
@@ -43,3 +45,17 @@ def check_v41_engine_args(args, device: str) -> None:
     if env.batch_invariant():
         raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1: the batch-invariant op table does not cover {what} yet; "
                          "unset it")
+
+
+def check_v41_speculative(spec: "SpeculativeConfig", cfg: "V41Config") -> None:
+    """V4.1 speculates with its DSpark drafter only, verifying at most one block per step."""
+    if spec.method != "dspark":
+        raise ValueError(f"speculative_config.method: {spec.method!r} is DeepSeek-V4's MTP layer; allowed for this "
+                         "DeepSeek-V4.1 checkpoint: dspark")
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError("speculative_config.method: 'dspark' needs a checkpoint with the DSpark drafter "
+                         "(num_nextn_predict_layers >= 1); this model has none")
+    block = cfg.dspark.block_size
+    if spec.num_speculative_tokens > block:
+        raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer in [1, {block}] (the "
+                         f"checkpoint's dspark_block_size), got {spec.num_speculative_tokens}")

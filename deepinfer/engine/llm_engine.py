@@ -62,7 +62,8 @@ class LLMEngine:
             # DeepSeek-V4.1: its own batched step over the same paged cache (model/v41/paged.py; CPU only).
             from deepinfer.model.v41.paged import load_paged_v41
 
-            self.model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats)
+            self.model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
+                                        dspark=config.speculative is not None)
         else:
             self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
                                     progress=config.load_progress, ops=ops if cuda else None, cfg=config.model,
@@ -93,8 +94,13 @@ class LLMEngine:
                 mtp_graphs.capture()
         self.input_batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size),
                                       mc.vocab_size, config.device)
+        drafter = None
+        if config.speculative is not None and config.speculative.method == "dspark":
+            from deepinfer.runner.dspark import DSparkDrafter
+
+            drafter = DSparkDrafter(self.model, self.storage, self.input_batch, config.speculative.varlen)
         self.runner = ModelRunner(self.model, self.storage, self.input_batch, graphs,
-                                  speculative=config.speculative is not None, mtp_graphs=mtp_graphs)
+                                  speculative=config.speculative is not None, mtp_graphs=mtp_graphs, drafter=drafter)
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens if config.speculative else 0)
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[Schedule, StepHandle] | None = None  # async: submitted, results not applied

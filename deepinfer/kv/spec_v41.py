@@ -17,6 +17,13 @@ chunking writes the same rows and rolling back is "set n". What each layer store
     Kept in the cache rather than taken from the scheduler's token lists so that placeholder inputs (async
     scheduling), prefix hits and recomputation after preemption need nothing else.
 
+  * the DSpark drafter (with ``speculative_config`` method ``dspark`` only): ``mtp.S`` holds ``window_kv``,
+    stage S's context row of each target position (``window`` pool), written by the target's forward for
+    every position it computes, like the layers' rows. A block drafted after position p reads (p - W, p],
+    i.e. ``sliding_window`` positions behind the next token. Position-addressed, so a rejected draft's row
+    is past the rolled-back length and is rewritten before it is read, preemption recomputes the rows with
+    the rest, and a prefix hit finds them in the kept window tail, exact like the layers' rows.
+
 The top-k selection and the candidate blocks are recomputed by every query and the mHC coefficients are per
 token, so nothing else crosses steps. The layer kinds are ``SWA`` (ratio 0) and ``CSA2`` (ratio 1 or 2): V4's
 step-row derivation (``compress_kinds``) and bounded replay (``replay_length``) look for V4's CSA/HCA only.
@@ -48,8 +55,13 @@ def _layer_spec(cfg: V41Config, layer: int) -> LayerCacheSpec:
     return LayerCacheSpec(f"layers.{layer}", kind, role.ratio, tuple(tensors), cfg.sliding_window - 1, state_tail)
 
 
-def build_v41_layout(cfg: V41Config, block_size: int = 256) -> CacheLayout:
-    """The engine's cache layout of a V4.1 backbone (the DSpark drafter's context is not cached yet)."""
+def dspark_key(stage: int) -> str:
+    """The layout entry of DSpark stage ``stage``'s context rows (its checkpoint prefix)."""
+    return f"mtp.{stage}"
+
+
+def build_v41_layout(cfg: V41Config, block_size: int = 256, dspark: bool = False) -> CacheLayout:
+    """The engine's cache layout of a V4.1 backbone; ``dspark``: with the DSpark drafter's context rows."""
     if block_size <= 0 or block_size % 128:
         raise ValueError(f"block_size: must be a positive multiple of 128, got {block_size}")
     specs = [_layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)]
@@ -60,4 +72,8 @@ def build_v41_layout(cfg: V41Config, block_size: int = 256) -> CacheLayout:
         lookback = cfg.engram_max_ngram_size - 1
         specs.append(LayerCacheSpec(ENGRAM_KEY, SWA, 0, (TensorSpec("token_ids", WINDOW, 1, 1, FLOAT32),),
                                     lookback, 0))
+    if dspark:
+        context = TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, MODEL_DTYPE)
+        specs += [LayerCacheSpec(dspark_key(s), SWA, 0, (context,), cfg.sliding_window, 0)
+                  for s in range(cfg.num_nextn_predict_layers)]
     return CacheLayout(block_size, tuple(specs))

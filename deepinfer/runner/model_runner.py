@@ -10,7 +10,8 @@ prompt positions of ``prompt_logprobs`` jobs. Every step runs the batched path (
 the reference ops on the CPU); decode steps replay a CUDA graph when one is captured.
 
 With speculative decoding (``drafter``) a verifying sequence draws at every one of its inputs, the draws
-are compared with its drafts (``runner/speculative.py``), the MTP layer then proposes the next drafts, and
+are compared with its drafts (``runner/speculative.py``), the MTP layer (V4.1: the DSpark drafter,
+``runner/dspark.py``) then proposes the next drafts, and
 the accepted prefix plus the target's next token reach the host with those drafts in one copy (the step's
 one read). On the GPU a full verify step (every sequence k drafts) replays a verify graph that keeps the
 final streams, and the MTP passes replay theirs, head and draft pick included (``runner/mtp_graphs.py``);
@@ -147,12 +148,13 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     def __init__(self, model: DeepseekV4, storage: KVStorage, batch: InputBatch,
                  graphs: DecodeGraphs | None = None, speculative: bool = False,
-                 mtp_graphs: MTPGraphs | None = None) -> None:
+                 mtp_graphs: MTPGraphs | None = None, drafter=None) -> None:
         self.model, self.storage, self.batch, self.graphs = model, storage, batch, graphs
         # Speculative decoding: the MTP layer runs after every step (its cache needs every position). With
         # graphs, ``graphs`` are the verify steps' (k + 1 tokens per sequence, streams kept) and
-        # ``mtp_graphs`` the MTP passes'.
-        self.drafter = MTPDrafter(model, storage, batch, mtp_graphs) if speculative else None
+        # ``mtp_graphs`` the MTP passes'. ``drafter``: another drafter with ``MTPDrafter.propose``'s
+        # contract (V4.1: ``runner/dspark.DSparkDrafter``), used instead.
+        self.drafter = drafter or (MTPDrafter(model, storage, batch, mtp_graphs) if speculative else None)
         self.device = next(model.parameters()).device
         self.window = model.cfg.sliding_window
 

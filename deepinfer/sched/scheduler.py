@@ -15,8 +15,9 @@ pending tokens already reach its limit is not planned again.
 With speculative decoding (``speculative``) a decoding sequence also feeds the drafts the MTP layer proposed
 in its previous step: its work is its last token plus up to k drafts, drawn at every position (the
 runner verifies), and asks for the next step's drafts. The blocks it allocates also cover the positions
-the MTP chain writes past the step. After the step the engine rolls the rejected drafts back
-(``rollback``: the cache is position-addressed, so that is "set the length").
+the MTP chain writes past the step (DSpark writes none: its context rows are the step's own positions).
+After the step the engine rolls the rejected drafts back (``rollback``: the cache is position-addressed,
+so that is "set the length").
 
 With prefix caching (``prefix``, a ``BlockHasher``) a sequence admitted from the queue first looks up the
 longest cached prefix of its known tokens (leaving at least one to compute) and starts there; each
@@ -244,7 +245,7 @@ class Scheduler:
         spec = self.speculative
         if spec is None or not draws:
             return 0
-        want = draft_length(seq.draft_acceptance, spec.num_speculative_tokens) if spec.varlen else \
+        want = draft_length(seq.draft_acceptance, spec.num_speculative_tokens) if spec.length_by_rate else \
             spec.num_speculative_tokens
         # Useless past the output limit (the next step keeps at most max_output - num_output - 2 drafts);
         # and the chain writes MTP rows up to position first + n + proposals - 2, inside the model length.
@@ -253,7 +254,7 @@ class Scheduler:
 
     def _extent(self, seq: Sequence, n: int) -> int:
         """Positions to allocate for a step of ``n`` inputs: those plus the MTP chain's rows past them."""
-        if self.speculative is None:
+        if self.speculative is None or not self.speculative.writes_past_step:
             return n
         draws = self._num_draws(seq, n)
         return n + max(0, self._proposals(seq, n, draws) - 1)
@@ -289,7 +290,8 @@ class Scheduler:
         drafts = self._drafts(seq)[: max(0, first + n - known)]  # the budget may cut drafts off
         samples = self._num_draws(seq, n)
         proposals = self._proposals(seq, n, samples)
-        self.cache.allocate(seq.seq_id, n + max(0, proposals - 1))
+        chain = max(0, proposals - 1) if self.speculative.writes_past_step else 0  # the MTP chain's rows
+        self.cache.allocate(seq.seq_id, n + chain)
         nxt = -1 if samples else seq.token_ids[first + n]
         return SeqWork(seq.seq_id, first, tokens + drafts, n - len(tokens) - len(drafts), samples,
                        self._prompt_job(seq, first, n), num_drafts=len(drafts), num_proposals=proposals,

@@ -46,15 +46,16 @@ def _randomize(model: torch.nn.Module, g: torch.Generator) -> dict[str, torch.Te
     return out
 
 
-def write_tiny_v41(out_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A checkpoint directory (config.json, model.safetensors, the demo tokenizer) of a tiny random V4.1."""
+def write_tiny_v41(out_dir: Path, seed: int = 0, dspark: bool = False, **overrides) -> Path:
+    """A checkpoint directory (config.json, model.safetensors, the demo tokenizer) of a tiny random V4.1;
+    ``dspark``: with the DSpark drafter's tensors (``mtp.*``)."""
     tok = load_tokenizer(demo_model_dir())
     text = tiny_text_config(tok, vocab_size=tok.get_vocab_size(with_added_tokens=True), **overrides)
     config = checkpoint_config(text)
     config["text_config"]["quantization_config"] = QUANT
     cfg = V41Config.from_dict(config)
     with torch.device("meta"):
-        shapes = DeepseekV41(cfg, torch.float32, shapes_only=True)
+        shapes = DeepseekV41(cfg, torch.float32, shapes_only=True, dspark=dspark)
     write_v41_checkpoint(out_dir, config, _randomize(shapes, torch.Generator().manual_seed(seed)))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo_model_dir() / name, out_dir / name)

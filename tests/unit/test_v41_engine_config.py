@@ -15,7 +15,7 @@ from deepinfer.config.v41 import V41Config
 from deepinfer.engine.intake import Intake
 from deepinfer.kv.block_budget import replay_length, tail_blocks_per_boundary
 from deepinfer.kv.spec import HISTORY, STATE, WINDOW
-from deepinfer.kv.spec_v41 import CSA2, ENGRAM_KEY, build_v41_layout
+from deepinfer.kv.spec_v41 import CSA2, ENGRAM_KEY, build_v41_layout, dspark_key
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.assets import demo_model_dir
 from tests.oracle.v41 import checkpoint_config, tiny_text_config, tiny_tokenizer
@@ -60,7 +60,6 @@ def test_v41_checkpoint_gets_its_config(v41_dir) -> None:
     ({"device": "cuda"}, "device"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"data_parallel_size": 2}, "data_parallel_size"),
-    ({"speculative_config": {"method": "dspark", "num_speculative_tokens": 3}}, "speculative_config"),
     ({"hf_overrides": {"num_hidden_layers": 4}}, "hf_overrides"),
     ({"load_format": "dummy"}, "load_format"),
 ])
@@ -68,6 +67,37 @@ def test_what_v41_does_not_support_yet_is_refused(v41_dir, kw, field) -> None:
     args = {"device": "cpu", **kw}
     with pytest.raises(ValueError, match=rf"^{field}: .*(allowed|V4\.1)"):
         EngineConfig.create(EngineArgs(model=str(v41_dir), **args))
+
+
+def test_speculative_config_per_family(v41_dir) -> None:
+    """V4.1 speculates with DSpark (k up to its block), V4 with MTP; the other method names the field."""
+    spec = _config(model=str(v41_dir), speculative_config={"method": "dspark", "num_speculative_tokens": 5}).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.length_by_rate, spec.writes_past_step) == \
+        ("dspark", 5, False, False)
+    assert _config(model=str(v41_dir), speculative_config='{"method": "dspark", "num_speculative_tokens": 1}')
+    bad = [({"method": "mtp", "num_speculative_tokens": 2}, r"speculative_config\.method: 'mtp' .*allowed for this "
+            r"DeepSeek-V4\.1 checkpoint: dspark"),
+           ({"method": "dspark", "num_speculative_tokens": 6},
+            r"speculative_config\.num_speculative_tokens: .*\[1, 5\]"),
+           ({"method": "dspark", "num_speculative_tokens": 0}, r"speculative_config\.num_speculative_tokens"),
+           ({"method": "eagle", "num_speculative_tokens": 1}, r"speculative_config\.method: .*allowed: mtp, dspark")]
+    for value, message in bad:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            _config(model=str(v41_dir), speculative_config=value)
+    with pytest.raises(ValueError, match="^speculative_config: cannot be combined with async_scheduling"):
+        _config(model=str(v41_dir), async_scheduling=True, speculative_config={"method": "dspark",
+                                                                               "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"^speculative_config\.method: 'dspark' .*allowed for this DeepSeek-V4 "
+                                         "checkpoint: mtp"):
+        _config(speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+
+
+def test_dspark_block_size_bounds_k(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(checkpoint_config(tiny_text_config(tiny_tokenizer(512),
+                                                                                        dspark_block_size=3))))
+    assert _config(model=str(tmp_path), speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"^speculative_config\.num_speculative_tokens: .*\[1, 3\].*dspark_block_size"):
+        _config(model=str(tmp_path), speculative_config={"method": "dspark", "num_speculative_tokens": 4})
 
 
 def test_v41_cache_specs(v41_dir) -> None:
@@ -91,6 +121,15 @@ def test_v41_cache_specs(v41_dir) -> None:
     # tail only, without a replay.
     assert layout.tail(STATE) == 1 and replay_length(layout) == 0
     assert tail_blocks_per_boundary(layout, WINDOW) == 1
+    # With DSpark: each stage's context rows by position in the window pool, read W positions behind the
+    # next token (the block after position p attends (p - W, p]).
+    with_dspark = build_v41_layout(cfg, 128, dspark=True)
+    assert with_dspark.layers[:len(layout.layers)] == layout.layers
+    extra = with_dspark.layers[len(layout.layers):]
+    assert [s.key for s in extra] == [dspark_key(i) for i in range(cfg.num_nextn_predict_layers)] == \
+        ["mtp.0", "mtp.1", "mtp.2"]
+    assert all([t.name for t in s.tensors] == ["window_kv"] and s.tensors[0].pool == WINDOW
+               and s.window_tail == cfg.sliding_window for s in extra)
 
 
 def test_intake_refuses_image_ids() -> None:

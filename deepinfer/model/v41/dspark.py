@@ -156,9 +156,15 @@ class DSpark(nn.ModuleList):
         if len(windows) != len(self):
             raise ValueError(f"cache: has {len(windows)} DSpark context windows, the drafter {len(self)} stages "
                              "(make the cache with the model's new_cache())")
+        for lc, rows in zip(windows, self.context_rows(taps, main_angles, cache_qdq)):
+            lc.window = write_rows(lc.window, start, rows)
+
+    def context_rows(self, taps: torch.Tensor, main_angles: torch.Tensor, cache_qdq: bool) -> list[torch.Tensor]:
+        """Each stage's context KV rows [T, D] of T target positions from their taps [T, len(target_layer_ids),
+        H] (``main_angles``: the main rope table at those positions). Row-wise: the engine's batched step
+        (``paged.py``) computes the rows of many sequences' positions at once and stores them by position."""
         main_x = self[0].main_norm(self[0].main_proj(taps.flatten(1)))
-        for stage, lc in zip(self, windows):
-            lc.window = write_rows(lc.window, start, stage.attn.kv_rows(main_x, main_angles, cache_qdq))
+        return [stage.attn.kv_rows(main_x, main_angles, cache_qdq) for stage in self]
 
     @torch.no_grad()
     def propose(self, embed: Embedding, head: Linear, windows: list[LayerCache], token: int, cache_qdq: bool, *,
@@ -167,26 +173,39 @@ class DSpark(nn.ModuleList):
         target's draw at p (the token of position p + 1). Drafts are the argmax of each row's logits; with
         ``noise`` [B, V] (e.g. the Gumbel noise the target's seeded draw will use at positions p + 2 ..) they
         are the argmax of logits / temperature + noise instead, the drafter's guess at a sampled draw."""
-        cfg, d = self.cfg, self.cfg.dspark
         if not windows or windows[0].window is None:
             raise ValueError("cache: no DSpark context yet; run the target over the prompt first")
+        p = windows[0].window.shape[0] - 1
+        first = max(0, p + 1 - self.cfg.sliding_window)
+        return self.draft(embed, head, [lc.window[first:p + 1] for lc in windows], p, token, cache_qdq,
+                          temperature=temperature, noise=noise)
+
+    @torch.no_grad()
+    def draft(self, embed: Embedding, head: Linear, context: list[torch.Tensor], p: int, token: int,
+              cache_qdq: bool, *, temperature: float | None = None, noise: torch.Tensor | None = None) -> DraftBlock:
+        """``propose`` given each stage's context rows [C, D] of positions (p - C, p] (C = min(p + 1, the
+        sliding window)), wherever they are stored: this model's per-sequence cache, or the engine's paged
+        pools (``runner/dspark.py``), so both draft with this one function."""
+        cfg, d = self.cfg, self.cfg.dspark
         if not 0 <= token < cfg.vocab_size:
             raise ValueError(f"token: must lie in [0, {cfg.vocab_size}), got {token}")
         block = d.block_size
         if noise is not None and (temperature is None or temperature <= 0 or noise.shape != (block, cfg.vocab_size)):
             raise ValueError(f"noise: needs a temperature > 0 and shape ({block}, {cfg.vocab_size}), got "
                              f"{temperature!r} and {tuple(noise.shape)}")
-        p = windows[0].window.shape[0] - 1
-        device = windows[0].window.device
-        first = max(0, p + 1 - cfg.sliding_window)
+        want = min(p + 1, cfg.sliding_window)
+        if len(context) != len(self) or any(c.shape[0] != want for c in context):
+            raise ValueError(f"context: expected {len(self)} stages of {want} rows (positions up to {p}), got "
+                             f"{[tuple(c.shape) for c in context]}")
+        device = context[0].device
         ang = angles(cfg.main_rope, torch.arange(p + 1, p + 1 + block, device=device))
         ids = torch.full((block,), d.noise_token_id, dtype=torch.long, device=device)
         ids[0] = token
         x = embed(ids)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)
         pre = mhc.one_hot_pre(block, cfg.hc_mult, device)
-        for stage, lc in zip(self, windows):
-            streams, pre = stage(streams, pre, ang, lc.window[first:p + 1], cache_qdq)
+        for stage, rows in zip(self, context):
+            streams, pre = stage(streams, pre, ang, rows, cache_qdq)
         last = self[-1]
         hidden = mhc.collapse(streams, pre)
         normed = last.norm(hidden)

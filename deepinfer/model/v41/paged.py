@@ -16,6 +16,11 @@ Engram hashes the token history. So V4.1 runs its own path here, on V4's index a
     ``_attend``): the same widths and the same operations as ``DeepseekV41.forward`` on one sequence, so the
     discrete choices (indexer top-k, candidate blocks) see what the plain model sees, tie order included.
 
+With the DSpark drafter (``model.mtp``: speculative decoding) the step also stores the drafter's context
+rows of each of its positions (``DSpark.context_rows`` from the taps of ``dspark_target_layer_ids``) in the
+``mtp.S`` window tensors, the same rows by position as the plain model's ``V41Cache.draft``; the drafter
+itself runs after verification (``runner/dspark.py``).
+
 This is the CPU reference path of the engine (one sequence loop per compressed layer); GPU kernels for it
 are future work. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
 ``cache_qdq``: values are rounded as the reference does and stored in the activation dtype.
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config.v41 import V41Config
-from deepinfer.kv.spec_v41 import ENGRAM_KEY
+from deepinfer.kv.spec_v41 import ENGRAM_KEY, dspark_key
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.step_index import StepIndex
 from deepinfer.model.v41 import mhc
@@ -79,10 +84,9 @@ class PagedV41(nn.Module):
 
     def __init__(self, model: DeepseekV41) -> None:
         super().__init__()
-        if model.mtp is not None:
-            raise ValueError("dspark: the engine does not run the DSpark drafter yet; build the model without it")
         self.model = model
         self.cfg: V41Config = model.cfg
+        self._taps = frozenset(self.cfg.dspark.target_layer_ids) if model.mtp is not None else frozenset()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
@@ -101,13 +105,18 @@ class PagedV41(nn.Module):
         pre = mhc.one_hot_pre(x.shape[0], cfg.hc_mult, x.device)
         image_mask = torch.zeros_like(input_ids, dtype=torch.bool)  # text only (the intake refuses image ids)
         shared = [SharedKV() for _ in step.runs]  # the CSA2 state each sequence hands from layer to layer
+        taps: list[torch.Tensor] = []
         for i, block in enumerate(m.layers):
             rows = engram[:, block.engram.table_index] if hasattr(block, "engram") else None
 
             def attend(h: torch.Tensor, att: Attention = block.attn, key: str = f"layers.{i}") -> torch.Tensor:
                 return self._attention(att, key, h, step, shared)
 
-            streams, pre = block.run(streams, pre, attend, rows, image_mask)
+            streams, pre = block.run(streams, pre, attend, rows, image_mask, taps if i in self._taps else None)
+        if m.mtp is not None:
+            context = m.mtp.context_rows(torch.stack(taps, dim=1), step.angles["main"], step.cache_qdq)
+            for s, rows in enumerate(context):
+                storage.get(dspark_key(s), "window_kv")[step.window_rows] = rows
         return mhc.collapse(streams, pre)
 
     # ---- the step's shared facts ----------------------------------------------------------------------
@@ -201,9 +210,11 @@ class PagedV41(nn.Module):
                           index_keys=step.storage.get(key, "index_keys")[rows])
 
 
-def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool) -> PagedV41:
-    """The engine's V4.1 model from a checkpoint directory (its tokenizer.json is part of Engram's hash)."""
+def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
+                   dspark: bool = False) -> PagedV41:
+    """The engine's V4.1 model from a checkpoint directory (its tokenizer.json is part of Engram's hash);
+    ``dspark``: with the DSpark drafter (speculative decoding)."""
     from deepinfer.model.v41.loader import load_v41_model
 
-    model, _ = load_v41_model(model_dir, dtype, cfg=cfg, cache_qdq=cache_quantization)
+    model, _ = load_v41_model(model_dir, dtype, cfg=cfg, cache_qdq=cache_quantization, dspark=dspark)
     return PagedV41(model.eval())

@@ -69,6 +69,7 @@ class SpeculativeRun:
     tokens: list[int]
     verified: list[int]  # drafts verified per step
     accepted: list[int]  # drafts accepted per step
+    drafts: list[tuple[int, ...]]  # the drafts verified per step
 
 
 @torch.no_grad()
@@ -83,6 +84,7 @@ def speculative_greedy(model: DeepseekV41, prompt: torch.Tensor, max_new_tokens:
     out = [int(model(prompt, cache)[-1].argmax())]
     verified: list[int] = []
     accepted: list[int] = []
+    proposed: list[tuple[int, ...]] = []
     while len(out) < max_new_tokens:
         block = model.propose(out[-1], cache)
         n = min(verify_length(block.confidence, num_tokens, varlen), max_new_tokens - len(out))
@@ -94,4 +96,5 @@ def speculative_greedy(model: DeepseekV41, prompt: torch.Tensor, max_new_tokens:
         out.extend(result.tokens)
         verified.append(n)
         accepted.append(result.accepted)
-    return SpeculativeRun(out[:max_new_tokens], verified, accepted)
+        proposed.append(tuple(drafts))
+    return SpeculativeRun(out[:max_new_tokens], verified, accepted, proposed)
