@@ -12,8 +12,7 @@ changes where the softmax merge happens; both depend on the batch size, so a bat
 fix them: ``invariant()`` is that table's tuning (``batch_invariant=True``). With it the dense GEMMs sum K
 in segments that are a function of (N, K) and the SM count only (``k_segments``), one kernel family for
 every M (no swap-AB decode path, no weight-as-A prefill path, no cuBLAS), tiles of one MMA instruction
-family (``invariant_fp8_tiles``), and attention splits every ``attention_invariant_split`` index columns at
-fixed columns, folded in order (as programs of their own in decode, in-program in prefill: the same bits). The remaining
+family (``invariant_fp8_tiles``), and attention keeps its fixed, position-anchored split. The remaining
 fields never change a result's bits (tests/gpu check the fast division and the e4m3 bit placement against
 their plain forms).
 
@@ -53,10 +52,6 @@ class KernelTuning:
     # attention_small_split index columns, window apart (0 = the fixed, batch-invariant split only).
     attention_small_split: int = 128
     attention_fill_programs: int = 64
-    # Batch-invariant attention (``batch_invariant``): splits of this many index columns at fixed absolute
-    # columns, folded in order, as programs of their own below ``attention_fill_programs`` programs (decode)
-    # or one after another inside each program (prefill); the same bits either way.
-    attention_invariant_split: int = 128
     # mHC Sinkhorn divisions by the branch-free fast path (the bits of div_rn).
     mhc_fast_div: bool = True
     # Batch-invariant kernels (DEEPINFER_BATCH_INVARIANT=1): every launcher computes a row the same way for
@@ -70,8 +65,6 @@ class KernelTuning:
     def __post_init__(self) -> None:
         if self.num_sms <= 0:
             raise ValueError(f"num_sms: must be positive, got {self.num_sms}")
-        if self.attention_invariant_split <= 0:
-            raise ValueError(f"attention_invariant_split: must be positive, got {self.attention_invariant_split}")
         if self.fp8_split_target < 0 or self.fp8_decode_max_m < 0 or self.attention_small_split < 0:
             raise ValueError("fp8_split_target, fp8_decode_max_m and attention_small_split must be >= 0")
         if self.fp8_decode_max_m > max(b for b, _ in self.fp8_decode_tiles):

@@ -6,10 +6,8 @@ alone equals, bit for bit, the same row placed at the start, middle and end of c
 sizes that cross every tile bucket and both ways of running the K segments (split-K programs while the
 tiles do not fill the GPU, in-program segments once they do). Against the fp32 reference the results agree
 within bf16 rounding. And the default table is shown to change a row's bits with M, so that these
-comparisons can fail. Attention: a query alone equals the same query inside steps whose index lists are
-wider, with its splits run as programs of their own (decode) or inside one program (prefill). (The other
-entries of the table, indexer, mHC, routing, experts, compressor, have their own batch-invariance tests
-beside their kernels' tests in this folder.)
+comparisons can fail. (The other entries of the table, attention, indexer, mHC, norms, routing, experts,
+compressor, have their own batch-invariance tests beside their kernels' tests in this folder.)
 """
 
 from __future__ import annotations
@@ -25,15 +23,15 @@ from deepinfer.ops.tuning import H200
 from tests.gpu.conftest import INTERPRET, rel_err
 from tests.unit.test_batch_invariant_ops import _rows_invariant
 
-# The interpreter runs the launch logic (segments, splits, tickets) at a small SM count and attention fill
-# threshold, so that both launch modes of each op occur at small shapes; the GPU runs the device's own.
+# The interpreter runs the launch logic (segments, splits, tickets) at a small SM count, so that both launch
+# modes occur at small shapes; the GPU runs the device's own count.
 SIZES = (2, 7, 16, 17, 40) if INTERPRET else (2, 7, 16, 63, 64, 65, 130, 256, 257, 600, 2048)
 
 
 def _tables(device: str):
     from deepinfer.ops.table import triton_ops
 
-    tuning = dataclasses.replace(H200, num_sms=4, attention_fill_programs=4) if INTERPRET else None
+    tuning = dataclasses.replace(H200, num_sms=4) if INTERPRET else None
     default = triton_ops(tuning)
     return default, triton_ops((tuning or default.tuning).invariant())
 
@@ -119,57 +117,3 @@ def test_rms_norm_rows_are_invariant(c, device) -> None:
     _, table = _tables(device)
     w = (torch.rand(c, generator=torch.Generator().manual_seed(c)) + 0.5).to(device)
     _rows_invariant(lambda x: table.rms_norm(x, w, 1e-6), _rows(c, device), SIZES)
-
-
-ATT = (4, 64, 64) if INTERPRET else (64, 512, 512)  # heads, head dim, window columns (V4: 64 x 512, 128-key window)
-
-
-@pytest.mark.interpret_ok
-@pytest.mark.parametrize("extra", [0, 200, 2176])  # one source; two (CSA-like, HCA at 280K context)
-def test_attention_rows_are_invariant(extra, device) -> None:
-    """A query alone (its own index width) equals the same query inside steps of other queries whose lists
-    are wider (padding columns), at step sizes that run the splits as programs of their own (decode) and
-    inside each program (prefill); within bf16 rounding of the reference."""
-    from deepinfer.ops.ref.sparse_attention import sparse_attention_indexed as ref_attention
-
-    _, table = _tables(device)
-    h, d, window = ATT
-    dtype = torch.float32 if INTERPRET else torch.bfloat16
-    g = torch.Generator().manual_seed(extra + 1)
-    rows = 4096
-    kv, kv2 = (torch.randn(rows, d, generator=g).to(device, dtype) for _ in range(2))
-    sinks = torch.randn(h, generator=g).to(device)
-
-    def lists(m: int, width: int, n: int) -> torch.Tensor:
-        idx = torch.stack([torch.randperm(rows, generator=g)[:width] for _ in range(m)]).to(torch.int32)
-        idx[:, n:] = -1  # this query's own columns end at n; the rest is the step's padding
-        return idx.to(device)
-
-    def make(m: int, gen: torch.Generator):
-        q = torch.randn(m, h, d, generator=gen).to(device, dtype)
-        pad = 64 if m > 1 else 0  # other queries see more keys: every list of the step is wider
-        idx = lists(m, window + pad, window)
-        idx2 = lists(m, extra + pad, extra) if extra else None
-        return (q, idx) if not extra else (q, idx, idx2)
-
-    def attend(q, idx, idx2=None):
-        return table.sparse_attention_indexed(q, kv, idx, sinks, d**-0.5, kv2 if extra else None, idx2)
-
-    def widen(t: torch.Tensor, width: int) -> torch.Tensor:
-        return torch.cat([t, t.new_full((len(t), width - t.shape[1]), -1)], dim=1)
-
-    base = make(1, torch.Generator().manual_seed(1))
-    alone = attend(*base)
-    for m in (2, 5) if INTERPRET else (2, 3, 4, 5, 16, 64, 300):
-        batch = list(make(m, torch.Generator().manual_seed(100 + m)))
-        for at in (0, m // 2, m - 1):
-            rows_ = [b.clone() for b in batch]
-            rows_[0][at] = base[0][0]
-            for i in range(1, len(rows_)):  # the base query's lists, padded to the step's width
-                rows_[i][at] = widen(base[i], rows_[i].shape[1])[0]
-            assert torch.equal(attend(*rows_)[at], alone[0]), f"row at {at} of {m} differs"
-    q, idx, *idx2 = make(5, torch.Generator().manual_seed(7))
-    got = attend(q, idx, *idx2)
-    want = ref_attention(q.float(), kv.float(), idx, sinks, d**-0.5, kv2.float() if extra else None,
-                         idx2[0] if extra else None)
-    assert rel_err(got.float(), want) <= (1e-4 if INTERPRET else 1e-2)
