@@ -4,7 +4,8 @@ alone and in any batch, whatever the schedule.
 Reference: every request alone, no prefix cache, no chunking, no speculation. Compared bit for bit (token
 ids and every returned logprob) against: all requests at once in shuffled orders with up to 2, 7 and 64
 sequences per step (64: every prompt twice); step budgets of 256 and 2048 tokens (chunked prefill); a small
-cache that forces preemption and recompute; prefix-cache hits at block boundaries; async scheduling; and, on
+cache that forces preemption and recompute; prefix-cache hits at block boundaries; async scheduling; a fresh
+interpreter building its own engine (a restart); and, on
 the bundled demo model (a trained MTP layer), speculative decoding with k = 2 against plain decoding alone
 (greedy and seeded). Half of the tiny model's 32 requests are greedy, half seeded top-p sampling. And with
 the mode off, two step budgets must give different bits somewhere, so that this file can fail.
@@ -15,6 +16,7 @@ A tiny random checkpoint (SWA, CSA m=4, HCA m=128 layers, 128-token window; voca
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 
 import pytest
@@ -143,6 +145,19 @@ def test_prefix_cache_hits_equal_recompute(tiny_dir) -> None:
     assert _drain(engine, _requests(extended)) == ref
     assert engine.scheduler.prefix_hits - hits >= 128 * len(extended), "every extended prompt must hit"
     assert engine.scheduler.prefix_queries > queries
+
+
+def alone_in_this_process(model_dir: str, requests: list) -> dict:
+    """``_alone`` on a new engine; what a freshly started interpreter runs (module level: spawn imports it)."""
+    return _alone(_engine(model_dir, enable_prefix_caching=False), requests)
+
+
+def test_fresh_process_equals_alone(tiny_dir, reference) -> None:
+    """A restart: a new interpreter (its own allocator, thread pools and engine) gives the same bits."""
+    requests = _requests(_prompts())[:8]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(alone_in_this_process, (str(tiny_dir), requests))
+    assert got == {rid: reference[rid] for rid, _, _ in requests}
 
 
 def test_default_mode_differs_somewhere(tiny_dir) -> None:

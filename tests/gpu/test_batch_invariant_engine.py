@@ -7,11 +7,13 @@ tokens, half greedy, half seeded top-p sampling, each first run alone (no prefix
 them at once in shuffled orders with up to 7 and 64 sequences per step (64: every prompt twice); step budgets
 of 256 and 2048 tokens (chunked prefill); a small cache that forces preemption; prefix-cache hits; async
 scheduling; speculative decoding with the trained MTP layer (k = 2, fixed) against plain decoding alone; and
-a second engine (a restart). With the mode off, batching must change some bits, so that the file can fail.
+a fresh interpreter building its own engine (a restart). With the mode off, batching must change some bits,
+so that the file can fail.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 
 import pytest
@@ -47,7 +49,7 @@ def reference() -> dict:
     return _alone(_gpu(enable_prefix_caching=False), _reqs(_prompts()))
 
 
-@pytest.mark.parametrize("max_num_seqs,seed", [(7, 1), (64, 2)])
+@pytest.mark.parametrize("max_num_seqs,seed", [(2, 0), (7, 1), (64, 2)])
 def test_batches_of_any_size_and_order_equal_alone(reference, max_num_seqs, seed) -> None:
     prompts = _prompts()
     order = list(range(len(prompts)))
@@ -92,6 +94,20 @@ def test_speculation_equals_plain_decoding_alone() -> None:
                   speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert _drain(engine, _reqs(prompts)) == ref
     assert engine.spec_stats.num_accepted_tokens > 0, "the MTP layer's drafts must be accepted sometimes"
+
+
+def alone_in_this_process(requests: list) -> dict:
+    """``_alone`` on a new engine; what a freshly started interpreter runs (module level: spawn imports it)."""
+    return _alone(_gpu(enable_prefix_caching=False), requests)
+
+
+def test_fresh_process_equals_alone(reference) -> None:
+    """A restart: a new interpreter (its own CUDA context, allocator, graphs and compiled kernels' launch state)
+    gives the same bits."""
+    requests = _reqs(_prompts())[:8]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(alone_in_this_process, (requests,))
+    assert got == {rid: reference[rid] for rid, _, _ in requests}
 
 
 def test_default_mode_differs_somewhere() -> None:
