@@ -7,7 +7,8 @@ shared expert's w1|w3 and w2; 140 MB of e4m3 weights) run in sequence over --cop
 distinct weights (so the 50 MB L2 does not serve them on repeat), replayed from a CUDA graph. Reported: µs
 per layer, what the weight bytes allow at the measured copy bandwidth, and each candidate tile
 (BLOCK_M, BLOCK_N, warps, stages) of the split-K MMA path and (BLOCK_M, warps, stages) of the swap-AB decode
-path, x split target (programs the split-K fills), against the table's pick.
+path, x split target (programs the split-K fills), against the table's pick; and the batch-invariant table's
+choice (``KernelTuning.invariant()``: the MMA kernel on 64-row tiles, K in fixed segments) as path "invariant".
 Every candidate's outputs are compared with the first candidate's (relative difference: split counts
 add the K blocks in different groupings).
 Writes $OUT/fp8_decode.json when $OUT is set.
@@ -98,10 +99,13 @@ def main() -> None:
         ref = None
         candidates = [("mma", tile) for tile in (TILES[bucket][:1] if args.quick else TILES[bucket])]
         candidates += [("decode", tile) for tile in DECODE_TILES.get(dbucket, [])]
+        candidates += [("invariant", BASE.invariant().invariant_fp8_tile(m))]
         for path, tile in candidates:
-            for target in ([DEFAULT_TARGET] if args.quick and path == "mma" else TARGETS):
+            for target in ([DEFAULT_TARGET] if (args.quick and path == "mma") or path == "invariant" else TARGETS):
                 tuning = dataclasses.replace(BASE, fp8_split_target=target)
-                if path == "mma":
+                if path == "invariant":
+                    tuning = BASE.invariant()
+                elif path == "mma":
                     tuning = dataclasses.replace(tuning, fp8_decode_max_m=0).with_fp8_tile(bucket, tile)
                 else:
                     tuning = tuning.with_fp8_decode_tile(dbucket, tile)
@@ -119,6 +123,9 @@ def main() -> None:
                     splits = [fp8._config(m, n, k // g, tuning)[2] for n, k, g in LAYER]
                     pick = (m > DEFAULT_DECODE_MAX_M and tile == dict(BASE.fp8_tiles)[bucket]
                             and target == DEFAULT_TARGET)
+                elif path == "invariant":
+                    splits = [-(-(k // g) // tuning.k_segment(n, k // g)) for n, k, g in LAYER]  # K segments
+                    pick = False
                 else:
                     splits = None
                     pick = tile == DEFAULT_DECODE[dbucket] and target == DEFAULT_TARGET
