@@ -157,9 +157,9 @@ def _fp8_linear_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for sg in range(SEGS):
-            # Segment (pid_k * SEGS + sg); pid_k is 0 here (SEGS > 1 launches no K split).
-            acc += _fp8_k_range(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_mask, n_mask, K, (pid_k * SEGS + sg) * k_per_split,
-                                k_per_split, stride_xm, stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BITS)
+            k_start = (pid_k * SEGS + sg) * k_per_split  # pid_k is 0 here (SEGS > 1 launches no K split)
+            acc += _fp8_k_range(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_mask, n_mask, K, k_start, k_per_split,
+                                stride_xm, stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BITS)
     _write_tile(acc, offs_m, offs_n, mn_mask, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k,
                 stride_ym, stride_pm, stride_psplit, SPLIT)
 
