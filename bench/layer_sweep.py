@@ -20,8 +20,9 @@ the 256 FP4 experts) against its 141 GB, so N layers are timed and the figures e
 fit stops with a message naming --layers.
 With --modes default batch-invariant every point is timed with both op tables in turn on the same model
 (``DEEPINFER_BATCH_INVARIANT``'s table swapped in with ``use_op_table``), rows tagged with their mode,
-and the JSON named ``layer_sweep_modes.json``. With --hf the HF transformers peer (bf16, same shapes, eager attention) runs where it fits: decode at batch
-<= 32 after an HF prefill of the smallest context, prefill at L <= 4096. JSON goes to --out.
+and the JSON named ``layer_sweep_modes.json``. With --hf the HF transformers peer (bf16, same shapes, eager
+attention) runs where it fits: decode at batch <= 32 after an HF prefill of the smallest context, prefill at
+L <= 4096. JSON goes to --out.
 """
 
 from __future__ import annotations
