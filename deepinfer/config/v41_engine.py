@@ -27,6 +27,20 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     return d if isinstance(d, dict) else {}
 
 
+# EngineArgs.v41_decoder_replay: the decoder-side bounded replay of long prefill chunks (model/v41/replay.py).
+# "off": every layer on every row; "v41": the released model's narrowing (the decoder layers on the chunk's last
+# sliding_window rows, their window bounded there: not bit-identical to "off"); "exact": the same with the
+# dependency halo kept, equal to "off" up to rounding.
+DECODER_REPLAY_MODES = ("off", "v41", "exact")
+
+
+def check_decoder_replay(mode: object, field: str = "v41_decoder_replay") -> str:
+    """``mode`` if it is one of ``DECODER_REPLAY_MODES``, else a ValueError naming ``field``."""
+    if mode not in DECODER_REPLAY_MODES:
+        raise ValueError(f"{field}: {mode!r} is not a decoder replay mode; allowed: {', '.join(DECODER_REPLAY_MODES)}")
+    return mode
+
+
 def check_v41_engine_args(args, device: str) -> None:
     """``args``: the ``EngineArgs``; raises ValueError naming the first unsupported field."""
     from deepinfer import env
@@ -42,6 +56,12 @@ def check_v41_engine_args(args, device: str) -> None:
         raise ValueError(f"hf_overrides: not supported for {what} yet; allowed: None")
     if args.load_format != "auto":
         raise ValueError(f"load_format: {args.load_format!r} is not supported for {what} yet; allowed: auto")
+    if check_decoder_replay(args.v41_decoder_replay) != "off" and args.enable_prefix_caching:
+        # A narrowed chunk leaves the decoder layers' window rows before its kept tail unwritten, and a prefix hit
+        # at a block boundary there would read them (vLLM's V4.1 instead recomputes such tails: encoder-side
+        # replay, not implemented here).
+        raise ValueError(f"v41_decoder_replay: {args.v41_decoder_replay!r} leaves window rows that prefix-cache hits "
+                         "would read unwritten; set enable_prefix_caching=False, or v41_decoder_replay='off'")
     if env.batch_invariant():
         raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1: the batch-invariant op table does not cover {what} yet; "
                          "unset it")
