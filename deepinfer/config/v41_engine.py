@@ -1,8 +1,9 @@
 """What the engine supports for a DeepSeek-V4.1 checkpoint so far, checked before anything is loaded.
 
 The engine runs V4.1 through its CPU reference step (``model/v41/paged.py``) with continuous batching,
-chunked prefill, preemption, prefix caching, async scheduling, the cache tiers and DSpark speculative decoding
-(``runner/dspark.py``). Not yet: the GPU kernels, several ranks, weight overrides and dummy weights, the
+chunked prefill, preemption, prefix caching, async scheduling, the cache tiers, DSpark speculative decoding
+(``runner/dspark.py``) and the decoder-side bounded replay of long prefills (``v41_decoder_replay``, without
+prefix caching). Not yet: the GPU kernels, several ranks, weight overrides and dummy weights, the
 batch-invariant op table (V4.1's path does not go through it). Each is refused here with the field and what
 is allowed.
 """

@@ -10,6 +10,7 @@ The tiny random V4.1 of ``v41_tiny.py`` (window 16; the decoder is layers 6-9, s
     narrowed chunk after another one within a window of it: the window bound at the kept rows is what the
     engine and the plain model agree on); in a batch, prompts no longer than the window give the tokens of no
     replay; prompt logprobs switch the narrowing off for their sequence (every row's output is read);
+    DSpark speculation after narrowed prefills gives the tokens of no speculation;
   * the refusals: an unknown mode, the replay with prefix caching, the replay for a DeepSeek-V4 checkpoint.
 """
 
@@ -138,6 +139,17 @@ def test_prompt_logprobs_keep_every_row(tiny, narrowed_steps) -> None:
     assert not narrowed_steps
     assert list(result.outputs[0].token_ids) == plain.greedy(torch.tensor(ids), MAX_TOKENS)
     assert all(math.isfinite(lp.logprob) for pos in result.prompt_logprobs[1:] for lp in pos.values())
+
+
+def test_dspark_drafts_after_a_narrowed_prefill(tmp_path) -> None:
+    """The DSpark context is written for the kept rows only: exactly the window the first block reads.
+    Speculation stays lossless: the tokens of the same mode without it."""
+    path = write_tiny_v41(tmp_path, seed=1, dspark=True)
+    prompts = _prompts([10, 70, 150], seed=15)
+    arrivals = {0: [(f"r{i}", p) for i, p in enumerate(prompts)]}
+    plain = drain(_engine(path, "v41"), arrivals, GREEDY)
+    spec = _engine(path, "v41", speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+    assert drain(spec, arrivals, GREEDY) == plain
 
 
 def test_refusals(tiny) -> None:

@@ -21,6 +21,10 @@ rows of each of its positions (``DSpark.context_rows`` from the taps of ``dspark
 ``mtp.S`` window tensors, the same rows by position as the plain model's ``V41Cache.draft``; the drafter
 itself runs after verification (``runner/dspark.py``).
 
+With ``decoder_replay`` (``replay.py``, the engine's ``v41_decoder_replay``) a long prefill chunk of a sequence
+whose step reads only its last row runs the decoder layers on its kept tail: the step is cut to those rows
+(``_Step.narrowed``) after the last KV source, and the final rows it skipped come back as NaN.
+
 This is the CPU reference path of the engine (one sequence loop per compressed layer); GPU kernels for it
 are future work. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
 ``cache_qdq``: values are rounded as the reference does and stored in the activation dtype.
