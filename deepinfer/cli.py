@@ -14,6 +14,7 @@ import json
 import sys
 
 from deepinfer.config.engine import KV_CACHE_DTYPES, EngineArgs
+from deepinfer.config.v41_engine import DECODER_REPLAY_MODES
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -71,6 +72,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="cache numerics: auto = the model's released cache formats (V4.1: FP8 window KV, MXFP4 "
                         "index keys, NVFP4 compressed KV; V4: the activation dtype), bfloat16/float32 = no cache "
                         "quantization (must equal --dtype)")
+    g.add_argument("--v41-decoder-replay", default="off", choices=list(DECODER_REPLAY_MODES),
+                   help="DeepSeek-V4.1: decoder layers of long prefill chunks on the last rows only; v41 = the "
+                        "released model's (not bit-identical), exact = with the dependency halo (either needs "
+                        "--no-enable-prefix-caching)")
 
 
 def _node_flags(p: argparse.ArgumentParser) -> None:
@@ -120,7 +125,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         enable_eplb=a.enable_eplb, eplb_config=a.eplb_config,
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port,
         load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
-        kv_cache_dtype=a.kv_cache_dtype,
+        kv_cache_dtype=a.kv_cache_dtype, v41_decoder_replay=a.v41_decoder_replay,
     )
 
 

@@ -89,6 +89,10 @@ class EngineArgs:
     # {"method": "dspark", ...} (V4.1), or its JSON text; None: off.
     speculative_config: dict | str | None = None
     kv_cache_dtype: str = "auto"  # cache numerics, vLLM's name; KV_CACHE_DTYPES says what each value means
+    # DeepSeek-V4.1 only: decoder-side bounded replay of long prefill chunks, "off" / "v41" / "exact"
+    # (config/v41_engine.py DECODER_REPLAY_MODES). Named for the model it applies to, in vLLM's snake_case
+    # style; the values name the behaviour (the released model's, or the exact halo) rather than a boolean.
+    v41_decoder_replay: str = "off"
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -159,6 +163,7 @@ class EngineConfig:
     launch: LaunchConfig = LaunchConfig()  # which of the world's ranks this node starts
     # DEEPINFER_BATCH_INVARIANT: the batch-invariant op table (ops/table.py; README "Batch invariance").
     batch_invariant: bool = False
+    v41_decoder_replay: str = "off"  # EngineArgs.v41_decoder_replay (checked against the model)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -196,6 +201,7 @@ class EngineConfig:
         batch_invariant = env.batch_invariant()
         if batch_invariant:
             _check_batch_invariant(device, parallel)
+        decoder_replay = _decoder_replay(args.v41_decoder_replay, model)
         return cls(
             model_dir=model_dir,
             tokenizer_dir=args.tokenizer or model_dir,
@@ -217,6 +223,7 @@ class EngineConfig:
             eplb=eplb,
             launch=launch,
             batch_invariant=batch_invariant,
+            v41_decoder_replay=decoder_replay,
         )
 
     def mode_labels(self) -> dict[str, str]:
@@ -233,6 +240,15 @@ def _model_config(model_dir: str, args: EngineArgs, device: str) -> ModelConfig 
         return ModelConfig.from_model_dir(model_dir, args.hf_overrides)
     check_v41_engine_args(args, device)
     return V41Config.from_model_dir(model_dir)
+
+
+def _decoder_replay(mode: object, model: ModelConfig | V41Config) -> str:
+    from deepinfer.config.v41_engine import check_decoder_replay
+
+    if check_decoder_replay(mode) != "off" and not isinstance(model, V41Config):
+        raise ValueError(f"v41_decoder_replay: {mode!r} applies to DeepSeek-V4.1 checkpoints only (their decoder "
+                         "layers); allowed for this model: off")
+    return mode
 
 
 def _kv_cache_dtype(name: object, dtype: torch.dtype) -> str:

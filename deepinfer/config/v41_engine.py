@@ -1,8 +1,9 @@
 """What the engine supports for a DeepSeek-V4.1 checkpoint so far, checked before anything is loaded.
 
 The engine runs V4.1 through its CPU reference step (``model/v41/paged.py``) with continuous batching,
-chunked prefill, preemption, prefix caching, async scheduling, the cache tiers and DSpark speculative decoding
-(``runner/dspark.py``). Not yet: the GPU kernels, several ranks, weight overrides and dummy weights, the
+chunked prefill, preemption, prefix caching, async scheduling, the cache tiers, DSpark speculative decoding
+(``runner/dspark.py``) and the decoder-side bounded replay of long prefills (``v41_decoder_replay``, without
+prefix caching). Not yet: the GPU kernels, several ranks, weight overrides and dummy weights, the
 batch-invariant op table (V4.1's path does not go through it). Each is refused here with the field and what
 is allowed.
 """
@@ -27,6 +28,20 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     return d if isinstance(d, dict) else {}
 
 
+# EngineArgs.v41_decoder_replay: the decoder-side bounded replay of long prefill chunks (model/v41/replay.py).
+# "off": every layer on every row; "v41": the released model's narrowing (the decoder layers on the chunk's last
+# sliding_window rows, their window bounded there: not bit-identical to "off"); "exact": the same with the
+# dependency halo kept, equal to "off" up to rounding.
+DECODER_REPLAY_MODES = ("off", "v41", "exact")
+
+
+def check_decoder_replay(mode: object, field: str = "v41_decoder_replay") -> str:
+    """``mode`` if it is one of ``DECODER_REPLAY_MODES``, else a ValueError naming ``field``."""
+    if mode not in DECODER_REPLAY_MODES:
+        raise ValueError(f"{field}: {mode!r} is not a decoder replay mode; allowed: {', '.join(DECODER_REPLAY_MODES)}")
+    return mode
+
+
 def check_v41_engine_args(args, device: str) -> None:
     """``args``: the ``EngineArgs``; raises ValueError naming the first unsupported field."""
     from deepinfer import env
@@ -42,6 +57,12 @@ def check_v41_engine_args(args, device: str) -> None:
         raise ValueError(f"hf_overrides: not supported for {what} yet; allowed: None")
     if args.load_format != "auto":
         raise ValueError(f"load_format: {args.load_format!r} is not supported for {what} yet; allowed: auto")
+    if check_decoder_replay(args.v41_decoder_replay) != "off" and args.enable_prefix_caching:
+        # A narrowed chunk leaves the decoder layers' window rows before its kept tail unwritten, and a prefix hit
+        # at a block boundary there would read them (vLLM's V4.1 instead recomputes such tails: encoder-side
+        # replay, not implemented here).
+        raise ValueError(f"v41_decoder_replay: {args.v41_decoder_replay!r} leaves window rows that prefix-cache hits "
+                         "would read unwritten; set enable_prefix_caching=False, or v41_decoder_replay='off'")
     if env.batch_invariant():
         raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1: the batch-invariant op table does not cover {what} yet; "
                          "unset it")

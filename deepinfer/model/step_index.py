@@ -86,6 +86,10 @@ class StepIndex:
     # [B] int64 or None: per sequence, windows closing before this position are not emitted (their entries
     # are cached: a prefix hit's bounded replay recomputes those positions' window and state rows only).
     emit_from: torch.Tensor | None = None
+    # Per sequence or None (every row may be read): whether the step reads the output of the sequence's last
+    # row only, or of none (no prompt logprobs, no verified drafts). V4.1's decoder-side bounded replay
+    # (model/v41/replay.py) narrows only such sequences' prefill chunks. Host values: the CPU step reads them.
+    last_row_only: tuple[bool, ...] | None = None
 
     def _tensors(self) -> list[str]:
         return [f.name for f in fields(self) if f.type == "torch.Tensor"]

@@ -211,7 +211,9 @@ class ModelRunner:
         else:
             emit_from = [w.emit_from for w in work]
             if share is None:
-                streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders, emit_from)
+                # Whose outputs before the last row nobody reads (V4.1's decoder replay may skip them).
+                last_only = tuple(w.num_samples <= 1 and w.prompt_logprobs is None for w in work)
+                streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders, emit_from, last_only)
             else:
                 streams, index, input_ids = self._forward_share(ids, slots, first, lens, placeholders, emit_from,
                                                                 work, share)
@@ -324,11 +326,14 @@ class ModelRunner:
         both = to_device(rows + owners, torch.int64, self.device)
         return both[: len(rows)], self.batch.last_tokens[both[len(rows) :]]
 
-    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders, emit_from: list[int]):
+    def _forward(self, ids: np.ndarray, slots, first, lens, placeholders, emit_from: list[int],
+                 last_row_only: tuple[bool, ...]):
         """The target's final streams [T, N, H] of the step, with its index and input ids (the MTP layer
-        reuses both). ``emit_from``: per sequence, the bounded replay's boundary (0: none)."""
+        reuses both). ``emit_from``: per sequence, the bounded replay's boundary (0: none); ``last_row_only``:
+        per sequence, whether only its last row's output is read (``StepIndex.last_row_only``)."""
         index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
                                  pin_memory=self.device.type == "cuda").to(self.device)
+        index = dataclasses.replace(index, last_row_only=last_row_only)
         if any(emit_from):
             index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
         input_ids = to_device(ids, torch.int64, self.device)

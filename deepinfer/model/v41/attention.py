@@ -193,10 +193,10 @@ class Attention(nn.Module):
         return self.wo_b(grouped.transpose(0, 1).flatten(1))
 
     def _window_mask(self, ctx: StepContext) -> torch.Tensor:
-        """[Q, end]: which cached window positions each query sees, (t - W, t]."""
+        """[Q, end]: which cached window positions each query sees, (t - W, t], none below ``window_from``."""
         key_pos = torch.arange(ctx.end, device=ctx.positions.device)
         t = ctx.positions.unsqueeze(1)
-        return (key_pos <= t) & (key_pos > t - self.window)
+        return (key_pos <= t) & (key_pos > t - self.window) & (key_pos >= ctx.window_from)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Softmax over the allowed keys plus the sink logit (denominator only); K = V. fp32 inside."""

@@ -68,6 +68,13 @@ class V41Cache:
         self.tokens = torch.cat((self.tokens.to(ids.device), ids.long()))
         return start
 
+    def skip_window_rows(self, layers: range, start: int, end: int, like: torch.Tensor) -> None:
+        """Positions [start, end) that a narrowed prefill (``replay.py``) does not compute in the window of
+        ``layers`` and the DSpark context: zero rows shaped like ``like`` [D], which no later query reads
+        (every one is at least a window past them)."""
+        for lc in [self.layers[i] for i in layers] + self.draft:
+            lc.window = _put(lc.window, start, like.new_zeros(end - start, like.shape[-1]))
+
     def truncate(self, length: int, ratios: tuple[int, ...]) -> None:
         """Roll back to the first ``length`` positions (e.g. rejected drafts)."""
         if not 0 <= length <= self.length:

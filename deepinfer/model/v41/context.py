@@ -16,6 +16,7 @@ class StepContext:
     angles: dict[str, torch.Tensor]  # "main" / "compress" -> fp32 [Q, rope_dim / 2]
     cache: V41Cache
     cache_qdq: bool  # round window KV / indexer q,k / compressed KV as the reference caches do
+    window_from: int = 0  # no query reads window KV below this position (the decoder replay's kv_start)
 
     @property
     def end(self) -> int:
@@ -32,3 +33,8 @@ class SharedKV:
     ratio: int = 0
     topk: torch.Tensor | None = None  # [Q, k] long
     candidates: torch.Tensor | None = None  # [Q, E] bool
+
+    def narrowed(self, kept: int) -> "SharedKV":
+        """The state of the step's last ``kept`` queries (the decoder replay's rows)."""
+        return SharedKV(self.source, self.ratio, None if self.topk is None else self.topk[-kept:],
+                        None if self.candidates is None else self.candidates[-kept:])

@@ -25,6 +25,7 @@ from deepinfer.model.v41.context import SharedKV, StepContext
 from deepinfer.model.v41.dspark import DraftBlock, DSpark
 from deepinfer.model.v41.engram import Engram, EngramHasher, compressed_token_map
 from deepinfer.model.v41.moe import MoE
+from deepinfer.model.v41.replay import DecoderReplay
 from deepinfer.model.v41.rope import angles
 
 
@@ -117,9 +118,10 @@ class DeepseekV41(nn.Module):
                              "V4.1 vision encoder is not implemented, only text input is supported")
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: V41Cache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: V41Cache | None = None, replay: str = "off") -> torch.Tensor:
         """input_ids [Q] (the sequence's next tokens) -> fp32 logits [Q, V]; ``cache`` (default: a new one,
-        i.e. the whole sequence) is extended by these positions."""
+        i.e. the whole sequence) is extended by these positions. ``replay``: the decoder-side bounded replay
+        (``replay.py``: off / v41 / exact); a chunk it narrows returns the logits of its last row only [1, V]."""
         self._check_ids(input_ids)
         cache = self.new_cache() if cache is None else cache
         start = cache.append_tokens(input_ids)
@@ -133,13 +135,26 @@ class DeepseekV41(nn.Module):
         pre = mhc.one_hot_pre(x.shape[0], self.cfg.hc_mult, x.device)
         shared = SharedKV()
         taps: list[torch.Tensor] = []
+        narrow = DecoderReplay.of(self.cfg, replay)
+        kept = narrow.kept(input_ids.numel())
+        narrowed = kept < input_ids.numel()
         for i, block in enumerate(self.layers):
+            if narrowed and i == narrow.first_layer:
+                # The decoder layers run on the last ``kept`` rows, their window bounded at the first of them.
+                first = ctx.end - kept
+                cache.skip_window_rows(range(i, len(self.layers)), start, first, x.new_zeros(self.cfg.head_dim))
+                ctx = StepContext(ctx.positions[-kept:], first, {k: a[-kept:] for k, a in ctx.angles.items()}, cache,
+                                  ctx.cache_qdq, window_from=first)
+                streams, pre, image_mask = streams[-kept:], pre[-kept:], image_mask[-kept:]
+                shared, taps = shared.narrowed(kept), [t[-kept:] for t in taps]
+                rows = rows[-kept:] if rows is not None else None
             engram_rows = rows[:, block.engram.table_index] if hasattr(block, "engram") else None
             streams, pre = block(streams, pre, ctx, i, shared, engram_rows, image_mask,
                                  taps if i in self._tap_layers else None)
         if self.mtp is not None:
-            self.mtp.write_context(torch.stack(taps, dim=1), start, cache.draft, ctx.angles["main"], self.cache_qdq)
-        return self.logits(mhc.collapse(streams, pre))
+            self.mtp.write_context(torch.stack(taps, dim=1), ctx.start, cache.draft, ctx.angles["main"], self.cache_qdq)
+        hidden = mhc.collapse(streams, pre)
+        return self.logits(hidden[-1:] if narrowed else hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final collapsed residual [T, H] -> fp32 logits [T, V] (final norm, then the fp32 head)."""
@@ -158,10 +173,11 @@ class DeepseekV41(nn.Module):
                                 noise=noise)
 
     @torch.no_grad()
-    def greedy(self, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
-        """Greedy decoding with the cache: one prefill, then one position per step."""
+    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, replay: str = "off") -> list[int]:
+        """Greedy decoding with the cache: one prefill (``replay``: its decoder replay mode), then one position
+        per step."""
         cache = self.new_cache()
-        logits = self(prompt, cache)
+        logits = self(prompt, cache, replay)
         out: list[int] = []
         for _ in range(max_new_tokens):
             out.append(int(logits[-1].argmax()))

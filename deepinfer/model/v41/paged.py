@@ -21,6 +21,10 @@ rows of each of its positions (``DSpark.context_rows`` from the taps of ``dspark
 ``mtp.S`` window tensors, the same rows by position as the plain model's ``V41Cache.draft``; the drafter
 itself runs after verification (``runner/dspark.py``).
 
+With ``decoder_replay`` (``replay.py``, the engine's ``v41_decoder_replay``) a long prefill chunk of a sequence
+whose step reads only its last row runs the decoder layers on its kept tail: the step is cut to those rows
+(``_Step.narrowed``) after the last KV source, and the final rows it skipped come back as NaN.
+
 This is the CPU reference path of the engine (one sequence loop per compressed layer); GPU kernels for it
 are future work. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
 ``cache_qdq``: values are rounded as the reference does and stored in the activation dtype.
@@ -45,19 +49,22 @@ from deepinfer.model.v41.cache import LayerCache
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.context import SharedKV, StepContext
 from deepinfer.model.v41.model import DeepseekV41
+from deepinfer.model.v41.replay import DecoderReplay
 from deepinfer.model.v41.rope import angles, apply_rope
 from deepinfer.ops.ref.step_rows import lookup
 
 
 @dataclass(frozen=True, slots=True)
 class _Run:
-    """One sequence's tokens in the step: flat rows [lo, hi), positions [first, end), its table row."""
+    """One sequence's tokens in the step: flat rows [lo, hi), positions [first, end), its table row; its
+    queries read no window KV below ``window_from`` (the decoder replay's bound, ``replay.py``)."""
 
     seq: int
     lo: int
     hi: int
     first: int
     end: int
+    window_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,20 @@ class _Step:
     runs: tuple[_Run, ...]
     angles: dict[str, torch.Tensor]  # "main" / "compress" -> [T, rope_dim / 2]
     cache_qdq: bool
+    positions: torch.Tensor  # [T] each token's position
+
+    def narrowed(self, kept: list[int]) -> tuple["_Step", torch.Tensor]:
+        """The step of each run's last ``kept[r]`` tokens, their window bounded at the first of them when the
+        run was cut (``replay.py``), and the flat rows [T'] of those tokens in this step."""
+        runs, rows, lo = [], [], 0
+        for run, k in zip(self.runs, kept):
+            first = run.end - k
+            runs.append(_Run(run.seq, lo, lo + k, first, run.end, first if first > run.first else run.window_from))
+            rows.append(torch.arange(run.hi - k, run.hi, device=self.positions.device))
+            lo += k
+        sel = torch.cat(rows)
+        return _Step(self.index, self.storage, self.window_rows[sel], self.state_rows[sel], tuple(runs),
+                     {k: a[sel] for k, a in self.angles.items()}, self.cache_qdq, self.positions[sel]), sel
 
 
 def _resident(rows: torch.Tensor, wanted: torch.Tensor, what: str) -> torch.Tensor:
@@ -82,10 +103,13 @@ class PagedV41(nn.Module):
     """``DeepseekV41``'s weights run as the engine's model: ``forward(ids, None, storage, index)`` -> the final
     collapsed residual [T, H]; ``logits(rows)`` -> fp32 logits."""
 
-    def __init__(self, model: DeepseekV41) -> None:
+    def __init__(self, model: DeepseekV41, decoder_replay: str = "off") -> None:
+        """``decoder_replay``: the decoder-side bounded replay of long prefill chunks (``replay.py``: off / v41
+        / exact), applied to the sequences whose step reads only their last row (``StepIndex.last_row_only``)."""
         super().__init__()
         self.model = model
         self.cfg: V41Config = model.cfg
+        self.replay = DecoderReplay.of(self.cfg, decoder_replay)
         self._taps = frozenset(self.cfg.dspark.target_layer_ids) if model.mtp is not None else frozenset()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -106,7 +130,14 @@ class PagedV41(nn.Module):
         image_mask = torch.zeros_like(input_ids, dtype=torch.bool)  # text only (the intake refuses image ids)
         shared = [SharedKV() for _ in step.runs]  # the CSA2 state each sequence hands from layer to layer
         taps: list[torch.Tensor] = []
+        kept = self._kept(step)
+        sel = None  # the flat rows the decoder layers compute, when the replay narrows the step
         for i, block in enumerate(m.layers):
+            if sel is None and i == self.replay.first_layer and kept is not None:
+                step, sel = step.narrowed(kept)
+                shared = [sh.narrowed(k) for sh, k in zip(shared, kept)]
+                streams, pre, image_mask, taps = streams[sel], pre[sel], image_mask[sel], [t[sel] for t in taps]
+                engram = engram[sel] if engram is not None else None
             rows = engram[:, block.engram.table_index] if hasattr(block, "engram") else None
 
             def attend(h: torch.Tensor, att: Attention = block.attn, key: str = f"layers.{i}") -> torch.Tensor:
@@ -117,7 +148,19 @@ class PagedV41(nn.Module):
             context = m.mtp.context_rows(torch.stack(taps, dim=1), step.angles["main"], step.cache_qdq)
             for s, rows in enumerate(context):
                 storage.get(dspark_key(s), "window_kv")[step.window_rows] = rows
-        return mhc.collapse(streams, pre)
+        hidden = mhc.collapse(streams, pre)
+        if sel is None:
+            return hidden
+        # Rows the decoder layers skipped are NaN: the runner reads none of them (``last_row_only``).
+        return hidden.new_full((input_ids.numel(), hidden.shape[-1]), torch.nan).index_copy_(0, sel, hidden)
+
+    def _kept(self, step: _Step) -> list[int] | None:
+        """Per run, how many trailing tokens the decoder layers compute; None when that is every token."""
+        only = step.index.last_row_only
+        if self.replay.keep is None or only is None:
+            return None
+        kept = [self.replay.kept(r.hi - r.lo) if only[r.seq] else r.hi - r.lo for r in step.runs]
+        return kept if any(k < r.hi - r.lo for k, r in zip(kept, step.runs)) else None
 
     # ---- the step's shared facts ----------------------------------------------------------------------
     def _step(self, storage: KVStorage, index: StepIndex) -> _Step:
@@ -132,7 +175,7 @@ class PagedV41(nn.Module):
                 lo += n
         pos = index.positions
         ang = {"main": angles(self.cfg.main_rope, pos), "compress": angles(self.cfg.compress_rope, pos)}
-        return _Step(index, storage, rows.window_rows, rows.state_rows, tuple(runs), ang, self.model.cache_qdq)
+        return _Step(index, storage, rows.window_rows, rows.state_rows, tuple(runs), ang, self.model.cache_qdq, pos)
 
     def _engram_rows(self, input_ids: torch.Tensor, step: _Step) -> torch.Tensor:
         """Write the step's token ids to the cache, read each token's n-gram lookback back, hash it."""
@@ -156,9 +199,9 @@ class PagedV41(nn.Module):
         idx, out = step.index, []
         for run, sh in zip(step.runs, shared):
             rows = slice(run.lo, run.hi)
-            t = idx.positions[rows]
-            # Window keys: positions (first - W, end), of which each query sees (t - W, t].
-            kp = torch.arange(max(0, run.first - att.window + 1), run.end, device=x.device)
+            t = step.positions[rows]
+            # Window keys: positions (first - W, end), of which each query sees (t - W, t]; none below window_from.
+            kp = torch.arange(max(run.window_from, run.first - att.window + 1), run.end, device=x.device)
             seq = torch.full_like(kp, run.seq)
             keys = window[_resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window")]
             allowed = (kp <= t.unsqueeze(1)) & (kp > t.unsqueeze(1) - att.window)
@@ -211,10 +254,10 @@ class PagedV41(nn.Module):
 
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
-                   dspark: bool = False) -> PagedV41:
+                   dspark: bool = False, decoder_replay: str = "off") -> PagedV41:
     """The engine's V4.1 model from a checkpoint directory (its tokenizer.json is part of Engram's hash);
-    ``dspark``: with the DSpark drafter (speculative decoding)."""
+    ``dspark``: with the DSpark drafter (speculative decoding); ``decoder_replay``: ``PagedV41``'s."""
     from deepinfer.model.v41.loader import load_v41_model
 
     model, _ = load_v41_model(model_dir, dtype, cfg=cfg, cache_qdq=cache_quantization, dspark=dspark)
-    return PagedV41(model.eval())
+    return PagedV41(model.eval(), decoder_replay)
