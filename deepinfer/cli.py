@@ -49,11 +49,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel attention: this many groups, each with its own sequences and cache")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="spread the routed experts over all data x tensor parallel devices")
-    g.add_argument("--context-parallel-size", "-cp", type=int, default=1,
-                   help="split each long prefill chunk over this many data-parallel ranks (zigzag, causally "
-                        "balanced); must divide --data-parallel-size")
-    g.add_argument("--context-parallel-min-tokens", type=int, default=1024,
-                   help="prefill chunks of at least this many tokens use context parallelism")
+    _context_parallel_flags(g)
     g.add_argument("--enable-eplb", action="store_true",
                    help="expert-parallel load balancing: replicate hot experts and re-place them between steps")
     g.add_argument("--eplb-config", default=None, metavar="JSON",
@@ -76,6 +72,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="DeepSeek-V4.1: decoder layers of long prefill chunks on the last rows only; v41 = the "
                         "released model's (not bit-identical), exact = with the dependency halo (either needs "
                         "--no-enable-prefix-caching)")
+
+
+def _context_parallel_flags(g) -> None:
+    """Shared by the engine commands and ``info`` (which plans the same layout)."""
+    g.add_argument("--context-parallel-size", "-cp", type=int, default=1,
+                   help="split each long prefill chunk over this many data-parallel ranks (zigzag, causally "
+                        "balanced); must divide --data-parallel-size")
+    g.add_argument("--context-parallel-min-tokens", type=int, default=1024,
+                   help="prefill chunks of at least this many tokens use context parallelism")
 
 
 def _node_flags(p: argparse.ArgumentParser) -> None:
@@ -247,7 +252,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         enable_expert_parallel=a.enable_expert_parallel, max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len or min(cfg.max_position_embeddings, 8192),
         max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-        gpu_memory_utilization=a.gpu_memory_utilization)
+        gpu_memory_utilization=a.gpu_memory_utilization, context_parallel_size=a.context_parallel_size,
+        context_parallel_min_tokens=a.context_parallel_min_tokens)
     device_bytes = int(a.device_memory_gib * GIB) if a.device_memory_gib else device_memory_bytes()
     summary["memory_plan"] = describe(cfg, deployment, device_bytes, specs)
     print(json.dumps(summary, indent=2))
@@ -293,9 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
     i = sub.add_parser("info", help="model summary and the memory plan per device (nothing is loaded)")
     i.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
-    i.add_argument("--tensor-parallel-size", type=int, default=1, help="devices splitting attention heads")
-    i.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
+    i.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices splitting attention heads")
+    i.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="attention data-parallel ranks")
     i.add_argument("--enable-expert-parallel", action="store_true", help="spread routed experts over all devices")
+    _context_parallel_flags(i)
     i.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per step")
     i.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     i.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per sequence")

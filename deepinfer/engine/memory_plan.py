@@ -11,7 +11,9 @@ splits attention heads (``wq_b``, ``wo_a``, the sinks, ``wo_b``'s input) and, wi
 the routed and shared experts' intermediate dimension; the single shared K=V latent, the compressors, the
 indexer, the embedding and the LM head are replicated. ``data_parallel_size`` replicates what TP does not
 split and gives every DP group its own cache. ``enable_expert_parallel`` spreads whole routed experts over
-all ``tp x dp`` devices and replicates the shared expert.
+all ``tp x dp`` devices and replicates the shared expert. ``context_parallel_size`` splits long prefill chunks
+over groups of DP ranks: no weights and no cache of its own, a transient share of the chunk and the rows it
+reads on every rank of the group (``cp_plan.py``), counted into the activations.
 
 Slices are assumed to fall on whole FP8 scale blocks (they do on V4's shapes; a tiny model whose split does
 not keeps that module dequantized and holds more). The activation figure is an estimate (the engine measures the real peak with a profiling step at start-up,
@@ -27,6 +29,7 @@ import torch
 
 from deepinfer.config.model import ModelConfig
 from deepinfer.distributed.config import ParallelConfig
+from deepinfer.engine.cp_plan import ContextParallelPlan, check_chunk_budget, plan_context_parallel
 from deepinfer.kv.block_budget import blocks_for_budget
 from deepinfer.kv.spec import HISTORY, build_layout
 from deepinfer.model.quant import FP4_GROUP, fp8_scale_shape, storage_format
@@ -54,6 +57,8 @@ class Deployment:
     max_num_batched_tokens: int = 2048
     block_size: int = 256
     gpu_memory_utilization: float = 0.9
+    context_parallel_size: int = 1
+    context_parallel_min_tokens: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs", "max_model_len",
@@ -62,6 +67,9 @@ class Deployment:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        # The engine's own checks (context_parallel_size must divide data_parallel_size, ...), then the chunk
+        # budget: a CP group that could never split a chunk is a layout that cannot work.
+        check_chunk_budget(self.parallel, self.max_num_batched_tokens)
 
     @property
     def world_size(self) -> int:
@@ -69,7 +77,8 @@ class Deployment:
 
     @property
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel)
+        return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
+                              self.context_parallel_size, self.context_parallel_min_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,7 @@ class MemoryPlan:
     cache_tokens: int  # history tokens one device's cache holds (0 when it cannot hold one sequence)
     fits: bool
     reason: str  # why it does not fit ("" when it fits)
+    context_parallel: ContextParallelPlan | None = None  # None: no context parallelism (its bytes: activation_bytes)
 
     def as_dict(self) -> dict:
         d = self.deployment
@@ -100,6 +110,7 @@ class MemoryPlan:
                 "cache": round(max(self.cache_bytes, 0) / GIB, 2),
             },
             "cache_tokens_per_dp_rank": self.cache_tokens,
+            **({"context_parallel": self.context_parallel.as_dict()} if self.context_parallel else {}),
             "fits": self.fits,
             **({"reason": self.reason} if self.reason else {}),
         }
@@ -154,17 +165,26 @@ def weights_per_device(cfg: ModelConfig, d: Deployment, specs: Specs | None = No
     return int(total), int(experts)
 
 
-def activation_bytes_estimate(cfg: ModelConfig, d: Deployment) -> int:
-    """A generous estimate of the transient peak of one step of ``max_num_batched_tokens`` tokens on one
-    device: a layer's live tensors (mHC streams in and out, the query heads and attention output, the MoE's
-    routed intermediates for every token's top-k experts) plus the logits of the sampled rows."""
-    t, h, tp = d.max_num_batched_tokens, cfg.hidden_size, d.tensor_parallel_size
+def _per_token_bytes(cfg: ModelConfig, d: Deployment) -> int:
+    """A layer's live bytes per token: mHC streams in and out, the query heads and attention output, the MoE's
+    routed intermediates for the token's top-k experts."""
+    h, tp = cfg.hidden_size, d.tensor_parallel_size
     streams = 3 * cfg.hc_mult * h * 2  # streams in, out and the mHC collapse (bf16)
     heads = 3 * (cfg.num_attention_heads // tp) * cfg.head_dim * 2  # q, attention output, grouped wo_a input
     moe = cfg.num_experts_per_tok * 3 * (cfg.moe_intermediate_size // (1 if d.enable_expert_parallel else tp)) * 2
-    per_token = streams + heads + moe + 4 * h * 2
+    return streams + heads + moe + 4 * h * 2
+
+
+def activation_bytes_estimate(cfg: ModelConfig, d: Deployment, cp: ContextParallelPlan | None = None) -> int:
+    """A generous estimate of the transient peak of one step of ``max_num_batched_tokens`` tokens on one
+    device: a layer's live tensors (``_per_token_bytes``) plus the logits of the sampled rows; with context
+    parallelism (``cp``), a rank's share of a chunk beside its own tokens, and what it receives for it."""
+    t = d.max_num_batched_tokens
     logits = min(d.max_num_seqs, t) * cfg.vocab_size * 4 * 2  # fp32 logits and the sampler's working copy
-    return t * per_token + logits
+    extra = 0
+    if cp is not None:
+        extra = cp.share_tokens * _per_token_bytes(cfg, d) + cp.gathered_bytes + cp.history_bytes + cp.streams_bytes
+    return t * _per_token_bytes(cfg, d) + logits + extra
 
 
 def plan(cfg: ModelConfig, d: Deployment, device_bytes: int, cache_dtype: torch.dtype = torch.bfloat16,
@@ -172,7 +192,8 @@ def plan(cfg: ModelConfig, d: Deployment, device_bytes: int, cache_dtype: torch.
     """``specs``: the model's ``parameter_specs`` when already known (building them is the slow part).
     Raises ValueError naming the field when the model cannot be split as ``d`` asks."""
     weights, experts = weights_per_device(cfg, d, specs)
-    acts = activation_bytes_estimate(cfg, d)
+    cp = plan_context_parallel(cfg, d.parallel, d.max_num_batched_tokens, d.max_model_len)
+    acts = activation_bytes_estimate(cfg, d, cp)
     usable = int(device_bytes * d.gpu_memory_utilization)
     cache = usable - weights - acts - RESERVED_BYTES
     layout = build_layout(cfg, d.block_size, include_mtp=False)
@@ -189,17 +210,19 @@ def plan(cfg: ModelConfig, d: Deployment, device_bytes: int, cache_dtype: torch.
             tokens = counts[HISTORY] * d.block_size
         except ValueError as e:
             reason = f"the {cache / GIB:.2f} GiB left for the cache is too small: {e}"
-    return MemoryPlan(d, device_bytes, weights, experts, acts, RESERVED_BYTES, cache, tokens, not reason, reason)
+            if cp is not None:
+                reason += " (context parallelism does not pool the DP ranks' caches: a sequence stays on one)"
+    return MemoryPlan(d, device_bytes, weights, experts, acts, RESERVED_BYTES, cache, tokens, not reason, reason, cp)
 
 
 def smallest_fitting(cfg: ModelConfig, d: Deployment, device_bytes: int, limit: int = 64,
                      specs: Specs | None = None) -> Deployment | None:
-    """The smallest data-parallel + expert-parallel world (same TP) that fits, up to ``limit`` devices (world
-    sizes that divide the experts)."""
+    """The smallest data-parallel + expert-parallel world (same TP and CP) that fits, up to ``limit`` devices
+    (world sizes that divide the experts; DP sizes that CP divides)."""
     import dataclasses
 
     specs = specs if specs is not None else parameter_specs(cfg)
-    dp = 1
+    dp = d.context_parallel_size
     while d.tensor_parallel_size * dp <= limit:
         cand = dataclasses.replace(d, data_parallel_size=dp, enable_expert_parallel=dp * d.tensor_parallel_size > 1)
         if cfg.n_routed_experts % cand.world_size == 0 and plan(cfg, cand, device_bytes, specs=specs).fits:
@@ -219,5 +242,6 @@ def describe(cfg: ModelConfig, d: Deployment, device_bytes: int,
         out["suggestion"] = (
             f"--tensor-parallel-size {alt.tensor_parallel_size} --data-parallel-size {alt.data_parallel_size}"
             + (" --enable-expert-parallel" if alt.enable_expert_parallel else "")
+            + (f" --context-parallel-size {alt.context_parallel_size}" if alt.context_parallel_size > 1 else "")
             + f" ({alt.world_size} devices)" if alt else "no layout up to 64 devices fits; lower max_num_batched_tokens")
     return out

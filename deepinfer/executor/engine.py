@@ -44,6 +44,7 @@ from deepinfer.engine.sizing import build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.manager import CacheManager
 from deepinfer.kv.spec import HISTORY, build_layout
+from deepinfer.kv.tiers.stats import TierStats
 from deepinfer.runner.model_runner import StepResult
 from deepinfer.runner.speculative import mtp_passes
 from deepinfer.sched.plan import StepPlan
@@ -116,8 +117,11 @@ class ParallelLLMEngine(LLMEngine):
         # applied once the next step is submitted, as in LLMEngine.step.
         self.async_scheduling = config.async_scheduling
         self._inflight: list[Schedule | None] | None = None
-        # Rank 0's own tier link: what /metrics reports, like DP rank 0's scheduler (the engine never drives it).
+        # Rank 0's own tier link (the engine never drives it: RunStep and the tier orders do).
         self.tiers = self.worker.tiers.link if self.worker.tiers is not None else None
+        # Per rank, its store's counters as last sent with a step's results (StepDone.tiers): /metrics reads
+        # every rank's tiers from here (server/engine_stats.py); None until the rank's first report.
+        self.rank_tier_stats: list[TierStats | None] = [None] * env.world_size
         self.requests = {}
         self._pending: list[RequestOutput] = []
         self.build_output = build_output  # as LLMEngine.build_output (the server's core installs deltas)
@@ -211,6 +215,9 @@ class ParallelLLMEngine(LLMEngine):
         """Every rank runs ``order``; their replies, in rank order."""
         self.worker.channel.broadcast(order)
         done = self.worker.channel.gather(self.worker.run(order))
+        for reply in done:
+            if reply.tiers is not None:
+                self.rank_tier_stats[reply.rank] = reply.tiers
         self.context_parallel_chunks += len(order.context_parallel)
         if self.eplb is not None and order.busy:
             self.eplb.after_step(self.worker)  # between this step and the next

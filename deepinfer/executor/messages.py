@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from deepinfer.config.engine import RuntimeFacts
 from deepinfer.executor.tier_messages import TIER_MESSAGES, TierWork
+from deepinfer.kv.tiers.stats import TierStats
 from deepinfer.model.parallel.context import ContextParallelChunk
 from deepinfer.model.parallel.placement import ExpertPlacement
 from deepinfer.runner.model_runner import StepResult
@@ -45,10 +46,13 @@ class RunStep:
 
 @dataclass(frozen=True, slots=True)
 class StepDone:
-    """A rank's step results (only each DP group's first TP rank reports them; the others send None)."""
+    """A rank's step results (only each DP group's first TP rank reports them; the others send None).
+    ``tiers``: the rank's cache-tier counters after the step when they changed since its last report (None:
+    unchanged, or no tiers); carried here so that /metrics sees every rank's store without an order of its own."""
 
     rank: int
     result: StepResult | None
+    tiers: TierStats | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,8 @@ class RankWorker:
         if order.in_flight:  # its placeholders were filled from the step before, on this rank's device
             handle, self._inflight = self._inflight, handle
         result = handle.result() if handle is not None else StepResult()
-        return StepDone(self.pctx.rank, result if self.reports else None)
+        return StepDone(self.pctx.rank, result if self.reports else None,
+                        self.tiers.report() if self.tiers is not None else None)
 
     def _share(self, order: RunStep) -> ContextShare | None:
         """This rank's part in its CP group's chunk of the step, if the group has one."""

@@ -29,6 +29,7 @@ from deepinfer.executor.tier_messages import (CloseTiers, CollectTierStats, Fetc
 from deepinfer.kv.block_budget import cdiv
 from deepinfer.kv.offload import TierLink
 from deepinfer.kv.storage import KVStorage
+from deepinfer.kv.tiers.stats import TierStats
 
 
 def rank_tier_config(tiers: KVTierConfig, rank: int, ranks_on_node: int) -> KVTierConfig:
@@ -43,6 +44,7 @@ class RankTiers:
         self.link = link
         self.rank, self.dp_rank = rank, dp_rank
         self._fetched: dict[tuple[str, bytes], memoryview] = {}  # payloads held for the next step's loads
+        self._reported: TierStats | None = None  # the counters last sent with a step's results
 
     @classmethod
     def open(cls, config: EngineConfig, env: WorldEnv, dp_rank: int, storage: KVStorage,
@@ -85,6 +87,17 @@ class RankTiers:
             return TierReply(self.rank, self.link.pools, saved=self.link.saved, loaded=self.link.loaded,
                              stats=self.link.store.stats())
         raise TypeError(f"rank {self.rank}: unexpected tier order {type(order).__name__}")
+
+    def report(self) -> TierStats | None:
+        """The store's counters now, when they changed since the last report (None: unchanged). Sent with every
+        step's results (``StepDone.tiers``): reading them takes the store's lock for a few integers and does not
+        wait for the write-back, so /metrics follows every rank at no cost to the step; what the background
+        threads do while the engine is idle shows with the next step."""
+        stats = self.link.store.stats()
+        if stats == self._reported:
+            return None
+        self._reported = stats
+        return stats
 
     def save(self, work: TierWork) -> None:
         """Before the step's copies (a block this plan evicts may be a copy's source)."""

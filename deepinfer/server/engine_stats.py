@@ -43,19 +43,25 @@ class EngineStats:
     waiting: int = 0
     cache_usage: dict[str, float] = field(default_factory=dict)
     prefix: PrefixCounts | None = None  # None: prefix caching is off
-    tiers: TierStats | None = None  # None: no cache tiers
+    # Cache tiers, per rank that has reported its store's counters (one process: rank 0 alone); {}: none.
+    tiers: dict[int, TierStats] = field(default_factory=dict)
     spec: SpecCounts | None = None  # None: no speculative decoding
 
 
 def snapshot(engine) -> EngineStats:
-    """``engine``'s counters now (an ``LLMEngine``; the parallel one reports DP rank 0's scheduler)."""
+    """``engine``'s counters now (an ``LLMEngine``; the parallel one reports DP rank 0's scheduler, and every
+    rank's cache tiers as their last step's results carried them: ``executor/rank_tiers.py``)."""
     sched, cache = engine.scheduler, engine.cache
-    prefix = tiers = spec = None
+    prefix = spec = None
+    tiers: dict[int, TierStats] = {}
     if getattr(sched, "prefix", None) is not None:
         prefix = PrefixCounts(sched.prefix_queries, sched.prefix_hits,
                               {p: bp.num_evictions for p, bp in cache.pools.items()}, dict(cache.num_cached_blocks()))
-    if getattr(engine, "tiers", None) is not None:
-        tiers = engine.tiers.store.stats()
+    per_rank = getattr(engine, "rank_tier_stats", None)
+    if per_rank is not None:
+        tiers = {r: t for r, t in enumerate(per_rank) if t is not None}
+    elif getattr(engine, "tiers", None) is not None:
+        tiers = {0: engine.tiers.store.stats()}
     s = getattr(engine, "spec_stats", None)
     if s is not None and s.num_speculative_tokens:
         spec = SpecCounts(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))
@@ -70,8 +76,8 @@ def publish(metrics: ServerMetrics, stats: EngineStats) -> None:
     if stats.prefix is not None:
         p = stats.prefix
         metrics.publish_prefix(p.queries, p.hits, p.evictions, p.cached)
-    if stats.tiers is not None:
-        metrics.publish_tiers(stats.tiers)
+    for rank, tiers in stats.tiers.items():
+        metrics.publish_tiers(tiers, rank)
     if stats.spec is not None:
         s = stats.spec
         metrics.publish_spec(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))

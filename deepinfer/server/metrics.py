@@ -65,17 +65,22 @@ class ServerMetrics:
         self._cached_blocks = Gauge("deepinfer:prefix_cache_blocks", "Unused blocks kept for prefix reuse",
                                     ["model_name", "pool"], registry=r)
         self._prefix_seen: tuple[int, int, dict[str, int]] = (0, 0, {})
-        # Cache tiers below the device (host memory, disk), per tier: monotone counts and the bytes held.
+        # Cache tiers below the device (host memory, disk), per tier and per rank: monotone counts and the bytes
+        # held. Every rank keeps its own store (executor/rank_tiers.py: its own share of the sizes, its own disk
+        # directory), so the series carry a ``rank`` label (the global rank; "0" on one device) rather than
+        # being summed: a rank whose disk fills or whose objects fail their checksums stays visible, and the
+        # totals are one ``sum without (rank) (...)`` away. Per-rank series and sums in one family would count
+        # every block twice under ``sum()``.
         self._tier_counters = {
-            f: Counter(f"deepinfer:kv_tier_{f}", help_, ["model_name", "tier"], registry=r)
+            f: Counter(f"deepinfer:kv_tier_{f}", help_, ["model_name", "tier", "rank"], registry=r)
             for f, help_ in (("queried", "Block lookups that reached the tier"), ("hits", "Blocks found in the tier"),
                              ("hit_tokens", "Token positions of the blocks found"),
                              ("stored", "Blocks written into the tier"),
                              ("evictions", "Blocks pushed out of the tier by its size limit"),
                              ("checksum_failures", "Stored blocks dropped because they failed verification"))}
-        self._tier_used = Gauge("deepinfer:kv_tier_used_bytes", "Bytes a cache tier holds", ["model_name", "tier"],
-                                registry=r)
-        self._tier_seen: dict[tuple[str, str], int] = {}
+        self._tier_used = Gauge("deepinfer:kv_tier_used_bytes", "Bytes a cache tier holds",
+                                ["model_name", "tier", "rank"], registry=r)
+        self._tier_seen: dict[tuple[int, str, str], int] = {}  # (rank, tier, field) -> the last published total
         # How the engine runs (``EngineConfig.mode_labels``): deepinfer:engine_info{batch_invariant="1",...} 1.0
         self._engine_info = Info("deepinfer:engine", "How the engine runs: device, dtype, batch-invariant mode",
                                  list(labels), registry=r).labels(**labels)
@@ -105,14 +110,15 @@ class ServerMetrics:
             self._cached_blocks.labels(model_name=self._model, pool=pool).set(n)
         self._prefix_seen = (queries, hits, dict(evictions))
 
-    def publish_tiers(self, stats) -> None:
-        """Bring the per-tier counters up to a ``TierStats`` snapshot of the engine's store."""
+    def publish_tiers(self, stats, rank: int = 0) -> None:
+        """Bring rank ``rank``'s per-tier counters up to a ``TierStats`` snapshot of its store."""
         for t in stats.tiers:
+            labels = {"model_name": self._model, "tier": t.tier, "rank": str(rank)}
             for f, counter in self._tier_counters.items():
                 value = getattr(t, f)
-                counter.labels(model_name=self._model, tier=t.tier).inc(value - self._tier_seen.get((t.tier, f), 0))
-                self._tier_seen[(t.tier, f)] = value
-            self._tier_used.labels(model_name=self._model, tier=t.tier).set(t.used_bytes)
+                counter.labels(**labels).inc(value - self._tier_seen.get((rank, t.tier, f), 0))
+                self._tier_seen[(rank, t.tier, f)] = value
+            self._tier_used.labels(**labels).set(t.used_bytes)
 
     def publish(self, running: int, waiting: int, cache_usage: dict[str, float]) -> None:
         self.running.set(running)

@@ -20,6 +20,8 @@ from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
 from deepinfer.sampling import SamplingParams
+from deepinfer.server.engine_stats import publish, snapshot
+from deepinfer.server.metrics import ServerMetrics
 
 BS = 128
 ARGS = dict(model=str(demo_model_dir()), device="cpu", dtype="float32", block_size=BS, max_num_seqs=1,
@@ -98,7 +100,7 @@ def test_data_parallel_tiers_hit_on_every_rank_and_survive_a_restart(plain, tmp_
         assert [s.rank for s in stats] == [0, 1] and all(s.pools == ("history", "window") for s in stats)
         for s in stats:  # each rank saved evicted blocks and loaded hits from its own store
             assert s.saved > 0 and s.loaded > 0 and s.stats.tier("host").hits > 0, s
-        assert engine.tiers.saved == stats[0].saved  # /metrics reports rank 0's link
+        assert engine.tiers.saved == stats[0].saved  # rank 0's own link, in the engine's process
     finally:
         engine.close()
     for r in range(2):
@@ -149,3 +151,46 @@ def test_tensor_parallel_tiers_hit_with_every_shard_or_not_at_all(plain, tmp_pat
         assert stats[0].loaded == stats[1].loaded > 0
     finally:
         again.close()
+
+
+def _tier_samples(metrics: ServerMetrics) -> dict[tuple[str, str, str], float]:
+    """The ``deepinfer:kv_tier_*`` samples of /metrics' text: (field, tier, rank) -> value."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for s in fam.samples:
+            if s.name.startswith("deepinfer:kv_tier_") and not s.name.endswith("_created"):
+                field = s.name.removeprefix("deepinfer:kv_tier_").removesuffix("_total")
+                out[(field, s.labels["tier"], s.labels["rank"])] = s.value
+    return out
+
+
+def test_metrics_show_every_ranks_tiers() -> None:
+    """/metrics over a world of ranks (DP2 + EP, a host tier): after two turns of four conversations, the
+    ``deepinfer:kv_tier_*`` series of both ranks are there, each equal to what that rank's own store counted.
+    The counters come with each step's results (``StepDone.tiers``), not by an order of their own; a host tier
+    alone works on the step's thread, so the last step's report is the store's count now. Rank 1's
+    conversations are longer, so the ranks' counts differ (one rank's reported twice would show)."""
+    rng = random.Random(23)
+    chats = {c: [rng.randrange(3, 4096) for _ in range(450 if c in "ac" else 520)] for c in "abcd"}
+    engine = LLMEngine.from_engine_args(**ARGS, **TIERED, data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        for turn in range(2):
+            for pair in ("ab", "cd"):  # a, c on DP rank 0 and b, d on DP rank 1 (as in the test above)
+                got = _run(engine, [(f"{c}{turn}", chats[c]) for c in pair])
+                for c in pair:
+                    chats[c] += list(got[f"{c}{turn}"].outputs[0].token_ids) + [rng.randrange(3, 4096) for _ in range(100)]
+        metrics = ServerMetrics("demo")
+        publish(metrics, snapshot(engine))
+        samples = _tier_samples(metrics)
+        stats = {s.rank: s.stats.tier("host") for s in engine.tier_stats()}
+    finally:
+        engine.close()
+    assert {rank for _, _, rank in samples} == {"0", "1"} and {tier for _, tier, _ in samples} == {"host"}
+    fields = ("queried", "hits", "hit_tokens", "stored", "evictions", "checksum_failures", "used_bytes")
+    for rank, host in stats.items():
+        assert host.hits > 0 and host.stored > 0, (rank, host)
+        assert {f: samples[(f, "host", str(rank))] for f in fields} == {f: getattr(host, f) for f in fields}, rank
+    assert stats[0] != stats[1]

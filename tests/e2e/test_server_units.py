@@ -257,3 +257,9 @@ def test_tier_metrics_follow_the_store_counters() -> None:
     assert samples[("deepinfer:kv_tier_hit_tokens_total", "disk")] == 1280
     assert samples[("deepinfer:kv_tier_checksum_failures_total", "disk")] == 1
     assert samples[("deepinfer:kv_tier_used_bytes", "disk")] == 300
+    m.publish_tiers(snapshot(7, 0, 50), rank=1)  # another rank's store: series of its own, rank 0's unchanged
+    samples = {(s.name, s.labels.get("tier"), s.labels.get("rank")): s.value
+               for fam in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in fam.samples}
+    assert samples[("deepinfer:kv_tier_hits_total", "disk", "0")] == 5
+    assert samples[("deepinfer:kv_tier_hits_total", "disk", "1")] == 7
+    assert samples[("deepinfer:kv_tier_used_bytes", "disk", "1")] == 50

@@ -105,7 +105,8 @@ def test_a_too_small_cache_is_named() -> None:
 
 
 @pytest.mark.parametrize("field, value", [("tensor_parallel_size", 0), ("data_parallel_size", -1),
-                                          ("gpu_memory_utilization", 1.5), ("max_model_len", 0)])
+                                          ("gpu_memory_utilization", 1.5), ("max_model_len", 0),
+                                          ("context_parallel_size", 3), ("context_parallel_min_tokens", 0)])
 def test_bad_deployment_names_the_field(field, value) -> None:
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(Deployment(), **{field: value})
@@ -121,3 +122,62 @@ def test_cli_prints_the_plan_and_fails_when_it_cannot_fit(capsys) -> None:
     captured = capsys.readouterr()
     assert "does not fit" in captured.err and "--gpu-memory-utilization" not in captured.err
     assert json.loads(captured.out)["memory_plan"]["fits"] is False
+
+
+def test_context_parallel_plan_per_device() -> None:
+    """CP borrows the DP ranks: the same weights and no cache of its own per device; each rank's share of the
+    longest chunk is the largest piece of the engine's zigzag split, and the rows it receives per layer are
+    the chunk's K=V row plus every compressor projection the checkpoint has (the widest layer's)."""
+    from deepinfer.model.parallel.context import zigzag_split
+
+    cfg = ModelConfig.from_model_dir(demo_model_dir())
+    specs = parameter_specs(cfg)
+    dp2 = Deployment(data_parallel_size=4, enable_expert_parallel=True, max_num_batched_tokens=1000)
+    cp2 = dataclasses.replace(dp2, context_parallel_size=4, context_parallel_min_tokens=512)
+    without, with_cp = plan(cfg, dp2, H200, specs=specs), plan(cfg, cp2, H200, specs=specs)
+    assert without.context_parallel is None
+    cp = with_cp.context_parallel
+    assert with_cp.weight_bytes == without.weight_bytes and with_cp.activation_bytes > without.activation_bytes
+    assert (cp.groups, cp.min_chunk_tokens, cp.max_chunk_tokens) == (1, 512, 1000)
+    assert cp.share_tokens == max(len(s) for s in zigzag_split(1000, 4)) == 250
+    side = ("compressor.wkv", "compressor.wgate", "indexer.compressor.wkv", "indexer.compressor.wgate",
+            "indexer.weights_proj")
+    widths = [cfg.head_dim + sum(specs[f"layers.{i}.attn.{n}.weight"][0][0] for n in side
+                                 if f"layers.{i}.attn.{n}.weight" in specs) for i in range(cfg.num_hidden_layers)]
+    assert cp.gathered_bytes == 1000 * max(widths) * 2
+    out = with_cp.as_dict()
+    assert out["context_parallel"]["share_tokens_per_rank"] == 250
+    assert out["cache_tokens_per_dp_rank"] == with_cp.cache_tokens > 0  # one DP rank's budget, not pooled
+
+
+def test_context_parallel_suggestion_keeps_the_cp_group() -> None:
+    """V4-Flash on two H200s without expert parallelism does not fit; the suggested layout keeps CP 2 (a DP size
+    it divides) and adds expert parallelism."""
+    flash = ModelConfig.from_model_dir(shapes_dir("v4-flash"))
+    out = describe(flash, Deployment(data_parallel_size=2, context_parallel_size=2), H200)
+    assert not out["fits"] and out["context_parallel"]["context_parallel_size"] == 2
+    assert out["suggestion"] == ("--tensor-parallel-size 1 --data-parallel-size 2 --enable-expert-parallel "
+                                 "--context-parallel-size 2 (2 devices)")
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["-dp", "4", "-cp", "3"], "context_parallel_size: 3 does not divide data_parallel_size"),
+    (["-dp", "2", "-cp", "2", "--context-parallel-min-tokens", "4096"], "context_parallel_min_tokens: 4096 exceeds"),
+    (["-dp", "2", "-cp", "2", "--max-num-batched-tokens", "3"], "max_num_batched_tokens: 3 is below"),
+])
+def test_cli_refuses_context_parallel_sizes_that_cannot_work(capsys, flags, field) -> None:
+    from deepinfer.cli import main
+
+    assert main(["info", "--device-memory-gib", "140", *flags]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_cli_prints_the_context_parallel_plan(capsys) -> None:
+    """``info`` takes serve's CP flags (``-cp``, ``--context-parallel-min-tokens``) and prints what each rank of
+    the group holds and receives."""
+    from deepinfer.cli import main
+
+    assert main(["info", "--device-memory-gib", "140", "-dp", "2", "--enable-expert-parallel", "-cp", "2",
+                 "--context-parallel-min-tokens", "256", "--max-num-batched-tokens", "1024"]) == 0
+    cp = json.loads(capsys.readouterr().out)["memory_plan"]["context_parallel"]
+    assert (cp["context_parallel_size"], cp["min_chunk_tokens"], cp["share_tokens_per_rank"]) == (2, 256, 512)
