@@ -154,7 +154,7 @@ def alone_in_this_process(model_dir: str, requests: list) -> dict:
 
 def test_fresh_process_equals_alone(tiny_dir, reference) -> None:
     """A restart: a new interpreter (its own allocator, thread pools and engine) gives the same bits."""
-    requests = _requests(_prompts())[:8]
+    requests = _requests(_prompts())[:4]  # the fixed lengths 1..129: greedy and seeded, across a block boundary
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         got = pool.apply(alone_in_this_process, (str(tiny_dir), requests))
     assert got == {rid: reference[rid] for rid, _, _ in requests}
