@@ -200,7 +200,7 @@ class EngineConfig:
         eplb = _eplb_config(args, parallel, model)
         batch_invariant = env.batch_invariant()
         if batch_invariant:
-            _check_batch_invariant(device, parallel)
+            _check_batch_invariant(parallel)
         decoder_replay = _decoder_replay(args.v41_decoder_replay, model)
         return cls(
             model_dir=model_dir,
@@ -303,12 +303,14 @@ def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: Engine
                          "speculative_config=None")
 
 
-def _check_batch_invariant(device: str, parallel: ParallelConfig) -> None:
-    if not parallel.is_single:
-        # The worker processes build their models apart (deepinfer/executor/rank.py) and their
-        # collectives have no fixed-order variant yet.
-        raise ValueError("DEEPINFER_BATCH_INVARIANT=1: not supported with tensor_parallel_size or "
-                         "data_parallel_size > 1 yet; it runs on one device, CPU or GPU (unset it for several)")
+def _check_batch_invariant(parallel: ParallelConfig) -> None:
+    # Several ranks: every rank runs the invariant table and sums over ranks in rank order
+    # (executor/rank.py, distributed/collectives.all_reduce); expert parallelism only moves rows.
+    if parallel.context_parallel_size > 1:
+        # A chunk's queries on other ranks, through the share path (model/parallel/context.py): not proven
+        # to give the bits of the same chunk on one rank.
+        raise ValueError("DEEPINFER_BATCH_INVARIANT=1: not supported with context_parallel_size > 1 yet; allowed: "
+                         "context_parallel_size=1 (tensor, data and expert parallelism are supported)")
 
 
 def _eplb_config(args: EngineArgs, parallel: ParallelConfig, model: ModelConfig) -> EplbConfig | None:

@@ -17,10 +17,26 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum of ``x`` over ``group`` (``None``: a group of one, ``x`` itself)."""
+def all_reduce(x: torch.Tensor, group, ordered: bool = False) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` (``None``: a group of one, ``x`` itself).
+
+    ``ordered`` (the batch-invariant mode): every rank's tensor is gathered and the sum runs in rank order,
+    ((x_0 + x_1) + x_2) + ..., 16-bit tensors in fp32 and rounded once, as the gloo path below. A library
+    all-reduce sums each element in an order that depends on where it falls in the tensor's chunks, i.e. on
+    the tensor's size, i.e. on the batch (from three ranks on; two summands commute exactly)."""
     if group is None:
         return x
+    if ordered:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        x = x.contiguous()
+        if _is_gloo(group):
+            dist.all_gather([_bits(p) for p in parts], _bits(x), group=group)
+        else:
+            dist.all_gather(parts, x, group=group)
+        total = parts[0].float() if x.dtype in _HALF else parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.to(x.dtype)
     if x.dtype in _HALF and _is_gloo(group):
         wide = x.float()
         dist.all_reduce(wide, group=group)

@@ -90,6 +90,8 @@ class ParallelContext:
     ep_group: dist.ProcessGroup | None = None  # every rank, when expert parallel
     # The ranks with this rank's tp_rank in the DP groups of its CP group (context parallel; None: no CP).
     cp_group: dist.ProcessGroup | None = None
+    # Sums over ranks in rank order (``collectives.all_reduce(ordered=True)``): DEEPINFER_BATCH_INVARIANT.
+    ordered_sums: bool = False
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":

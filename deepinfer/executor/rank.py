@@ -9,6 +9,8 @@ their seeded draws agree; only the group's first rank reports them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from deepinfer.config.engine import EngineConfig
@@ -20,6 +22,7 @@ from deepinfer.executor.messages import (CollectExpertLoad, ExpertLoad, ExpertsM
 from deepinfer.executor.rank_tiers import RankTiers
 from deepinfer.executor.tier_messages import TIER_ORDERS
 from deepinfer.kv.block_budget import cdiv
+from deepinfer.model.device import use_op_table
 from deepinfer.model.loader import load_model
 from deepinfer.model.parallel.context import ContextShare
 from deepinfer.model.parallel.eplb import ExpertBalancer
@@ -32,15 +35,21 @@ from deepinfer.runner.speculative import mtp_passes
 
 class RankWorker:
     def __init__(self, config: EngineConfig, env: WorldEnv) -> None:
-        self.pctx = init_world(config.parallel, config.device, env)
+        # With DEEPINFER_BATCH_INVARIANT (read once, into the config rank 0 sent) every rank runs the
+        # batch-invariant op table and sums over ranks in rank order.
+        self.pctx = dataclasses.replace(init_world(config.parallel, config.device, env),
+                                        ordered_sums=config.batch_invariant)
         self.channel = Channel()
         # Built on the meta device as this rank's sharded module types, then only the rank's slices are read,
         # quantized-first: on CUDA straight into the kernels' layout, on the CPU dequantized per tensor.
-        ops = select_ops(config.device) if config.device == "cuda" else None
+        cuda = config.device == "cuda"
+        ops = select_ops(config.device, config.batch_invariant)
         self.model = load_model(config.model_dir, dtype=config.dtype, device=self.pctx.device, strict_mtp=False,
-                                progress=config.load_progress and env.rank == 0, ops=ops, cfg=config.model,
-                                load_format=config.load_format, seed=config.seed,
+                                progress=config.load_progress and env.rank == 0, ops=ops if cuda else None,
+                                cfg=config.model, load_format=config.load_format, seed=config.seed,
                                 shard_model=sharding_hook(self.pctx))
+        if not cuda and ops.batch_invariant:
+            use_op_table(self.model, ops)
         # Redundant expert slots before the cache is sized: they take their memory first.
         self.balancer = ExpertBalancer(self.model, config.eplb) if config.eplb is not None else None
         cache, self.storage, self.facts = build_cache(config, self.model)

@@ -72,8 +72,9 @@ def test_engine_config_carries_the_mode_and_refuses_what_it_cannot_keep(monkeypa
     cfg = EngineConfig.create(EngineArgs(device="cpu"))
     assert cfg.batch_invariant and cfg.mode_labels()["batch_invariant"] == "1"
     assert EngineConfig.create(EngineArgs(device="cuda")).batch_invariant  # the Triton table's invariant tuning
-    with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT=1: not supported with tensor_parallel_size"):
-        EngineConfig.create(EngineArgs(device="cpu", data_parallel_size=2))
+    assert EngineConfig.create(EngineArgs(device="cpu", data_parallel_size=2)).batch_invariant  # ranks: ordered sums
+    with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT=1: not supported with context_parallel_size"):
+        EngineConfig.create(EngineArgs(device="cpu", data_parallel_size=2, context_parallel_size=2))
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "maybe")
     with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT='maybe' is not a boolean"):
         EngineConfig.create(EngineArgs(device="cpu"))

@@ -45,4 +45,4 @@ class TPAttention(Attention):
             setattr(self, attr, StackedLinear.side_by_side(parts))
 
     def forward(self, x: torch.Tensor, ctx: StepContext, layer_key: str, ropes: RopeTables) -> torch.Tensor:
-        return all_reduce(super().forward(x, ctx, layer_key, ropes), self.pctx.tp_group)
+        return all_reduce(super().forward(x, ctx, layer_key, ropes), self.pctx.tp_group, self.pctx.ordered_sums)

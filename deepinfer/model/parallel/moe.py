@@ -56,7 +56,7 @@ class TPMoE(MoE):
             setattr(self, attr, StackedLinear.side_by_side(parts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x, input_ids), self.pctx.tp_group)
+        return all_reduce(super().forward(x, input_ids), self.pctx.tp_group, self.pctx.ordered_sums)
 
 
 def expert_range(pctx: ParallelContext, n_experts: int) -> range:
