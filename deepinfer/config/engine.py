@@ -197,6 +197,9 @@ class EngineConfig:
                                   args.context_parallel_size, args.context_parallel_min_tokens).validate(model)
         launch = LaunchConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port).validate(parallel)
         _check_parallel(parallel, launch, args, device)
+        from deepinfer.engine.cp_plan import check_chunk_budget
+
+        check_chunk_budget(parallel, args.max_num_batched_tokens)  # a CP group that could never split a chunk
         eplb = _eplb_config(args, parallel, model)
         batch_invariant = env.batch_invariant()
         if batch_invariant:

@@ -88,6 +88,11 @@ def test_engine_args_reach_the_parallel_config() -> None:
     assert (cfg.parallel.context_parallel_size, cfg.parallel.context_parallel_min_tokens) == (2, 64)
     with pytest.raises(ValueError, match="context_parallel_size: 2 does not divide data_parallel_size"):
         EngineConfig.create(EngineArgs(model=str(demo_model_dir()), device="cpu", context_parallel_size=2))
+    # A threshold no chunk can reach (the step budget caps a chunk): refused, not a CP group that never splits.
+    with pytest.raises(ValueError, match=r"context_parallel_min_tokens: 4096 exceeds max_num_batched_tokens \(2048\)"):
+        EngineConfig.create(EngineArgs(model=str(demo_model_dir()), device="cpu", data_parallel_size=2,
+                                       context_parallel_size=2, context_parallel_min_tokens=4096,
+                                       max_num_batched_tokens=2048))
 
 
 def test_share_path_equals_the_batched_path() -> None:
