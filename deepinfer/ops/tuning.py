@@ -10,7 +10,7 @@ Which choices change bits: the FP8 split-K (``fp8_split_target``, ``fp8_tiles``,
 changes the order of the K reduction, and the attention small-batch split (``attention_small_split``)
 changes where the softmax merge happens; both depend on the batch size, so a batch-invariant table must
 fix them: ``invariant()`` is that table's tuning (``batch_invariant=True``). With it the dense GEMMs sum K
-in segments that are a function of (N, K) and the SM count only (``k_segments``), one kernel family for
+in segments that are a function of (N, K) and the SM count only (``k_segment``), one kernel family for
 every M (no swap-AB decode path, no weight-as-A prefill path, no cuBLAS), tiles of one MMA instruction
 family (``invariant_fp8_tiles``), and attention keeps its fixed, position-anchored split. The remaining
 fields never change a result's bits (tests/gpu check the fast division and the e4m3 bit placement against
@@ -59,7 +59,7 @@ class KernelTuning:
     batch_invariant: bool = False
     # FP8 tiles of the batch-invariant table, per M bucket like ``fp8_tiles``: BLOCK_M >= 64 and warps a
     # multiple of 4, so every bucket runs the same wgmma m64 instruction (launchers assert it); the K
-    # reduction is fixed by ``k_segments`` whatever the tile.
+    # reduction is fixed by ``k_segment`` whatever the tile.
     invariant_fp8_tiles: tuple[tuple[int | None, FP8Tile], ...] = ((256, (64, 64, 4, 4)), (None, (128, 128, 8, 3)))
 
     def __post_init__(self) -> None:
@@ -96,6 +96,16 @@ class KernelTuning:
         GPU at M = 1 with ``block_n``-wide tiles: a function of (N, K) and the SM count only, never of M.
         Launchers run them as split-K programs or one after another inside a program, with the same bits."""
         return -(-(-(-k // 128)) // self.split_for(-(-n // block_n), k)) * 128
+
+    def segment_launch(self, n: int, k: int, tiles: int, block_n: int = 64) -> tuple[int, int, int]:
+        """(K per segment, K-split programs per tile, segments per program) of a batch-invariant GEMM of [N, K]
+        with ``tiles`` output tiles: the segments run as split-K programs while the tiles do not fill the GPU,
+        else one after another inside each program. Either way each segment is summed from zero and the
+        segments are added in order, so the choice (which follows M) never changes a bit."""
+        seg = self.k_segment(n, k, block_n)
+        segs = -(-k // seg)
+        split = segs if tiles < self.num_sms else 1
+        return seg, split, segs // split
 
     def invariant_fp8_tile(self, m: int) -> FP8Tile:
         return next(t for b, t in self.invariant_fp8_tiles if b is None or m <= b)

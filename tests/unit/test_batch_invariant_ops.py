@@ -62,6 +62,9 @@ def test_invariant_tuning_fixes_every_batch_dependent_choice() -> None:
         assert seg % 128 == 0 and 0 < seg <= -(-k // 128) * 128
         assert -(-k // seg) <= t.fp8_max_split
     assert t.k_segment(4096, 4096) == 512  # 64 tiles at M = 1 -> 8 segments fill 2 x 132 SMs
+    for tiles in (1, 131, 132, 5000):  # the launch mode follows the tile count (M); the segments do not
+        seg, split, per_program = t.segment_launch(4096, 4096, tiles)
+        assert seg == 512 and split * per_program == 8 and (split > 1) == (tiles < t.num_sms)
     assert KernelTuning(num_sms=16).invariant().k_segment(4096, 4096) == 4096  # 64 tiles already fill 32
     with pytest.raises(ValueError, match="one wgmma family"):
         KernelTuning(invariant_fp8_tiles=((64, (16, 64, 4, 4)), (None, (128, 128, 8, 3))))

@@ -416,16 +416,13 @@ def _launch_invariant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     n, k = weight.shape
     bm, bn, warps, stages = tuning.invariant_fp8_tile(m)
     assert bm >= 64 and warps % 4 == 0, "batch-invariant tiles must all use the wgmma m64 instruction"
-    seg = tuning.k_segment(n, k)
-    segs = triton.cdiv(k, seg)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = segs if tiles < tuning.num_sms and tiles <= MAX_TILES else 1
+    seg, split, segs = tuning.segment_launch(n, k, triton.cdiv(m, bm) * triton.cdiv(n, bn))
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     _fp8_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
         x, weight, scale, y, part, _tickets(x.device), m, n, k, seg, group_rows,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, IEEE=x.dtype == torch.float32 or _INTERPRET, SPLIT=split,
-        BITS=tuning.fp8_e4m3_by_bits, SEGS=segs // split, num_warps=warps, num_stages=stages,
+        BITS=tuning.fp8_e4m3_by_bits, SEGS=segs, num_warps=warps, num_stages=stages,
     )
     return y
 

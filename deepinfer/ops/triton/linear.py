@@ -125,16 +125,14 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, tuning: KernelTuning
     if m == 0:
         return y
     bm, warps, stages = next(cfg for bucket, cfg in INVARIANT_CONFIGS if bucket is None or m <= bucket)
-    seg = tuning.k_segment(n, k, BLOCK_N)
-    segs = triton.cdiv(k, seg)
     n_tiles, m_tiles = triton.cdiv(n, BLOCK_N), triton.cdiv(m, bm)
-    split = segs if n_tiles * m_tiles < tuning.num_sms and n_tiles * m_tiles <= MAX_TILES else 1
+    seg, split, segs = tuning.segment_launch(n, k, n_tiles * m_tiles, BLOCK_N)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     _linear_decode_kernel[(n_tiles, split, m_tiles)](
         x, weight, y, part, _tickets(x.device), m, n, k, seg,
         x.stride(0), weight.stride(0), y.stride(0), part.stride(-2), part.stride(0),
         BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=split, IEEE=x.dtype == torch.float32 or _INTERPRET,
-        SEGS=segs // split,
+        SEGS=segs,
         num_warps=warps, num_stages=stages,
     )
     return y
