@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLMEngine, SamplingParams
+from deepinfer.assets import demo_model_dir
 
 RECORD = {"type": "object", "additionalProperties": False, "required": ["id", "name", "tags"],
           "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
@@ -129,7 +130,8 @@ def run_round(engine: LLMEngine, tag: str, batch: int, tokens: int, constrained:
 def run(args, batch: int) -> dict:
     kw = {"cache_memory_gb": 8.0} if args.device == "cuda" else {}
     if args.model:
-        kw.update(model=args.model, load_format=args.load_format)
+        # A shapes directory has no tokenizer: the bundled demo model's (same vocabulary size as V4).
+        kw.update(model=args.model, load_format=args.load_format, tokenizer=str(demo_model_dir()))
         if args.hf_overrides:
             kw["hf_overrides"] = json.loads(args.hf_overrides)
     engine = LLMEngine.from_engine_args(device=args.device, load_progress=False, block_size=128,
