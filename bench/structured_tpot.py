@@ -172,10 +172,14 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
-    (out / f"structured_tpot_{a.device}.json").write_text(json.dumps({"device": name, "rows": rows}, indent=2))
+    # The demo model's files keep their names; a --model run is named after its directory.
+    stem = f"structured_tpot_{Path(a.model).name + '_' if a.model else ''}{a.device}"
+    model_args = (f" --model {a.model} --load-format {a.load_format}"
+                  + (f" --hf-overrides '{a.hf_overrides}'" if a.hf_overrides else "")) if a.model else ""
+    (out / f"{stem}.json").write_text(json.dumps({"device": name, "rows": rows}, indent=2))
     lines = [f"# Structured outputs: TPOT with a JSON schema on every request vs none, {a.model or 'demo model'}, "
              f"{name}", "",
-             f"`python bench/structured_tpot.py --device {a.device} --batches {' '.join(map(str, a.batches))} "
+             f"`python bench/structured_tpot.py --device {a.device}{model_args} --batches {' '.join(map(str, a.batches))} "
              f"--tokens {a.tokens} --rounds {a.rounds}`", "",
              "| batch | timed steps | TPOT none ms | TPOT json ms | ratio | mask fill host ms/step | "
              "matcher advance host ms/step | mask apply device ms/step |",
@@ -184,7 +188,7 @@ def main() -> None:
         lines.append(f"| {r['batch']} | {r['steps']} | {r['tpot_none_ms']:.2f} | {r['tpot_json_ms']:.2f} | "
                      f"{r['ratio']:.3f} | {r['mask_ms_per_step']:.3f} | {r['advance_ms_per_step']:.3f} | "
                      f"{r['apply_ms_per_step']:.3f} |")
-    (out / f"structured_tpot_{a.device}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
