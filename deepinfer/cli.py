@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from deepinfer.config.engine import KV_CACHE_DTYPES, EngineArgs
 from deepinfer.config.v41_engine import DECODER_REPLAY_MODES
@@ -230,36 +231,47 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from deepinfer.config.model import ModelConfig
-    from deepinfer.engine.memory_plan import GIB, Deployment, describe, device_memory_bytes
     from deepinfer.assets import demo_model_dir
-    from deepinfer.model.summary import parameter_specs, summarize
-
-    model_dir = a.model or str(demo_model_dir())
     from deepinfer.config.v41 import is_v41_config
     from deepinfer.config.v41_engine import read_config_json
+    from deepinfer.engine.memory_plan import GIB, Deployment, device_memory_bytes
 
-    if is_v41_config(read_config_json(model_dir)):  # DeepSeek-V4.1: its layer plan and cache (no memory plan yet)
+    model_dir = a.model or str(demo_model_dir())
+    device_bytes = int(a.device_memory_gib * GIB) if a.device_memory_gib else device_memory_bytes()
+
+    def deployment(max_position_embeddings: int) -> Deployment:
+        return Deployment(
+            tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
+            enable_expert_parallel=a.enable_expert_parallel, max_num_seqs=a.max_num_seqs,
+            max_model_len=a.max_model_len or min(max_position_embeddings, 8192),
+            max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+            gpu_memory_utilization=a.gpu_memory_utilization, context_parallel_size=a.context_parallel_size,
+            context_parallel_min_tokens=a.context_parallel_min_tokens)
+
+    if is_v41_config(read_config_json(model_dir)):  # DeepSeek-V4.1: its layer plan, cache and memory plan
+        from deepinfer.config.v41 import V41Config
+        from deepinfer.engine.memory_plan_v41 import describe_v41, v41_parameter_specs
         from deepinfer.model.v41.summary import summarize_v41
 
-        print(json.dumps(summarize_v41(model_dir, a.block_size), indent=2))
-        return 0
-    cfg = ModelConfig.from_model_dir(model_dir)
-    specs = parameter_specs(cfg)
-    summary = summarize(model_dir, specs)
-    deployment = Deployment(
-        tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
-        enable_expert_parallel=a.enable_expert_parallel, max_num_seqs=a.max_num_seqs,
-        max_model_len=a.max_model_len or min(cfg.max_position_embeddings, 8192),
-        max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-        gpu_memory_utilization=a.gpu_memory_utilization, context_parallel_size=a.context_parallel_size,
-        context_parallel_min_tokens=a.context_parallel_min_tokens)
-    device_bytes = int(a.device_memory_gib * GIB) if a.device_memory_gib else device_memory_bytes()
-    summary["memory_plan"] = describe(cfg, deployment, device_bytes, specs)
+        v41 = V41Config.from_model_dir(model_dir)
+        specs = v41_parameter_specs(v41)
+        summary = summarize_v41(model_dir, a.block_size, specs)
+        summary["memory_plan"] = describe_v41(v41, deployment(v41.max_position_embeddings), device_bytes, specs)
+    else:
+        from deepinfer.config.model import ModelConfig
+        from deepinfer.engine.memory_plan import describe
+        from deepinfer.model.summary import parameter_specs, summarize
+
+        cfg = ModelConfig.from_model_dir(model_dir)
+        specs = parameter_specs(cfg)
+        summary = summarize(model_dir, specs)
+        summary["memory_plan"] = describe(cfg, deployment(cfg.max_position_embeddings), device_bytes, specs)
     print(json.dumps(summary, indent=2))
     plan = summary["memory_plan"]
     if not plan["fits"]:
-        print(f"error: does not fit: {plan['reason']}; try {plan['suggestion']}", file=sys.stderr)
+        what = "not supported" if plan.get("supported") is False else "does not fit"
+        hint = plan["suggestion"]
+        print(f"error: {what}: {plan['reason']}; {'try ' if hint.startswith('--') else ''}{hint}", file=sys.stderr)
         return 1
     return 0
 
@@ -320,8 +332,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands whose --model is a model directory (``bench serve``'s is the served model's name).
+_MODEL_DIR_COMMANDS = ("generate", "chat", "serve", "info", "eval")
+
+
+def _missing_model_config(args: argparse.Namespace) -> str:
+    """The error for a --model directory without config.json ("" when it has one or --model is not given): said
+    before anything is imported or loaded, instead of a traceback from deep inside."""
+    if args.command not in _MODEL_DIR_COMMANDS or not getattr(args, "model", None):
+        return ""
+    path = Path(args.model) / "config.json"
+    if path.is_file():
+        return ""
+    where = "" if Path(args.model).is_dir() else f" ({args.model} is not a directory)"
+    return f"--model: {path} not found{where}; a model directory holds config.json (and the tokenizer and weights)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = _missing_model_config(args)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except ValueError as e:

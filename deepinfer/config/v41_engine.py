@@ -42,17 +42,27 @@ def check_decoder_replay(mode: object, field: str = "v41_decoder_replay") -> str
     return mode
 
 
+V41_WHAT = "DeepSeek-V4.1 (model_type deepseek_v41)"
+
+
+def check_v41_parallel(**sizes: int) -> None:
+    """Raises a ValueError naming the first of ``sizes`` (``tensor_parallel_size=2``, ...) that is not 1: the
+    engine runs V4.1 in one process on one device so far (also what ``deepinfer info`` plans)."""
+    for name, value in sizes.items():
+        if value != 1:
+            raise ValueError(f"{name}: {V41_WHAT} runs on one device so far; allowed: 1")
+
+
 def check_v41_engine_args(args, device: str) -> None:
     """``args``: the ``EngineArgs``; raises ValueError naming the first unsupported field."""
     from deepinfer import env
 
-    what = "DeepSeek-V4.1 (model_type deepseek_v41)"
+    what = V41_WHAT
     if device != "cpu":
         raise ValueError(f"device: {what} runs on the engine's CPU reference path only so far (its GPU kernels "
                          f"are not written); allowed: cpu")
-    for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
-        if getattr(args, name) != 1:
-            raise ValueError(f"{name}: {what} runs on one device so far; allowed: 1")
+    check_v41_parallel(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                       nnodes=args.nnodes)
     if args.hf_overrides is not None:
         raise ValueError(f"hf_overrides: not supported for {what} yet; allowed: None")
     if args.load_format != "auto":

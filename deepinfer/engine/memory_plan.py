@@ -22,6 +22,7 @@ not keeps that module dequantized and holds more). The activation figure is an e
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from deepinfer.config.model import ModelConfig
 from deepinfer.distributed.config import ParallelConfig
 from deepinfer.engine.cp_plan import ContextParallelPlan, check_chunk_budget, plan_context_parallel
 from deepinfer.kv.block_budget import blocks_for_budget
-from deepinfer.kv.spec import HISTORY, build_layout
+from deepinfer.kv.spec import HISTORY, CacheLayout, build_layout
 from deepinfer.model.quant import FP4_GROUP, fp8_scale_shape, storage_format
 from deepinfer.model.summary import Specs, parameter_specs
 
@@ -125,16 +126,26 @@ def device_memory_bytes() -> int:
 
 def device_bytes_of(name: str, shape: tuple[int, ...], dtype: torch.dtype, cfg: ModelConfig) -> int:
     """Bytes of one parameter as the GPU path holds it (with its scales); ``dtype``: the model parameter's."""
-    numel = 1
-    for s in shape:
-        numel *= s
     fmt = storage_format(name, cfg)
     if fmt == "fp8":
-        rows, cols = fp8_scale_shape(shape, cfg.quant.weight_block_size)  # type: ignore[union-attr]
-        return numel + 4 * rows * cols  # e4m3 codes + fp32 block scales (FP8Linear decodes UE8M0 once)
+        # e4m3 codes + fp32 block scales (FP8Linear decodes UE8M0 once)
+        return quantized_bytes("fp8", shape, cfg.quant.weight_block_size, fp8_scale_bytes=4)  # type: ignore[union-attr]
     if fmt == "fp4":
-        return numel // 2 + numel // FP4_GROUP  # two codes a byte + one UE8M0 byte per 32 weights
-    return numel * dtype.itemsize
+        return quantized_bytes("fp4", shape, (1, FP4_GROUP))
+    return math.prod(shape) * dtype.itemsize
+
+
+def quantized_bytes(fmt: str, shape: tuple[int, ...], block: tuple[int, int], fp8_scale_bytes: int = 1) -> int:
+    """Bytes of one FP8 (one e4m3 byte per weight, one scale per ``block``) or packed FP4 weight (two e2m1
+    codes a byte, one UE8M0 byte per row and 32 inputs) with its scales; ``fp8_scale_bytes``: 1 for the UE8M0
+    bytes a checkpoint stores, 4 where the scales are decoded to fp32."""
+    numel = math.prod(shape)
+    if fmt == "fp8":
+        rows, cols = fp8_scale_shape(shape, block)
+        return numel + fp8_scale_bytes * rows * cols
+    if fmt == "fp4":
+        return numel // 2 + numel // FP4_GROUP
+    raise ValueError(f"fmt: {fmt!r} is not a quantized format; allowed: fp8, fp4")
 
 
 def _share(name: str, d: Deployment) -> float:
@@ -194,10 +205,18 @@ def plan(cfg: ModelConfig, d: Deployment, device_bytes: int, cache_dtype: torch.
     weights, experts = weights_per_device(cfg, d, specs)
     cp = plan_context_parallel(cfg, d.parallel, d.max_num_batched_tokens, d.max_model_len)
     acts = activation_bytes_estimate(cfg, d, cp)
+    layout = build_layout(cfg, d.block_size, include_mtp=False)
+    return fit(d, device_bytes, weights, experts, acts, layout, torch.empty(0, dtype=cache_dtype).element_size(),
+               cp=cp)
+
+
+def fit(d: Deployment, device_bytes: int, weights: int, experts: int, acts: int, layout: CacheLayout,
+        cache_dtype_bytes: int, *, spec_slack: int = 0, cp: ContextParallelPlan | None = None) -> MemoryPlan:
+    """The fit check of one device holding ``weights`` and ``acts`` bytes: what is left of
+    ``gpu_memory_utilization`` after them and the reserve goes to the cache pools of ``layout``, split as the
+    engine splits a budget (``blocks_for_budget``); it must hold one ``max_model_len`` sequence."""
     usable = int(device_bytes * d.gpu_memory_utilization)
     cache = usable - weights - acts - RESERVED_BYTES
-    layout = build_layout(cfg, d.block_size, include_mtp=False)
-    dtype_bytes = torch.empty(0, dtype=cache_dtype).element_size()
     reason, tokens = "", 0
     if cache <= 0:
         reason = (f"weights {weights / GIB:.1f} GiB + activations ~{acts / GIB:.1f} GiB + reserved "
@@ -205,8 +224,8 @@ def plan(cfg: ModelConfig, d: Deployment, device_bytes: int, cache_dtype: torch.
                   f"({d.gpu_memory_utilization} of {device_bytes / GIB:.1f} GiB)")
     else:
         try:
-            counts = blocks_for_budget(layout, cache, dtype_bytes, d.max_num_seqs, d.max_model_len,
-                                       max_num_batched_tokens=d.max_num_batched_tokens)
+            counts = blocks_for_budget(layout, cache, cache_dtype_bytes, d.max_num_seqs, d.max_model_len,
+                                       spec_slack=spec_slack, max_num_batched_tokens=d.max_num_batched_tokens)
             tokens = counts[HISTORY] * d.block_size
         except ValueError as e:
             reason = f"the {cache / GIB:.2f} GiB left for the cache is too small: {e}"

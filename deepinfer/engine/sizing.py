@@ -73,7 +73,12 @@ def _cuda_budget(config: EngineConfig, model, layout) -> int:
 def spec_slack(config: EngineConfig) -> tuple[int, int]:
     """(rollback depth, extra resident positions) of speculative decoding: a verify step of k drafts may be
     rolled back by k; its MTP chain writes up to k - 1 positions past the step."""
-    k = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    return speculative_slack(config.speculative.num_speculative_tokens if config.speculative is not None else 0)
+
+
+def speculative_slack(num_speculative_tokens: int) -> tuple[int, int]:
+    """``spec_slack`` of ``num_speculative_tokens`` drafts per step (also what ``deepinfer info`` plans with)."""
+    k = num_speculative_tokens
     return k, 2 * k
 
 

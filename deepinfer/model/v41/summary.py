@@ -1,9 +1,8 @@
 """``deepinfer info`` for a DeepSeek-V4.1 checkpoint: its layer plan, parameters and cache, from config.json
 alone (a meta-device model; no weights are read).
 
-The per-device memory plan of V4 (``engine/memory_plan.py``) sizes the GPU path's weight formats and
-parallel layouts, which V4.1 does not have yet; the cache figures here are the engine's pools as the CPU
-path allocates them.
+The per-device memory plan is ``engine/memory_plan_v41.py``'s; the cache figures here are the engine's pools
+as the CPU path allocates them (bf16).
 """
 
 from __future__ import annotations
@@ -13,11 +12,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from deepinfer.config.v41 import V41Config
 from deepinfer.kv.spec import HISTORY, POOLS
 from deepinfer.kv.spec_v41 import build_v41_layout
+from deepinfer.model.summary import Specs
 
 CACHE_FORMATS = {
     "auto": "window KV FP8 e4m3 (scale per 32), indexer q/k MXFP4, compressed KV NVFP4, each rounded as the "
@@ -46,24 +44,27 @@ def _role(cfg: V41Config, layer: int) -> dict[str, Any]:
     return out
 
 
-def _parameters(cfg: V41Config) -> dict[str, int]:
-    from deepinfer.model.v41.model import DeepseekV41
-
-    with torch.device("meta"):
-        model = DeepseekV41(cfg, torch.bfloat16, shapes_only=True, dspark=cfg.num_nextn_predict_layers > 0)
-    total = dspark = experts = 0
-    for name, t in model.state_dict().items():
-        n = math.prod(t.shape)
+def _parameters(cfg: V41Config, specs: Specs) -> dict[str, int]:
+    total = dspark = experts = engram = 0
+    for name, (shape, _) in specs.items():
+        n = math.prod(shape)
         total += n
         dspark += n if name.startswith("mtp.") else 0
         experts += n if ".ffn.experts." in name and not name.startswith("mtp.") else 0
+        engram += n if name.endswith(".engram.embed.weight") else 0
     main = total - dspark
-    active = main - experts + experts * cfg.num_experts_per_tok // cfg.n_routed_experts
-    return {"total": main, "active_per_token": active, "dspark": dspark}
+    # A token reads its top-k experts and, per Engram layer, one table row per (n-gram order, head).
+    lookups = len(cfg.active_engram_layers) * cfg.engram_hash_heads * cfg.engram_head_dim
+    active = main - experts - engram + experts * cfg.num_experts_per_tok // cfg.n_routed_experts + lookups
+    return {"total": main, "active_per_token": active, "engram_tables": engram, "dspark": dspark}
 
 
-def summarize_v41(model_dir: str | Path, block_size: int = 256) -> dict[str, Any]:
+def summarize_v41(model_dir: str | Path, block_size: int = 256, specs: Specs | None = None) -> dict[str, Any]:
+    """``specs``: ``v41_parameter_specs(cfg)`` when the caller has them already (seconds at full size)."""
+    from deepinfer.engine.memory_plan_v41 import v41_parameter_specs
+
     cfg = V41Config.from_model_dir(model_dir)
+    specs = specs if specs is not None else v41_parameter_specs(cfg)
     layout = build_v41_layout(cfg, block_size)
     plan = [_role(cfg, i) for i in range(cfg.num_hidden_layers)]
     bf16 = 2
@@ -83,13 +84,13 @@ def summarize_v41(model_dir: str | Path, block_size: int = 256) -> dict[str, Any
         "engram_layers": list(cfg.active_engram_layers),
         "dspark_stages": cfg.num_nextn_predict_layers,
         "vision": cfg.vision_enabled,
-        "parameters": _parameters(cfg),
+        "parameters": _parameters(cfg, specs),
         "cache_bf16": {
             "history_bytes_per_token": per_token[HISTORY],  # grows with every sequence's length
             "window_bytes_per_token": per_token["window"],  # only the last sliding_window positions are kept
             "state_bytes_per_token": per_token["state"],  # ratio-2 pair inputs: one position kept
         },
         "kv_cache_dtype": CACHE_FORMATS,
-        "engine": "CPU reference step (model/v41/paged.py); not yet: GPU kernels, several devices, DSpark drafts, "
-                  "decoder-side bounded replay",
+        "engine": "CPU reference step (model/v41/paged.py) with DSpark drafts and decoder-side bounded replay; not "
+                  "yet: GPU kernels, several devices",
     }
