@@ -18,12 +18,12 @@ is host work a GPU engine does too, minus its device copies. Rows, per pool (ms 
 and two rows of the engine's thread sharing the interpreter with a write-back thread that builds objects of
 window blocks (the saves of evicted blocks, ``tiers/writeback.py``):
 
-  step stalls    a loop of small torch ops (kernel launches, each releasing and retaking the GIL) runs while the
-                 write-back thread builds --blocks window objects: the time it stood still (gaps between two
-                 ops over 100 us) per MiB written back, less the same loop's stalls alone
+  wake-up        a thread sleeping 0.5 ms at a time wakes while the write-back thread builds --blocks window
+                 objects: its mean delay past the sleep, against the same alone (ms). Waking needs the GIL, as
+                 the engine's thread does after waiting for the device, before it launches the next kernels
   load in wb     fetch + stage of window blocks while the write-back thread builds objects: ms per MiB loaded
 
-This machine's core count bounds the last two: with fewer cores than threads the threads also share cores.
+With fewer free cores than threads, the threads also wait for a core: run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from deepinfer.kv.tiers.writeback import SaveBatch, WriteBack
 SHAPES = Path(__file__).resolve().parents[1] / "deepinfer" / "assets" / "shapes" / "v4-flash"
 MiB = 1 << 20
 _KEPT: list[TieredStore] = []
-STALL = 100e-6  # a gap between two small torch ops this long means the loop waited (for the GIL, or a core)
+WAKE = 0.5e-3  # the wake-up probe's sleep
 
 
 def _storage(layers: int, block_size: int, blocks: int) -> KVStorage:
@@ -89,20 +89,15 @@ def _median_ms_per_mib(fn, nbytes: int, repeats: int) -> float:
     return statistics.median(times) * 1e3 / (nbytes / MiB)
 
 
-def _step_ops(until) -> tuple[float, float]:
-    """Small torch ops (each releases and retakes the GIL, as a kernel launch does) until ``until()``:
-    (seconds run, seconds of the gaps between two ops longer than STALL, the time the loop stood still)."""
-    x = torch.zeros(16)
-    t0 = last = time.perf_counter()
-    stalled = 0.0
+def _wake_ups(until) -> list[float]:
+    """Sleep WAKE at a time until ``until()``; each wake-up's delay past WAKE. A thread that wakes needs the GIL
+    to go on, as the engine's thread does after waiting for the device, before it launches the next kernels."""
+    delays = []
     while not until():
-        for _ in range(16):
-            x.add_(1)
-            now = time.perf_counter()
-            if now - last > STALL:
-                stalled += now - last
-            last = now
-    return last - t0, stalled
+        t = time.perf_counter()
+        time.sleep(WAKE)
+        delays.append(time.perf_counter() - t - WAKE)
+    return delays
 
 
 def _with_writeback(storage: KVStorage, identity, blocks: int, tag: str, foreground,
@@ -148,6 +143,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--blocks", type=int, default=48, help="blocks per pool in each timed batch")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--verbose", action="store_true", help="print each repeat of the write-back rows")
     a = p.parse_args()
     torch.set_num_threads(1)
     storage = _storage(a.layers, a.block_size, a.blocks)
@@ -201,7 +197,7 @@ def main() -> None:
     # The engine's thread next to a write-back thread (window blocks).
     wsize = payload_bytes(storage, WINDOW)
     written = wsize * a.blocks
-    lost, load_wb, load_alone = [], [], []
+    wake, load_wb, load_alone = [], [], []
     load_link = TierLink(TieredStore(identity, HostTier(1 << 40)), storage)
     load_link.save([(WINDOW, b, h) for b, h in zip(ids, hashes)])
     want = [(WINDOW, h) for h in hashes]
@@ -215,11 +211,13 @@ def main() -> None:
 
     for r in range(a.repeats):
         done = threading.Event()
-        (ran, stalled), total = _with_writeback(storage, identity, a.blocks, f"ops {r}",
-                                                lambda: _step_ops(done.is_set), done)
-        end = time.perf_counter() + ran
-        _, alone = _step_ops(lambda: time.perf_counter() > end)
-        lost.append((stalled - alone) * 1e3 / (written / MiB))
+        delays, total = _with_writeback(storage, identity, a.blocks, f"wake {r}", lambda: _wake_ups(done.is_set), done)
+        end = time.perf_counter() + total
+        alone = _wake_ups(lambda: time.perf_counter() > end)
+        wake.append((statistics.mean(delays) * 1e3, statistics.mean(alone) * 1e3))
+        if a.verbose:
+            print(f"repeat {r}: wake-up delay {wake[-1][0]:.3f} ms (alone {wake[-1][1]:.3f}), "
+                  f"{a.blocks} window objects built in {total * 1e3:.1f} ms")
         load_alone.append(load() * 1e3 / (written / MiB))
         fg, _ = _with_writeback(storage, identity, a.blocks, f"load {r}", load)
         load_wb.append(fg * 1e3 / (written / MiB))
@@ -233,8 +231,8 @@ def main() -> None:
     for pool, row in rows.items():
         print(f"| {pool} | {payload_bytes(storage, pool) / 1024:.0f} KiB | "
               + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
-    print(f"\nStep-thread stand-in (small torch ops) while the write-back thread builds {a.blocks} window objects: "
-          f"stood still {statistics.median(lost):.3f} ms per MiB written back (beyond its stalls alone).")
+    print(f"\nWake-up delay of a sleeping thread while the write-back thread builds {a.blocks} window objects: "
+          f"{statistics.median(w for w, _ in wake):.3f} ms (alone {statistics.median(x for _, x in wake):.3f} ms).")
     print(f"Load (fetch + stage) of {a.blocks} window blocks: {statistics.median(load_alone):.3f} ms/MiB alone, "
           f"{statistics.median(load_wb):.3f} ms/MiB while the write-back thread builds objects.")
 
