@@ -14,8 +14,9 @@ With --kv-host-cache-gb the cache-on engine has a host-memory tier: a small --ca
 evict, so later turns find their prefixes partly in host memory. Then the tier traffic is reported too: the
 host time the engine's thread spent inside the tier calls (save at eviction, fetch at admission, load before
 the step; seconds and share of the run, nothing synchronized), and the bytes copied device -> host and
-host -> device with the copies' device time (CUDA events) set against plain pinned and pageable copies of
-256 MiB in the same run (the copy limit).
+host -> device with the copies' device time (CUDA events around the queued copies only: a load's host
+staging is in its host time) set against plain pinned and pageable copies of 256 MiB in the same run (the
+copy limit).
 Writes ``prefix_cache_{device}.{json,md}`` into --out.
 """
 

@@ -43,7 +43,7 @@ from deepinfer.kv.prefix_hash import BlockHasher
 from deepinfer.kv.spec import POOLS, STATE
 from deepinfer.kv.storage import KVStorage
 from deepinfer.kv.tiers import StoreIdentity, TieredStore, open_store, payload_bytes, unpack_many
-from deepinfer.kv.tiers.payload import block_major, gather
+from deepinfer.kv.tiers.payload import block_major, gather, stage, upload
 from deepinfer.kv.tiers.staging import Fence, Flag, StagingRing
 from deepinfer.kv.tiers.writeback import SaveBatch, WriteBack
 
@@ -105,6 +105,8 @@ class TierLink:
         self.store = store
         self.storage = storage
         self._size = {p: payload_bytes(storage, p) for p in POOLS}
+        # Each pool's tensors as [blocks, payload slice] views, built once (the storage's tensors never move).
+        self._parts = {p: block_major(storage, p) for p in POOLS}
         self.pools = tuple(p for p in POOLS if not (replay and p == STATE))  # the pools written down
         device = next(iter(storage.tensors.values())).device if storage.tensors else torch.device("cpu")
         if copier is None and device.type == "cuda":
@@ -207,7 +209,7 @@ class TierLink:
         keys, ids = tuple(k for k, _ in items), [b for _, b in items]
         size, block_size = self._size[pool], self.storage.layout.block_size
         if self._copier is None:  # CPU: each payload goes from the storage's rows straight into its object
-            parts = block_major(self.storage, pool)
+            parts = self._parts[pool]
             self._writeback.submit(SaveBatch(keys, pool, block_size, lambda i: [t[ids[i]].numpy() for t in parts]))
             return
         gathered = gather(self.storage, pool, ids)
@@ -230,11 +232,14 @@ class TierLink:
             for i in range(0, len(mine), step):
                 part = mine[i:i + step]
                 ids, payloads = [b for b, _ in part], [x for _, x in part]
-                if self._load_ring is None:
+                if self._load_ring is None or not size:  # CPU storage (or a pool without rows)
                     unpack_many(payloads, self.storage, pool, ids)
                     continue
+                rows = stage(payloads, self._load_ring.take(len(part) * size), size)  # host copies
+                # The timing marks bracket the device work only (the copy and the indexed writes), so the load
+                # copy rate means what it says; the host's staging above is the caller's time.
                 start = self._copier.mark()
-                unpack_many(payloads, self.storage, pool, ids, staged=self._load_ring.take(len(part) * size))
+                upload(rows, self._parts[pool], ids)
                 end = self._copier.mark()
                 self._load_ring.fence_last(end)  # the host-to-device copy has read the region once ``end`` is done
                 self._load_timing.append((start, end))

@@ -18,7 +18,7 @@ from deepinfer.kv.offload import TierLink
 from deepinfer.kv.spec import POOLS, build_layout
 from deepinfer.kv.storage import KVStorage
 from deepinfer.kv.tiers import DiskTier, HostTier, StoreIdentity, TieredStore, pack
-from deepinfer.kv.tiers.blob import decode, encode
+from deepinfer.kv.tiers.blob import build, decode, encode, seal
 from deepinfer.kv.tiers.staging import Flag, StagingRing
 
 IDENTITY = StoreIdentity(hashlib.sha256(b"writeback test").digest(), 128)
@@ -198,5 +198,54 @@ def test_a_payload_in_parts_encodes_as_the_joined_payload() -> None:
         assert encode(IDENTITY, b"k", "window", 128, parts, sealed) == encode(IDENTITY, b"k", "window", 128, whole,
                                                                                sealed)
     assert bytes(decode(IDENTITY, b"k", encode(IDENTITY, b"k", "window", 128, parts)).payload) == whole
+    built = build(IDENTITY, b"k", "window", 128, parts)  # the store's objects: numpy copies, outside the GIL
+    assert built.tobytes() == encode(IDENTITY, b"k", "window", 128, whole, sealed=False)
+    assert not built.flags.writeable and seal(built).tobytes() == encode(IDENTITY, b"k", "window", 128, whole)
     with pytest.raises(ValueError, match="^nbytes"):
         StagingRing(0, pin=False)
+
+
+def test_host_memory_keeps_built_objects_without_copying_and_copies_mutable_ones() -> None:
+    host = HostTier(1 << 20)
+    built = build(IDENTITY, b"k", "window", 128, b"payload")
+    host.put(b"k", built)
+    assert host.get(b"k") is built
+    mutable = bytearray(b"a mutable buffer")
+    host.put(b"m", mutable)
+    mutable[0] = ord("A")
+    assert host.get(b"m") == b"a mutable buffer"
+
+
+class StagedMarks(HeldCopies):
+    """Records, at each timing mark of a load, what the staging region and the destination blocks hold."""
+
+    def __init__(self, link_of, dst: KVStorage, pool: str, blocks: list[int]) -> None:
+        super().__init__()
+        self.link_of, self.dst, self.pool, self.blocks = link_of, dst, pool, blocks
+        self.seen: list[tuple[bytes, list[bytes]]] = []
+
+    def mark(self) -> Flag:
+        ring = self.link_of()._load_ring
+        self.seen.append((ring._buf.numpy().tobytes(), [pack(self.dst, self.pool, b) for b in self.blocks]))
+        return HeldCopies.mark()
+
+
+def test_load_timing_brackets_the_device_copy_only() -> None:
+    """The start mark comes once the host has staged every payload, right before the copy is queued; the end
+    mark after the blocks are written: the load copy time is device work, not the host's staging."""
+    src, dst = _storage(8), _storage(9)
+    store = TieredStore(IDENTITY, HostTier(64 << 20))
+    writer = _link(store, src, None)
+    writer.save([("window", b, _hash(b)) for b in range(2)])
+    reader = None
+    marks = StagedMarks(lambda: reader, dst, "window", [3, 2])
+    reader = _link(store, dst, marks)
+    want = [pack(src, "window", b) for b in range(2)]
+    before = [pack(dst, "window", b) for b in (3, 2)]
+    reader.load([("window", 3 - b, reader.fetch("window", _hash(b))) for b in range(2)])
+    (staged_at_start, blocks_at_start), (_, blocks_at_end) = marks.seen
+    assert staged_at_start.startswith(b"".join(want))  # staged before the start mark
+    assert blocks_at_start == before != want  # the copy comes after it
+    assert blocks_at_end == want
+    reader.close([])
+    writer.close([])

@@ -1,4 +1,5 @@
-"""Host-memory tier: each blob kept as the immutable ``bytes`` object it was stored as, in plain memory.
+"""Host-memory tier: each blob kept as the immutable object it was stored as (``bytes``, or the read-only
+uint8 array ``blob.build`` makes), in plain memory.
 
 Why not pinned memory per blob: pinning happens at allocation (``cudaHostAlloc``), and while the tier fills
 every put would be a new pinned allocation -- measured on an H200 host, that kept saves at ~0.9 GB/s against a
@@ -8,6 +9,8 @@ get hands the same object back without copying.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 
 class HostTier:
@@ -29,15 +32,16 @@ class HostTier:
     def used_bytes(self) -> int:
         return self._used
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> bytes | np.ndarray | None:
         return self._blobs.get(key)
 
     def exists(self, key: bytes) -> bool:
         return key in self._blobs
 
-    def put(self, key: bytes, blob: bytes) -> bool:
+    def put(self, key: bytes, blob: bytes | np.ndarray) -> bool:
         self.delete(key)
-        blob = bytes(blob)  # no copy for bytes; a caller's mutable buffer is copied once
+        if not (isinstance(blob, bytes) or isinstance(blob, np.ndarray) and not blob.flags.writeable):
+            blob = bytes(blob)  # kept as given when immutable; a caller's mutable buffer is copied once
         self._blobs[key] = blob
         self._used += len(blob)
         return True

@@ -103,19 +103,15 @@ def unpack_many(payloads: list[bytes | bytearray | memoryview], storage: KVStora
     """Write payloads (``pack`` format) into ``block_ids``. On a device the payloads are staged in host
     memory (``staged``: [len(payloads) * payload bytes] uint8, pinned for a fast copy, that the caller keeps
     untouched until the copy is done; a new tensor without it), copied to the device with one copy queued on
-    the current stream (the step that reads them comes after it), then one indexed write per tensor."""
+    the current stream (the step that reads them comes after it), then one indexed write per tensor:
+    ``stage`` then ``upload``, which a caller timing the device work calls itself."""
     _check_ids(storage, pool, block_ids)
     parts = _block_major(storage, pool)
     width = sum(t.shape[1] for t in parts)
-    for data in payloads:
-        if len(data) != width:
-            raise ValueError(f"payload: {len(data)} bytes, but a block of pool {pool!r} holds {width}")
-    if len(payloads) != len(block_ids):
-        raise ValueError(f"payloads: {len(payloads)} for {len(block_ids)} blocks")
+    _check_payloads(payloads, block_ids, pool, width)
     if not parts or not block_ids:
         return
-    dev = parts[0].device
-    if dev.type == "cpu":  # straight from the payload into the block's row slices: one copy
+    if parts[0].device.type == "cpu":  # straight from the payload into the block's row slices: one copy
         for data, b in zip(payloads, block_ids):
             src = np.frombuffer(data, dtype=np.uint8)
             offset = 0
@@ -125,10 +121,35 @@ def unpack_many(payloads: list[bytes | bytearray | memoryview], storage: KVStora
         return
     if staged is None:
         staged = torch.empty(len(payloads) * width, dtype=torch.uint8, pin_memory=True)
+    upload(stage(payloads, staged, width), parts, block_ids)
+
+
+def _check_payloads(payloads, block_ids: list[int], pool: str, width: int) -> None:
+    for data in payloads:
+        if len(data) != width:
+            raise ValueError(f"payload: {len(data)} bytes, but a block of pool {pool!r} holds {width}")
+    if len(payloads) != len(block_ids):
+        raise ValueError(f"payloads: {len(payloads)} for {len(block_ids)} blocks")
+
+
+def stage(payloads: list[bytes | bytearray | memoryview], staged: torch.Tensor, width: int) -> torch.Tensor:
+    """The host half of a device load: the payloads (each ``width`` bytes) copied into the leading rows of
+    ``staged`` (host memory, uint8), returned as [len(payloads), width]. One numpy copy per payload, with the
+    GIL released."""
     rows = staged[:len(payloads) * width].view(len(payloads), width)
     host = rows.numpy()
     for i, data in enumerate(payloads):
+        if len(data) != width:
+            raise ValueError(f"payload: {len(data)} bytes, but a block of this pool holds {width}")
         host[i] = np.frombuffer(data, dtype=np.uint8)
+    return rows
+
+
+def upload(rows: torch.Tensor, parts: list[torch.Tensor], block_ids: list[int]) -> None:
+    """The device half of a load: staged ``rows`` (one payload each, pinned) copied to the device with one copy
+    queued on the current stream, then written into ``block_ids`` of the pool's ``block_major`` views with one
+    indexed write per tensor. Nothing waits: the caller keeps ``rows`` untouched until the stream is past it."""
+    dev = parts[0].device
     src = rows.to(dev, non_blocking=True)  # pinned: ordered on the stream before the step that reads it
     idx = _index(block_ids, dev)
     offset = 0
@@ -140,7 +161,8 @@ def unpack_many(payloads: list[bytes | bytearray | memoryview], storage: KVStora
 def _index(block_ids: list[int], device: torch.device) -> torch.Tensor:
     """Block ids as a device index, copied without blocking: a pageable copy would wait for the stream (the
     step still running on the device) before the host could queue anything else."""
-    return torch.tensor(block_ids, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    idx = torch.tensor(block_ids, dtype=torch.int64)
+    return idx if device.type == "cpu" else idx.pin_memory().to(device, non_blocking=True)
 
 
 def pack(storage: KVStorage, pool: str, block_id: int) -> bytes:

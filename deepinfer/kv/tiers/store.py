@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 
 from deepinfer.config.engine import KVTierConfig
 from deepinfer.kv.tiers.base import Tier
-from deepinfer.kv.tiers.blob import BlobError, StoredBlock, StoreIdentity, decode, encode, seal
+from deepinfer.kv.tiers.blob import BlobError, StoredBlock, StoreIdentity, build, decode, seal
 from deepinfer.kv.tiers.disk import DiskTier
 from deepinfer.kv.tiers.host import HostTier
 from deepinfer.kv.tiers.stats import TierCounters, TierStats
@@ -113,8 +113,9 @@ class TieredStore:
         addresses: an object already stored under ``key`` is kept."""
         if self.touch(key):
             return
-        # Unsealed: host memory never verifies the checksum; the disk writer seals it in the background.
-        blob = encode(self.identity, key, kind, num_tokens, payload, sealed=False)
+        # Unsealed: host memory never verifies the checksum; the disk writer seals it in the background. Built
+        # by numpy copies, which leave the GIL to the engine's thread (``blob.build``).
+        blob = build(self.identity, key, kind, num_tokens, payload)
         with self._lock:
             if self._host is not None and len(blob) <= self._host.capacity_bytes:
                 if key not in self._host_lru:

@@ -3,7 +3,8 @@
 The tier link queues a batch once its device-to-host copy is issued (``SaveBatch``: the keys, how to read
 each payload from the staging rows the copy lands in, and the copy's ``ready`` fence); the engine's thread
 goes on at once. A small thread waits for each batch's copy, builds one stored object per block
-(``store.put``: the header, then the payload copied once from the staging rows behind it), hands
+(``store.put``: the header, then the payload copied once from the staging rows behind it, by numpy with
+the GIL released, so the engine's thread never waits for a copy to launch its kernels), hands
 them to the store and marks the batch ``done``, which frees its staging region. Until then the batch's keys
 are *pending*: ``pending`` says so (a lookup counts them as stored), and ``wait`` blocks until the batch is
 in the store, so a fetch of a pending block reads its bytes only once they are there.
@@ -105,9 +106,8 @@ class WriteBack:
             for i, key in enumerate(batch.keys):
                 self.store.put(key, batch.kind, batch.num_tokens, batch.payload(i))
                 if self._queue is not None:
-                    # Building an object copies its payload with the GIL held (~1 ms per MiB block), and a
-                    # thread waiting for the GIL only asks for it after the 5 ms switch interval: without this
-                    # yield the engine's thread lost up to that much per call while saves were written back.
+                    # Building an object copies its payload outside the GIL (``blob.build``); between objects
+                    # the GIL goes back to the engine's thread at once rather than after the switch interval.
                     time.sleep(0)
         except Exception:  # a lost batch costs later misses, never wrong bytes: its keys stop being pending
             log.exception("kv tier: write-back of %d blocks failed", len(batch.keys))
