@@ -342,7 +342,8 @@ def _check_speculative(spec: SpeculativeConfig, model: ModelConfig | V41Config, 
     if args.async_scheduling:
         # A step's drafts and its accepted count decide the next step's inputs and cache length; async
         # scheduling plans that next step before they reach the host.
-        raise ValueError("speculative_config: cannot be combined with async_scheduling=True; turn one off")
+        raise ValueError("speculative_config: cannot be combined with async_scheduling=True (on one device or "
+                         "several); allowed: speculative_config=None, or async_scheduling=False")
 
 
 def _check_positive(args: EngineArgs) -> None:

@@ -10,8 +10,12 @@ each CP group's longest prefill chunk of at least ``context_parallel_min_tokens`
 (``model/parallel/context.py``). With speculative decoding each DP rank's scheduler plans its sequences' drafts,
 the rank verifies them and runs their MTP passes, its result carries the accepted tokens and next drafts, and
 rejected drafts are rolled back on that rank's scheduler; ``RunStep.mtp_passes`` makes every rank run as many
-MTP-layer expert collectives as the busiest one (not with context parallelism). With expert-parallel
-load balancing, every ``step_interval`` steps the experts are re-placed between two steps (``eplb.py``).
+MTP-layer expert collectives as the busiest one (not with context parallelism). Structured outputs: the
+matchers live here; each plan carries its constrained sequences' masks, with drafts one per verified position
+(the grammar advanced over the drafts before it: ``structured/step_masks.with_plan_masks``), the ranks apply
+them before the acceptance, and the accepted tokens advance the matchers as on one device (``LLMEngine._apply``).
+With expert-parallel load balancing, every ``step_interval`` steps the experts are re-placed between two steps
+(``eplb.py``).
 
 Launch (``launch.py``): ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each); with
 ``nnodes`` > 1, each node spawns its own share of the ranks; under ``torchrun`` (``RANK`` etc. set) it joins the
@@ -152,10 +156,6 @@ class ParallelLLMEngine(LLMEngine):
     def add_request(self, request_id: str, prompt: Any, sampling_params: Any = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        if self.config.speculative is not None and getattr(sampling_params, "structured_outputs", None) is not None:
-            # A plan carries one grammar mask per sequence; verifying drafts needs one per drafted position.
-            raise ValueError("structured_outputs: not supported with speculative_config over several devices yet "
-                             "(the single-device engine supports both); allowed: None")
         req = self.intake.build(request_id, prompt, sampling_params)
         # The DP rank whose cache holds the longest prefix of the prompt; the least loaded among equals.
         loads = [len(s.waiting) + len(s.running) for s in self.schedulers]

@@ -286,15 +286,24 @@ class ModelRunner:
         return tokens, out
 
     def _plan_masks(self, drawing, last_rows: list[int]) -> StepMasks | None:
-        """The masks a plan carries in its work items (the parallel engine's; one draw per sequence)."""
-        rows = [row for w, row in zip(drawing, last_rows) if w.grammar_mask is not None]
-        if not rows:
+        """The masks a plan carries in its work items (the parallel engine's): a work's ``grammar_masks`` are
+        those of its last draws, up to the one at ``last_rows`` (a verify step: one per verified position)."""
+        owned = [(w, row) for w, row in zip(drawing, last_rows) if w.grammar_masks]
+        if not owned:
             return None
+        for w, _ in owned:
+            if len(w.grammar_masks) > w.num_samples:
+                raise ValueError(f"{w.seq_id}: {len(w.grammar_masks)} grammar masks for {w.num_samples} draws")
         words = (self.model.cfg.vocab_size + 31) // 32
-        masks = StepMasks.allocate(len(rows), words, pin_memory=self.device.type == "cuda")
-        masks.rows[:] = rows
-        for i, w in enumerate(w for w in drawing if w.grammar_mask is not None):
-            masks.words[i] = words_of(w.grammar_mask)[:words]
+        masks = StepMasks.allocate(sum(len(w.grammar_masks) for w, _ in owned), words,
+                                   pin_memory=self.device.type == "cuda")
+        at = 0
+        for w, row in owned:
+            n = len(w.grammar_masks)
+            masks.rows[at : at + n] = range(row - n + 1, row + 1)
+            for i, mask in enumerate(w.grammar_masks):
+                masks.words[at + i] = words_of(mask)[:words]
+            at += n
         return masks
 
     def _apply_grammar_masks(self, logits: torch.Tensor, masks: StepMasks | np.ndarray) -> None:

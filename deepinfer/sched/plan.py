@@ -95,9 +95,11 @@ class SeqWork:
     num_placeholders: int = 0  # trailing new tokens still on the device (drawn by the previous step)
     num_samples: int = 0  # tokens drawn at the last num_samples positions
     prompt_logprobs: PromptLogprobJob | None = None
-    # Structured outputs: the allowed next tokens, int32 words (bit t of word t // 32 set: token t allowed),
-    # applied to the logits of the sequence's draw.
-    grammar_mask: bytes | None = None
+    # Structured outputs: the allowed tokens of the sequence's last len(grammar_masks) draws, one row each of
+    # int32 words (bit t of word t // 32 set: token t allowed), applied to those draws' logits. A verify step
+    # carries one per verified position (the grammar advanced over the drafts before it); a draw without a
+    # row is unconstrained (a sequence still thinking, up to a drafted ``</think>``).
+    grammar_masks: tuple[bytes, ...] = ()
     num_drafts: int = 0  # the last num_drafts token_ids are drafts, verified by this step's draws
     num_proposals: int = 0  # drafts the MTP layer proposes for the next step (0: none)
     next_token: int = -1  # token after the last input when the step draws none (-1: it draws)

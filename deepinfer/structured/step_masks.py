@@ -11,7 +11,9 @@ it are masked from the grammar's start.
 Single-process engine (``mask_source``): the masks are computed by the runner's callback once the step's
 forward is launched, so the host's grammar work overlaps the device's forward; only the constrained rows'
 (``StepMasks``: their words and row numbers in one host buffer, one upload). Parallel engine
-(``with_plan_masks``): the plan is the message to the ranks, so the masks travel in it, computed before.
+(``with_plan_masks``): the plan is the message to the ranks, so the same rows travel in it, computed before
+on the coordinator (where the matchers live), each in its sequence's work item; the ranks apply them before
+the acceptance, and the coordinator feeds the matchers the accepted tokens.
 """
 
 from __future__ import annotations
@@ -53,17 +55,21 @@ def mask_source(backend: GrammarBackend | None, seqs, work) -> Callable[[], Step
 
 
 def with_plan_masks(backend: GrammarBackend | None, schedule):
-    """The schedule with each constrained draw's mask in its work item (one draw per sequence)."""
+    """The schedule with each constrained sequence's masks in its work item (``SeqWork.grammar_masks``): the
+    rows ``mask_source`` computes for the runner (``fill_rows``: in a verify step one per verified position,
+    the matcher advanced over the drafts before it and rolled back), each job's rows being its sequence's
+    last draws."""
     jobs, rows = mask_jobs(schedule.seqs, schedule.plan.work) if backend is not None else ([], 0)
     if not jobs:
         return schedule
+    masks = backend.fill_rows(jobs, rows)
     work = list(schedule.plan.work)
-    drawing = [i for i, w in enumerate(work) if w.num_samples]
-    if rows != len(drawing):
-        raise ValueError("structured outputs: several draws of one sequence in a step need the single-process "
-                         "engine")
-    bitmask = backend.fill(jobs, rows)
+    owner = [i for i, w in enumerate(work) for _ in range(w.num_samples)]  # drawn row -> its work item
+    last = {i: row for row, i in enumerate(owner)}  # work item -> its last drawn row
+    at = 0  # ``fill_rows`` writes the jobs' rows one job after another
     for j in jobs:
-        i = drawing[j.row]
-        work[i] = replace(work[i], grammar_mask=bitmask[j.row].tobytes())
+        n, i = 1 + len(j.drafts), owner[j.row]
+        assert j.row + n - 1 == last[i], f"{work[i].seq_id}: masks of rows {j.row}..{j.row + n - 1}"
+        work[i] = replace(work[i], grammar_masks=tuple(masks.words[r].tobytes() for r in range(at, at + n)))
+        at += n
     return replace(schedule, plan=replace(schedule.plan, work=tuple(work)))

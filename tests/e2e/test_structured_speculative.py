@@ -79,17 +79,24 @@ def test_overlapped_batched_masks_give_the_per_sequence_tokens(temperature, monk
     assert sum(r == "stop" for _, r in got.values()) >= 4  # structures completed, not only cut by max_tokens
 
 
-def test_masks_carried_in_the_plan_give_the_same_tokens(monkeypatch) -> None:
-    """The parallel engine's route (masks computed before the step, inside the plan's work items), in process."""
+@pytest.mark.parametrize("k", [0, 2])
+def test_masks_carried_in_the_plan_give_the_same_tokens(references, k, monkeypatch) -> None:
+    """The parallel engine's route (masks computed before the step, inside the plan's work items; with drafts,
+    one per verified position), in process: the non-speculative tokens."""
     from deepinfer.sched.scheduler import Scheduler
 
-    requests = _requests(1.0)
-    want = _run(_engine(), requests)
-    engine = _engine()
-    schedule = Scheduler.schedule
+    engine = _engine(k)
+    schedule, rows = Scheduler.schedule, []
+
+    def planned(self):
+        out = engine._with_grammar_masks(schedule(self))
+        rows.extend(len(w.grammar_masks) for w in out.plan.work if w.grammar_masks)
+        return out
+
     monkeypatch.setattr(llm_engine, "mask_source", lambda *a: None)
-    monkeypatch.setattr(Scheduler, "schedule", lambda self: engine._with_grammar_masks(schedule(self)))
-    assert _run(engine, requests) == want
+    monkeypatch.setattr(Scheduler, "schedule", planned)
+    assert _run(engine, _requests(1.0)) == references[1.0]
+    assert max(rows) == k + 1  # verify steps carried a mask per verified position
 
 
 @pytest.fixture(scope="module")
