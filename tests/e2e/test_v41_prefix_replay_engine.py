@@ -121,13 +121,13 @@ def test_hit_equals_the_plain_replay_and_keeps_the_global_kv(tiny) -> None:
     first, second = _prompts()
     engine, before = _engine(path), {}
     got = _in_turn(engine, [first, second], after_first=lambda: before.update(_history(engine)))
+    after = _history(engine)
+    assert {k[1] for k in before} == {"entries", "index_keys", "token_ids"} and len({k[2] for k in before}) == 1
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "the replay rewrote cached history rows"
     w = plain.cfg.sliding_window
     assert got[0][2] == 0 and got[1][2] == H - w and engine.scheduler.prefix_replayed == w
     assert_same({"b": got[1][:2]}, {"b": _reference(plain, second, 10)}, 1e-5)
     assert got[1][0] != plain.greedy(torch.tensor(second), MAX_TOKENS), "the replay should change these tokens"
-    after = _history(engine)
-    assert {k[1] for k in before} == {"entries", "index_keys", "token_ids"} and len({k[2] for k in before}) == 1
-    assert all(torch.equal(after[k], v) for k, v in before.items()), "the replay rewrote cached history rows"
 
     # DSpark drafts after the replay: lossless, so the same greedy tokens.
     spec_path = write_tiny_v41(path.parent / "dspark", seed=1, dspark=True)
