@@ -9,7 +9,7 @@ request computes a prompt; a second one sharing its first block is then served, 
     replay is not bit-identical, by design); the cached history pages (compressed entries, index keys, token
     ids) are byte-identical before and after the replay. The replay runs in chunks of 10 (its window bound
     holds across steps). With DSpark speculation the greedy tokens are the same (its context rows come from
-    the replayed window);
+    the replayed window); a boundary whose history block went to the host tier is replayed the same way;
   * ``exact`` (the default): the hit starts at H and equals no prefix caching bitwise;
   * ``v41_decoder_replay="v41"`` with prefix caching: narrowed prefills (whose decoder window rows before the
     kept tail are never written) then a replayed hit equal the plain model run the same way;
@@ -137,6 +137,19 @@ def test_hit_equals_the_plain_replay_and_keeps_the_global_kv(tiny) -> None:
     plain_spec = _engine(spec_path, max_num_batched_tokens=64)
     want = _in_turn(plain_spec, [first, second], greedy)
     assert _in_turn(spec, [first, second], greedy) == want and want[1][2] == H - w
+
+
+def test_hit_from_the_host_tier(tiny) -> None:
+    """A boundary whose history block left the device (two blocks, taken by another prompt in between) comes
+    back from the host tier and is replayed the same way: only history blocks are needed."""
+    path, plain = tiny
+    first, second = _prompts()
+    rng = random.Random(22)
+    other = [rng.randrange(3, VOCAB) for _ in range(250)]
+    engine = _engine(path, num_cache_blocks=2, kv_host_cache_gb=0.01)
+    got = _in_turn(engine, [first, other, second])
+    assert got[2][2] == H - plain.cfg.sliding_window and engine.scheduler.prefix_tier_hits == H
+    assert_same({"b": got[2][:2]}, {"b": _reference(plain, second, 10)}, 1e-5)
 
 
 def test_exact_hit_equals_no_hit_bitwise(tiny) -> None:
