@@ -10,6 +10,12 @@
     computed, the entries past H are appended, any chunking of the replay gives the same logits (the window
     bound holds for every replay step), layer 0's window rows are recomputed bitwise (its input is the
     embedding) while the replay changes the outputs (the truncated window reaches the later layers).
+
+Measured on the seed-1 tiny random checkpoints (last row's logits, replayed hit vs cold run, max |logit| ~4.5):
+W = 16, H = 256: 4 tokens past H 2.95 (KL 0.27, argmax flips), 44 past 0.40 (KL 6e-3); W = 128, H = 256: 1.17 and
+1.24 (KL 0.04-0.05); H = 512, 8 past: 1.84 (KL 0.13). Far more than the decoder replay moves them: the replay's
+first rows see a window of one position in every layer. (Random weights: the released model's error is not
+measured here.)
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ def test_layout_keeps_the_token_history(tiny) -> None:
 
 def _hashes(n_blocks: int, seed: int = 0) -> tuple[bytes, ...]:
     rng = random.Random(seed)
-    return BlockHasher(CacheNamespace(b"m", BS, "float32", "cpu")).chain([rng.randrange(4096) for _ in range(n_blocks * BS)])
+    tokens = [rng.randrange(4096) for _ in range(n_blocks * BS)]
+    return BlockHasher(CacheNamespace(b"m", BS, "float32", "cpu")).chain(tokens)
 
 
 def test_manager_takes_hits_from_the_history(tiny) -> None:

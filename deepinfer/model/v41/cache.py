@@ -96,7 +96,8 @@ class V41Cache:
         for layer, ratio in zip(self.layers, ratios):
             layer.truncate(start, 0)  # window and pair inputs (entries: kept to the boundary below)
             if ratio and layer.entries is not None:
-                layer.entries, layer.index_keys = layer.entries[:boundary // ratio], layer.index_keys[:boundary // ratio]
+                kept = boundary // ratio
+                layer.entries, layer.index_keys = layer.entries[:kept], layer.index_keys[:kept]
         for layer in self.layers + self.draft:
             layer.truncate(start, 0)
             if layer.window is not None:
