@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from deepinfer.config.engine import KV_CACHE_DTYPES, EngineArgs
-from deepinfer.config.v41_engine import DECODER_REPLAY_MODES
+from deepinfer.config.v41_engine import DECODER_REPLAY_MODES, PREFIX_REPLAY_MODES
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -71,8 +71,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "quantization (must equal --dtype)")
     g.add_argument("--v41-decoder-replay", default="off", choices=list(DECODER_REPLAY_MODES),
                    help="DeepSeek-V4.1: decoder layers of long prefill chunks on the last rows only; v41 = the "
-                        "released model's (not bit-identical), exact = with the dependency halo (either needs "
-                        "--no-enable-prefix-caching)")
+                        "released model's (not bit-identical), exact = with the dependency halo (with prefix "
+                        "caching on, either needs --v41-prefix-replay v41)")
+    g.add_argument("--v41-prefix-replay", default="exact", choices=list(PREFIX_REPLAY_MODES),
+                   help="DeepSeek-V4.1: how a prefix-cache hit is taken; exact = from the boundary's kept window "
+                        "tails (hit == no hit), v41 = the released encoder-side replay: recompute the window behind "
+                        "the boundary (not bit-identical to a cold run)")
 
 
 def _context_parallel_flags(g) -> None:
@@ -132,6 +136,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port,
         load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
         kv_cache_dtype=a.kv_cache_dtype, v41_decoder_replay=a.v41_decoder_replay,
+        v41_prefix_replay=a.v41_prefix_replay,
     )
 
 

@@ -93,6 +93,10 @@ class EngineArgs:
     # (config/v41_engine.py DECODER_REPLAY_MODES). Named for the model it applies to, in vLLM's snake_case
     # style; the values name the behaviour (the released model's, or the exact halo) rather than a boolean.
     v41_decoder_replay: str = "off"
+    # DeepSeek-V4.1 only: how a prefix-cache hit is taken, "exact" (the boundary's window tails kept: hit == no
+    # hit) / "v41" (the released encoder-side replay of the window behind the boundary, spec §3.2; needed for
+    # prefix caching with v41_decoder_replay on). config/v41_engine.py PREFIX_REPLAY_MODES.
+    v41_prefix_replay: str = "exact"
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -164,6 +168,7 @@ class EngineConfig:
     # DEEPINFER_BATCH_INVARIANT: the batch-invariant op table (ops/table.py; README "Batch invariance").
     batch_invariant: bool = False
     v41_decoder_replay: str = "off"  # EngineArgs.v41_decoder_replay (checked against the model)
+    v41_prefix_replay: str = "exact"  # EngineArgs.v41_prefix_replay (checked against the model)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -205,6 +210,7 @@ class EngineConfig:
         if batch_invariant:
             _check_batch_invariant(parallel)
         decoder_replay = _decoder_replay(args.v41_decoder_replay, model)
+        prefix_replay = _prefix_replay(args.v41_prefix_replay, model)
         return cls(
             model_dir=model_dir,
             tokenizer_dir=args.tokenizer or model_dir,
@@ -227,6 +233,7 @@ class EngineConfig:
             launch=launch,
             batch_invariant=batch_invariant,
             v41_decoder_replay=decoder_replay,
+            v41_prefix_replay=prefix_replay,
         )
 
     def mode_labels(self) -> dict[str, str]:
@@ -251,6 +258,15 @@ def _decoder_replay(mode: object, model: ModelConfig | V41Config) -> str:
     if check_decoder_replay(mode) != "off" and not isinstance(model, V41Config):
         raise ValueError(f"v41_decoder_replay: {mode!r} applies to DeepSeek-V4.1 checkpoints only (their decoder "
                          "layers); allowed for this model: off")
+    return mode
+
+
+def _prefix_replay(mode: object, model: ModelConfig | V41Config) -> str:
+    from deepinfer.config.v41_engine import check_prefix_replay
+
+    if check_prefix_replay(mode) != "exact" and not isinstance(model, V41Config):
+        raise ValueError(f"v41_prefix_replay: {mode!r} applies to DeepSeek-V4.1 checkpoints only (their encoder-side "
+                         "replay of prefix hits); allowed for this model: exact")
     return mode
 
 

@@ -2,8 +2,9 @@
 
 The engine runs V4.1 through its CPU reference step (``model/v41/paged.py``) with continuous batching,
 chunked prefill, preemption, prefix caching, async scheduling, the cache tiers, DSpark speculative decoding
-(``runner/dspark.py``) and the decoder-side bounded replay of long prefills (``v41_decoder_replay``, without
-prefix caching). Not yet: the GPU kernels, several ranks, weight overrides and dummy weights, the
+(``runner/dspark.py``), the decoder-side bounded replay of long prefills (``v41_decoder_replay``) and the
+encoder-side replay of prefix hits (``v41_prefix_replay``, which prefix caching needs with the decoder replay
+on). Not yet: the GPU kernels, several ranks, weight overrides and dummy weights, the
 batch-invariant op table (V4.1's path does not go through it). Each is refused here with the field and what
 is allowed.
 """
@@ -42,6 +43,22 @@ def check_decoder_replay(mode: object, field: str = "v41_decoder_replay") -> str
     return mode
 
 
+# EngineArgs.v41_prefix_replay: how a prefix-cache hit at a block boundary H is taken (spec §3.2; kv/manager.py,
+# model/v41/paged.py). "exact": the boundary keeps its window and Engram tails, the sequence continues at H and
+# computes what a cold run computes (bitwise). "v41": the released model's encoder-side replay: the hit keeps only
+# the history pool (compressed entries, index keys, token ids) and recomputes [H - W, H), writing window KV and
+# compressor pair inputs only, their window attention reading nothing below H - W; not bit-identical to a cold
+# run, by design. Hits no longer than the window are not adopted.
+PREFIX_REPLAY_MODES = ("exact", "v41")
+
+
+def check_prefix_replay(mode: object, field: str = "v41_prefix_replay") -> str:
+    """``mode`` if it is one of ``PREFIX_REPLAY_MODES``, else a ValueError naming ``field``."""
+    if mode not in PREFIX_REPLAY_MODES:
+        raise ValueError(f"{field}: {mode!r} is not a prefix replay mode; allowed: {', '.join(PREFIX_REPLAY_MODES)}")
+    return mode
+
+
 V41_WHAT = "DeepSeek-V4.1 (model_type deepseek_v41)"
 
 
@@ -67,12 +84,16 @@ def check_v41_engine_args(args, device: str) -> None:
         raise ValueError(f"hf_overrides: not supported for {what} yet; allowed: None")
     if args.load_format != "auto":
         raise ValueError(f"load_format: {args.load_format!r} is not supported for {what} yet; allowed: auto")
-    if check_decoder_replay(args.v41_decoder_replay) != "off" and args.enable_prefix_caching:
-        # A narrowed chunk leaves the decoder layers' window rows before its kept tail unwritten, and a prefix hit
-        # at a block boundary there would read them (vLLM's V4.1 instead recomputes such tails: encoder-side
-        # replay, not implemented here).
-        raise ValueError(f"v41_decoder_replay: {args.v41_decoder_replay!r} leaves window rows that prefix-cache hits "
-                         "would read unwritten; set enable_prefix_caching=False, or v41_decoder_replay='off'")
+    prefix_replay = check_prefix_replay(args.v41_prefix_replay)
+    if check_decoder_replay(args.v41_decoder_replay) != "off" and args.enable_prefix_caching \
+            and prefix_replay == "exact":
+        # A narrowed chunk leaves the decoder layers' window rows before its kept tail unwritten, and an exact
+        # prefix hit at a block boundary there would read them. The encoder-side replay reads no cached window
+        # row (it recomputes the window behind the boundary), so the two go together; "exact" is kept to mean
+        # exact, hence refused rather than switched silently.
+        raise ValueError(f"v41_decoder_replay: {args.v41_decoder_replay!r} leaves window rows that exact prefix-cache "
+                         "hits would read unwritten; set v41_prefix_replay='v41' (hits recompute the window behind "
+                         "the boundary, spec §3.2), or enable_prefix_caching=False, or v41_decoder_replay='off'")
     if env.batch_invariant():
         raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1: the batch-invariant op table does not cover {what} yet; "
                          "unset it")

@@ -110,7 +110,8 @@ def cache_layout(config: EngineConfig) -> CacheLayout:
     """The cache specs of the engine's model: V4's (the MTP layer's window rows live in the window pool beside
     the target's, with speculative decoding only) or V4.1's (``kv/spec_v41.py``)."""
     if isinstance(config.model, V41Config):
-        return build_v41_layout(config.model, config.cache.block_size, dspark=config.speculative is not None)
+        return build_v41_layout(config.model, config.cache.block_size, dspark=config.speculative is not None,
+                                prefix_replay=config.v41_prefix_replay)
     return build_layout(config.model, config.cache.block_size, include_mtp=config.speculative is not None)
 
 
@@ -143,5 +144,7 @@ def build_prefix_hasher(config: EngineConfig) -> BlockHasher | None:
         cache_dtype += f"/kv_cache_dtype={config.cache.kv_cache_dtype}"
         if config.speculative is not None:  # window blocks then hold the DSpark context rows too
             cache_dtype += "/dspark"
+        if config.v41_prefix_replay != "exact":  # rows computed after a replayed hit differ from a cold run's
+            cache_dtype += f"/prefix_replay={config.v41_prefix_replay}"
     ns = CacheNamespace(model_fingerprint(config.model, model_dir), config.cache.block_size, cache_dtype, kernels)
     return BlockHasher(ns)

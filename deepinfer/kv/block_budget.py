@@ -35,7 +35,7 @@ def tail_blocks_per_boundary(layout: CacheLayout, pool: str) -> int:
     """Blocks of a tail pool that keep a block boundary usable by prefix hits: the window blocks covering the
     window behind a bounded replay (state blocks are then not needed; without a replay, the state tail's)."""
     holds_rows = any(t.pool == pool for s in layout.layers for t in s.tensors)
-    if not holds_rows:
+    if not holds_rows or layout.prefix_replay:  # V4.1's encoder-side replay: a hit needs history blocks only
         return 0
     replay = replay_length(layout)
     if pool == WINDOW:

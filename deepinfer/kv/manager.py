@@ -24,6 +24,12 @@ what continuing a full prefill would (architecture note §3.5, "window retention
 request on such a hit: it shares the blocks (their rows are never written again: the request writes
 positions >= P only, in blocks of its own) and starts at length P.
 
+DeepSeek-V4.1's encoder-side replay (``CacheLayout.prefix_replay`` = W, spec §3.2) takes hits differently:
+only the history blocks [0, H) are needed (compressed entries, index keys, the token ids Engram looks back
+at), the request starts at H - W and recomputes the window and state rows of [H - W, H) in blocks of its own,
+reading none below H - W (``_Request.floor``); window and state blocks are then never named. Boundaries
+H <= W are not adopted.
+
 The manager is torch-free on purpose: it deals in block ids; storage tensors are sized from
 ``num_blocks`` elsewhere, and ``kv/block_budget.py`` computes those sizes from a byte budget.
 """
@@ -51,6 +57,7 @@ class _Request:
     # Releases only ever happen at the front and truncation only at the back, so -1s form a prefix.
     first_live: dict[str, int] = field(default_factory=lambda: {p: 0 for p in TAIL_POOLS})
     num_hashed: int = 0  # leading blocks named by ``cache_blocks``
+    floor: int = 0  # no window/state row below this position is read (an encoder-side replay's start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,10 @@ class CacheManager:
         # an HCA window starts afresh at P). Without cached state blocks a hit recomputes those R positions
         # from the retained window KV, emitting no entry (they are cached), instead of giving up the boundary.
         self.replay = replay_length(layout) if bounded_replay else 0
+        # V4.1's encoder-side replay: a hit recomputes the last ``window_replay`` positions before its boundary
+        # from the history blocks alone (``_window_replay_hit``).
+        self.window_replay = layout.prefix_replay
+        self.replay = self.window_replay or self.replay
         self._reqs: dict[Hashable, _Request] = {}
         # (req, pool, start, ids, length) per table change, for a consumer that mirrors the tables (the
         # scheduler turns them into a plan's table edits); None: not recorded.
@@ -227,6 +238,8 @@ class CacheManager:
             if b is None:
                 break
             blocks.append(b)
+        if self.window_replay:
+            return self._window_replay_hit(hashes, tuple(blocks))
         # The history chain may reach further than any retained tail: try boundaries from the longest down.
         bs = self.block_size
         for nb in range(len(blocks), 0, -1):
@@ -268,6 +281,19 @@ class CacheManager:
         loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
         return PrefixHit(boundary, tables, loads, self.replay, tuple(copies))
 
+    def _window_replay_hit(self, hashes: tuple[bytes, ...], history: tuple[int, ...]) -> PrefixHit | None:
+        """V4.1's encoder-side replay (spec §3.2): a hit at the end H of the cached history chain that starts at
+        H - W and recomputes the window and state rows of [H - W, H) into fresh blocks (the rows before H - W
+        are never read); None when H <= W ("hits no longer than the window are not adopted")."""
+        boundary, w, bs = len(history) * self.block_size, self.window_replay, self.block_size
+        if boundary <= w:
+            return None
+        nb, lo = len(history), (boundary - w) // bs
+        tail = (RELEASED,) * lo + (FRESH,) * (nb - lo)
+        tables = {HISTORY: history, WINDOW: tail, STATE: tail}
+        loads = tuple((HISTORY, i, hashes[i]) for i, b in enumerate(history) if b == FROM_TIER)
+        return PrefixHit(boundary, tables, loads, w)
+
     def _replay_rewrites(self, hit: PrefixHit, pool: str, index: int) -> bool:
         """Whether the hit's replay rewrites rows of block ``index`` of a tail pool (one holding a replayed position)."""
         return bool(hit.replay) and pool in TAIL_POOLS and index >= hit.start // self.block_size
@@ -301,7 +327,8 @@ class CacheManager:
             if need[p] > self.pools[p].num_available:
                 raise OutOfBlocks(p, need[p], self.pools[p].num_available)
         # A replay's copies and fresh blocks are its own (never named: the blocks before the boundary are).
-        r = self._reqs[req_id] = _Request(length=hit.start, num_hashed=hit.num_tokens // self.block_size)
+        r = self._reqs[req_id] = _Request(length=hit.start, num_hashed=hit.num_tokens // self.block_size,
+                                          floor=hit.start if self.window_replay else 0)
         filled: list[tuple[str, int, bytes]] = []
         copies: list[tuple[str, int, int]] = []
         for p in POOLS:
@@ -334,8 +361,10 @@ class CacheManager:
         if len(hashes) * self.block_size > r.length:
             raise ValueError(f"hashes: {len(hashes)} blocks name more than the {r.length} computed positions "
                              f"of request {req_id!r}")
+        # With the encoder-side replay no hit reads a cached window/state row: those blocks go back free.
+        pools = (HISTORY,) if self.window_replay else POOLS
         for i in range(r.num_hashed, len(hashes)):
-            for p in POOLS:
+            for p in pools:
                 b = r.tables[p][i]
                 if b != RELEASED:
                     self.pools[p].set_hash(b, hashes[i])
@@ -402,9 +431,12 @@ class CacheManager:
         r = self._get(req_id)
         if not 0 <= n <= r.length:
             raise ValueError(f"n: must be in [0, {r.length}] for request {req_id!r}, got {n}")
+        if 0 < n < r.floor:
+            raise ValueError(f"truncate({req_id!r}, {n}): the request's window rows start at {r.floor} (an "
+                             "encoder-side replay); free and recompute")
         if n > 0:
             for p in (p for p in TAIL_POOLS if self._holds_rows[p]):
-                need_from = max(0, n - self._tail[p]) // self.block_size
+                need_from = max(0, n - self._tail[p], r.floor) // self.block_size
                 if need_from < r.first_live[p]:
                     raise ValueError(
                         f"truncate({req_id!r}, {n}): {p} rows from position {need_from * self.block_size} "
@@ -473,7 +505,7 @@ class CacheManager:
             if lo > len(table):
                 raise AssertionError(f"request {rid!r}: {p} released {lo} blocks of a {len(table)}-block table")
             # Rows the next token reads (n - tail .. n) must be resident.
-            limit = max(0, r.length - self._tail[p]) // self.block_size
+            limit = max(0, r.length - self._tail[p], r.floor) // self.block_size
             if self._holds_rows[p] and lo > limit:
                 raise AssertionError(f"request {rid!r}: {p} released up to block {lo}, needed from {limit}")
 

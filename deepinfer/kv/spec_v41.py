@@ -15,14 +15,22 @@ chunking writes the same rows and rolling back is "set n". What each layer store
   * Engram (when a layer has it): ``token_ids``, the sequence's token ids (``window`` pool, float32: exact
     for ids below 2**24), of which the n-gram hash reads the last ``engram_max_ngram_size - 1`` positions.
     Kept in the cache rather than taken from the scheduler's token lists so that placeholder inputs (async
-    scheduling), prefix hits and recomputation after preemption need nothing else.
+    scheduling), prefix hits and recomputation after preemption need nothing else. With the encoder-side
+    replay of prefix hits (``prefix_replay``, spec §3.2) they live in the ``history`` pool instead (one row per
+    position, kept for the sequence's life, 4 B each): a hit then keeps no window row at all, and the replayed
+    positions' lookback comes from the token history.
 
   * the DSpark drafter (with ``speculative_config`` method ``dspark`` only): ``mtp.S`` holds ``window_kv``,
     stage S's context row of each target position (``window`` pool), written by the target's forward for
     every position it computes, like the layers' rows. A block drafted after position p reads (p - W, p],
     i.e. ``sliding_window`` positions behind the next token. Position-addressed, so a rejected draft's row
     is past the rolled-back length and is rewritten before it is read, preemption recomputes the rows with
-    the rest, and a prefix hit finds them in the kept window tail, exact like the layers' rows.
+    the rest, and a prefix hit finds them in the kept window tail, exact like the layers' rows (or, with
+    ``prefix_replay``, recomputes them with the replayed window).
+
+With ``prefix_replay`` (``v41_prefix_replay="v41"``) the layout says so (``CacheLayout.prefix_replay``, the
+sliding window): a hit at H keeps the history blocks only and recomputes [H - W, H) (``kv/manager.py``,
+``model/v41/paged.py``), so no window or state block of a boundary needs to stay cached.
 
 The top-k selection and the candidate blocks are recomputed by every query and the mHC coefficients are per
 token, so nothing else crosses steps. The layer kinds are ``SWA`` (ratio 0) and ``CSA2`` (ratio 1 or 2): V4's
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 from deepinfer.config.model import SWA
 from deepinfer.config.v41 import V41Config
+from deepinfer.config.v41_engine import check_prefix_replay
 from deepinfer.kv.spec import FLOAT32, HISTORY, MODEL_DTYPE, STATE, WINDOW, CacheLayout, LayerCacheSpec, TensorSpec
 
 CSA2 = "CSA2"  # a V4.1 layer that attends compressed entries too (of its own or of its KV source)
@@ -60,8 +69,11 @@ def dspark_key(stage: int) -> str:
     return f"mtp.{stage}"
 
 
-def build_v41_layout(cfg: V41Config, block_size: int = 256, dspark: bool = False) -> CacheLayout:
-    """The engine's cache layout of a V4.1 backbone; ``dspark``: with the DSpark drafter's context rows."""
+def build_v41_layout(cfg: V41Config, block_size: int = 256, dspark: bool = False,
+                     prefix_replay: str = "exact") -> CacheLayout:
+    """The engine's cache layout of a V4.1 backbone; ``dspark``: with the DSpark drafter's context rows;
+    ``prefix_replay``: how prefix hits are taken (``config/v41_engine.py`` PREFIX_REPLAY_MODES)."""
+    replay = cfg.sliding_window if check_prefix_replay(prefix_replay) == "v41" else 0
     if block_size <= 0 or block_size % 128:
         raise ValueError(f"block_size: must be a positive multiple of 128, got {block_size}")
     specs = [_layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)]
@@ -69,11 +81,11 @@ def build_v41_layout(cfg: V41Config, block_size: int = 256, dspark: bool = False
         if cfg.vocab_size > EXACT_FLOAT32_IDS:
             raise ValueError(f"vocab_size: {cfg.vocab_size} ids do not fit the float32 token-id cache of Engram "
                              f"(at most {EXACT_FLOAT32_IDS})")
-        lookback = cfg.engram_max_ngram_size - 1
-        specs.append(LayerCacheSpec(ENGRAM_KEY, SWA, 0, (TensorSpec("token_ids", WINDOW, 1, 1, FLOAT32),),
-                                    lookback, 0))
+        lookback = 0 if replay else cfg.engram_max_ngram_size - 1  # in the history pool: kept, no tail
+        specs.append(LayerCacheSpec(ENGRAM_KEY, SWA, 0, (TensorSpec("token_ids", HISTORY if replay else WINDOW, 1, 1,
+                                                                    FLOAT32),), lookback, 0))
     if dspark:
         context = TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, MODEL_DTYPE)
         specs += [LayerCacheSpec(dspark_key(s), SWA, 0, (context,), cfg.sliding_window, 0)
                   for s in range(cfg.num_nextn_predict_layers)]
-    return CacheLayout(block_size, tuple(specs))
+    return CacheLayout(block_size, tuple(specs), replay)

@@ -144,11 +144,18 @@ class Attention(nn.Module):
         """A KV source: its new compressed entries and index keys, and a fresh shared state pointing at them."""
         latent = self.compressor(x, ctx, lc)
         first = ctx.start // self.ratio
-        ang = rope_angles(self.rope, torch.arange(first, first + latent.shape[0], device=x.device) * self.ratio)
-        entries = apply_rope(latent, ang)
-        lc.entries = write_rows(lc.entries, first, qdq(entries, "nvfp4") if ctx.cache_qdq else entries)
-        lc.index_keys = write_rows(lc.index_keys, first, self.indexer.keys(latent, ang, ctx.cache_qdq))
-        shared.source, shared.ratio, shared.topk, shared.candidates = lc, self.ratio, None, None
+        # An encoder-side replay (spec §3.2) recomputes the latents of entries it finds cached; those stay.
+        cached = min(latent.shape[0], max(0, ctx.emit_from // self.ratio - first))
+        latent, first = latent[cached:], first + cached
+        if latent.shape[0] or lc.entries is None:
+            ang = rope_angles(self.rope, torch.arange(first, first + latent.shape[0], device=x.device) * self.ratio)
+            entries = apply_rope(latent, ang)
+            lc.entries = write_rows(lc.entries, first, qdq(entries, "nvfp4") if ctx.cache_qdq else entries)
+            lc.index_keys = write_rows(lc.index_keys, first, self.indexer.keys(latent, ang, ctx.cache_qdq))
+        visible = ctx.end // self.ratio  # a replay's cache holds entries past the step: it sees them as a cold run
+        source = lc if lc.entries.shape[0] == visible else \
+            LayerCache(entries=lc.entries[:visible], index_keys=lc.index_keys[:visible])
+        shared.source, shared.ratio, shared.topk, shared.candidates = source, self.ratio, None, None
 
     def forward(self, x: torch.Tensor, ctx: StepContext, lc: LayerCache, shared: SharedKV) -> torch.Tensor:
         ang = ctx.angles[self.table]

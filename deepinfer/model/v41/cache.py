@@ -51,6 +51,10 @@ class V41Cache:
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     layers: list[LayerCache] = field(default_factory=list)
     draft: list[LayerCache] = field(default_factory=list)
+    # An encoder-side replay (``take_prefix_hit``): steps starting before ``replay_end`` read no window row below
+    # ``replay_start`` and emit no compressed entry closing before ``replay_end`` (0, 0: none).
+    replay_start: int = 0
+    replay_end: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -74,6 +78,31 @@ class V41Cache:
         (every one is at least a window past them)."""
         for lc in [self.layers[i] for i in layers] + self.draft:
             lc.window = _put(lc.window, start, like.new_zeros(end - start, like.shape[-1]))
+
+    def take_prefix_hit(self, boundary: int, replay: int, ratios: tuple[int, ...]) -> None:
+        """Continue from a prefix hit at ``boundary`` the way the engine's encoder-side replay does (spec §3.2):
+        keep what the hit keeps, the history (token ids, compressed entries and index keys of [0, boundary)),
+        and rewind the rest to ``boundary - replay``, so that the next steps recompute the window rows and the
+        ratio-2 pair inputs of [boundary - replay, boundary), reading no window row below it and emitting no
+        entry closing before ``boundary``. The window rows before it (which the hit does not have) are zeros:
+        nothing reads them."""
+        start = boundary - replay
+        if not (0 < start and boundary <= self.length):
+            raise ValueError(f"boundary: a replay of {replay} positions needs a cached boundary in ({replay}, "
+                             f"{self.length}], got {boundary}")
+        if any(r and start % r for r in ratios):
+            raise ValueError(f"boundary: {boundary} - {replay} is not a multiple of the compression ratios {ratios}")
+        self.tokens = self.tokens[:start]
+        for layer, ratio in zip(self.layers, ratios):
+            layer.truncate(start, 0)  # window and pair inputs (entries: kept to the boundary below)
+            if ratio and layer.entries is not None:
+                kept = boundary // ratio
+                layer.entries, layer.index_keys = layer.entries[:kept], layer.index_keys[:kept]
+        for layer in self.layers + self.draft:
+            layer.truncate(start, 0)
+            if layer.window is not None:
+                layer.window = torch.zeros_like(layer.window)
+        self.replay_start, self.replay_end = start, boundary
 
     def truncate(self, length: int, ratios: tuple[int, ...]) -> None:
         """Roll back to the first ``length`` positions (e.g. rejected drafts)."""

@@ -16,7 +16,10 @@ class StepContext:
     angles: dict[str, torch.Tensor]  # "main" / "compress" -> fp32 [Q, rope_dim / 2]
     cache: V41Cache
     cache_qdq: bool  # round window KV / indexer q,k / compressed KV as the reference caches do
-    window_from: int = 0  # no query reads window KV below this position (the decoder replay's kv_start)
+    window_from: int = 0  # no query reads window KV below this position (the replays' kv_start)
+    # The encoder-side replay of a prefix hit (spec §3.2): compressed entries closing before this position are
+    # cached already and stay as first computed (the step recomputes their positions' window rows only).
+    emit_from: int = 0
 
     @property
     def end(self) -> int:

@@ -105,7 +105,15 @@ class DeepseekV41(nn.Module):
     def _context(self, start: int, count: int, cache: V41Cache, device: torch.device) -> StepContext:
         positions = torch.arange(start, start + count, device=device)
         ang = {"main": angles(self.cfg.main_rope, positions), "compress": angles(self.cfg.compress_rope, positions)}
+        if start < cache.replay_end:  # a step of an encoder-side replay (``take_prefix_hit``)
+            return StepContext(positions, start, ang, cache, self.cache_qdq, cache.replay_start, cache.replay_end)
         return StepContext(positions, start, ang, cache, self.cache_qdq)
+
+    def take_prefix_hit(self, cache: V41Cache, boundary: int) -> None:
+        """Continue ``cache`` as the engine continues a prefix hit at ``boundary`` with ``v41_prefix_replay="v41"``
+        (the encoder-side replay of spec §3.2, ``V41Cache.take_prefix_hit``): the next forward must start with the
+        tokens of [boundary - sliding_window, boundary). The reference the engine's replay is checked against."""
+        cache.take_prefix_hit(boundary, self.cfg.sliding_window, self.cfg.compress_ratios)
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.dim() != 1 or input_ids.dtype not in (torch.int32, torch.int64) or input_ids.numel() == 0:
@@ -144,7 +152,7 @@ class DeepseekV41(nn.Module):
                 first = ctx.end - kept
                 cache.skip_window_rows(range(i, len(self.layers)), start, first, x.new_zeros(self.cfg.head_dim))
                 ctx = StepContext(ctx.positions[-kept:], first, {k: a[-kept:] for k, a in ctx.angles.items()}, cache,
-                                  ctx.cache_qdq, window_from=first)
+                                  ctx.cache_qdq, window_from=first, emit_from=ctx.emit_from)
                 streams, pre, image_mask = streams[-kept:], pre[-kept:], image_mask[-kept:]
                 shared, taps = shared.narrowed(kept), [t[-kept:] for t in taps]
                 rows = rows[-kept:] if rows is not None else None

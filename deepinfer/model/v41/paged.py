@@ -25,6 +25,14 @@ With ``decoder_replay`` (``replay.py``, the engine's ``v41_decoder_replay``) a l
 whose step reads only its last row runs the decoder layers on its kept tail: the step is cut to those rows
 (``_Step.narrowed``) after the last KV source, and the final rows it skipped come back as NaN.
 
+With the encoder-side replay of prefix hits (spec §3.2; the engine's ``v41_prefix_replay="v41"``, the cache
+layout's ``prefix_replay`` = W) a sequence admitted on a hit at H starts at H - W (``StepIndex.emit_from`` = H
+while it is before H): its steps write the window rows (and ratio-2 pair inputs, DSpark context) of the
+replayed positions, read no window row below H - W (``_Run.window_from``: the replay's kv_start, which the
+decoder replay's bound can only raise), and emit no compressed entry, index key or token id for positions
+before H: those history rows are shared cached blocks and stay exactly as first computed. Engram's lookback
+reads the token ids from the history pool, where that layout keeps them.
+
 This is the CPU reference path of the engine (one sequence loop per compressed layer); GPU kernels for it
 are future work. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
 ``cache_qdq``: values are rounded as the reference does and stored in the activation dtype.
@@ -40,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config.v41 import V41Config
+from deepinfer.kv.spec import HISTORY
 from deepinfer.kv.spec_v41 import ENGRAM_KEY, dspark_key
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.step_index import StepIndex
@@ -57,7 +66,7 @@ from deepinfer.ops.ref.step_rows import lookup
 @dataclass(frozen=True, slots=True)
 class _Run:
     """One sequence's tokens in the step: flat rows [lo, hi), positions [first, end), its table row; its
-    queries read no window KV below ``window_from`` (the decoder replay's bound, ``replay.py``)."""
+    queries read no window KV below ``window_from`` (the replays' bound, ``replay.py``)."""
 
     seq: int
     lo: int
@@ -77,6 +86,9 @@ class _Step:
     angles: dict[str, torch.Tensor]  # "main" / "compress" -> [T, rope_dim / 2]
     cache_qdq: bool
     positions: torch.Tensor  # [T] each token's position
+    # [T] or None: per token, the encoder-side replay's boundary H (positions before it are in cached history
+    # blocks: no entry, index key or token id is written for them), 0 outside a replay
+    emit_from: torch.Tensor | None = None
 
     def narrowed(self, kept: list[int]) -> tuple["_Step", torch.Tensor]:
         """The step of each run's last ``kept[r]`` tokens, their window bounded at the first of them when the
@@ -89,7 +101,8 @@ class _Step:
             lo += k
         sel = torch.cat(rows)
         return _Step(self.index, self.storage, self.window_rows[sel], self.state_rows[sel], tuple(runs),
-                     {k: a[sel] for k, a in self.angles.items()}, self.cache_qdq, self.positions[sel]), sel
+                     {k: a[sel] for k, a in self.angles.items()}, self.cache_qdq, self.positions[sel],
+                     None if self.emit_from is None else self.emit_from[sel]), sel
 
 
 def _resident(rows: torch.Tensor, wanted: torch.Tensor, what: str) -> torch.Tensor:
@@ -168,22 +181,38 @@ class PagedV41(nn.Module):
         # The runner lays every sequence's tokens out contiguously, in table-row order.
         lens = torch.bincount(index.token_seq, minlength=index.seq_end.numel()).tolist()
         ends = index.seq_end.tolist()
+        emit = [0] * len(ends) if index.emit_from is None else index.emit_from.tolist()
+        replay = storage.layout.prefix_replay
+        if any(emit) and not replay:
+            raise ValueError("index: emit_from (a bounded replay) without the encoder-side replay's cache layout; "
+                             "V4.1's exact prefix hits replay nothing")
         runs, lo = [], 0
         for s, (n, end) in enumerate(zip(lens, ends)):
             if n:
-                runs.append(_Run(s, lo, lo + n, end - n, end))
+                # A step of an encoder-side replay reads no window row below the replay's start H - W.
+                runs.append(_Run(s, lo, lo + n, end - n, end, emit[s] - replay if emit[s] else 0))
                 lo += n
         pos = index.positions
         ang = {"main": angles(self.cfg.main_rope, pos), "compress": angles(self.cfg.compress_rope, pos)}
-        return _Step(index, storage, rows.window_rows, rows.state_rows, tuple(runs), ang, self.model.cache_qdq, pos)
+        per_token = index.emit_from[index.token_seq] if any(emit) else None
+        return _Step(index, storage, rows.window_rows, rows.state_rows, tuple(runs), ang, self.model.cache_qdq, pos,
+                     per_token)
 
     def _engram_rows(self, input_ids: torch.Tensor, step: _Step) -> torch.Tensor:
         """Write the step's token ids to the cache, read each token's n-gram lookback back, hash it."""
         ids = step.storage.get(ENGRAM_KEY, "token_ids")
-        ids[step.window_rows] = input_ids.to(ids.dtype).unsqueeze(-1)
         idx = step.index
+        if step.storage.layout.layer(ENGRAM_KEY).tensor("token_ids").pool == HISTORY:
+            # The token history (encoder-side replay layout): a replayed position's id is in a cached block.
+            table, new = idx.history_table, slice(None) if step.emit_from is None else idx.positions >= step.emit_from
+            where = lookup(table, idx.token_seq[new], idx.positions[new], idx.block_size)
+            ids[_resident(where, where.new_ones(where.shape, dtype=torch.bool), "engram ids")] = \
+                input_ids[new].to(ids.dtype).unsqueeze(-1)
+        else:
+            table = idx.window_table
+            ids[step.window_rows] = input_ids.to(ids.dtype).unsqueeze(-1)
         back = idx.positions.unsqueeze(-1) - torch.arange(self.cfg.engram_max_ngram_size, device=ids.device)
-        rows = _resident(lookup(idx.window_table, idx.token_seq, back, idx.block_size), back >= 0, "engram lookback")
+        rows = _resident(lookup(table, idx.token_seq, back, idx.block_size), back >= 0, "engram lookback")
         lookback = torch.where(back < 0, -1, ids[rows, 0].long())
         return self.model.hasher.rows_from_lookback(lookback)
 
@@ -218,8 +247,12 @@ class PagedV41(nn.Module):
         """A KV source: the entries the step's tokens close, with their index keys, into the history pool."""
         idx, comp, ratio = step.index, att.compressor, att.ratio
         pos, seq = idx.positions, idx.token_seq
+        # An encoder-side replay: entries closing before the boundary are cached; they stay as first computed.
+        fresh = None if step.emit_from is None else pos >= step.emit_from
         if ratio == 1:  # one entry per token: a projection
             latent = comp.norm(F.linear(x, comp.wkv.weight.to(x.dtype)))
+            if fresh is not None:
+                pos, seq, latent = pos[fresh], seq[fresh], latent[fresh]
         else:
             # Each position's fp32 value and gate rows go to the state pool; entry j pools positions
             # j * r .. j * r + r - 1, closed by the last of them (earlier ones may be from an earlier step).
@@ -227,6 +260,8 @@ class PagedV41(nn.Module):
             state[step.state_rows] = torch.cat((F.linear(x.float(), comp.wkv.weight.float()),
                                                 F.linear(x.float(), comp.wgate.weight.float())), dim=-1)
             closes = (pos + 1) % ratio == 0
+            if fresh is not None:
+                closes &= fresh
             pos, seq = pos[closes], seq[closes]
             group = pos.unsqueeze(-1) - ratio + 1 + torch.arange(ratio, device=pos.device)
             pair = state[_resident(lookup(idx.state_table, seq, group, idx.block_size), group >= 0, f"{key} state")]

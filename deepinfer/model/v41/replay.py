@@ -20,13 +20,14 @@ the next positions read). So the encoder runs on every row and the decoder on a 
   * ``off``: every layer on every row.
 
 ``kv_start = max(replay_start, L - keep)`` in the spec: ``replay_start`` is the encoder-side replay's start
-(§3.2, not implemented), never above S, so here ``kv_start = L - keep``.
+(§3.2, ``v41_prefix_replay="v41"``), never above S, so the narrowed bound ``L - keep`` (above S) is the max.
 
 A narrowed chunk has the logits of its last row only (the released model computes no other) and the
 decoder layers' window KV, and the DSpark context, of its kept rows only; rows [S, L - keep) of those are
-left unwritten. Nothing reads them later (every later query sees at most W - 1 positions back), except a
-prefix-cache hit at a block boundary inside that range, which is why the engine refuses prefix caching
-with this replay on (``config/v41_engine.py``).
+left unwritten. Nothing reads them later (every later query sees at most W - 1 positions back), except an
+exact prefix-cache hit at a block boundary inside that range, which is why the engine takes hits with the
+encoder-side replay (``v41_prefix_replay="v41"``: the window behind the boundary is recomputed, no cached
+window row is read) when prefix caching is on with this replay (``config/v41_engine.py``).
 """
 
 from __future__ import annotations

@@ -91,6 +91,6 @@ def summarize_v41(model_dir: str | Path, block_size: int = 256, specs: Specs | N
             "state_bytes_per_token": per_token["state"],  # ratio-2 pair inputs: one position kept
         },
         "kv_cache_dtype": CACHE_FORMATS,
-        "engine": "CPU reference step (model/v41/paged.py) with DSpark drafts and decoder-side bounded replay; not "
-                  "yet: GPU kernels, several devices",
+        "engine": "CPU reference step (model/v41/paged.py) with DSpark drafts, decoder-side bounded replay and "
+                  "encoder-side replay of prefix hits; not yet: GPU kernels, several devices",
     }
