@@ -249,7 +249,7 @@ def _model_config(model_dir: str, args: EngineArgs, device: str) -> ModelConfig 
     if not is_v41_config(read_config_json(model_dir)):
         return ModelConfig.from_model_dir(model_dir, args.hf_overrides)
     check_v41_engine_args(args, device)
-    return V41Config.from_model_dir(model_dir)
+    return V41Config.from_model_dir(model_dir, args.hf_overrides)
 
 
 def _decoder_replay(mode: object, model: ModelConfig | V41Config) -> str:

@@ -80,10 +80,6 @@ def check_v41_engine_args(args, device: str) -> None:
                          f"are not written); allowed: cpu")
     check_v41_parallel(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                        nnodes=args.nnodes)
-    if args.hf_overrides is not None:
-        raise ValueError(f"hf_overrides: not supported for {what} yet; allowed: None")
-    if args.load_format != "auto":
-        raise ValueError(f"load_format: {args.load_format!r} is not supported for {what} yet; allowed: auto")
     prefix_replay = check_prefix_replay(args.v41_prefix_replay)
     if check_decoder_replay(args.v41_decoder_replay) != "off" and args.enable_prefix_caching \
             and prefix_replay == "exact":

@@ -47,7 +47,8 @@ def dummy_stored(cfg: ModelConfig) -> dict[str, StoredWeight]:
     return out
 
 
-def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
+def tensor_generator(name: str, seed: int, device: torch.device) -> torch.Generator:
+    """The generator of one tensor: a function of (seed, name) only (also V4.1's, ``model/v41/dummy.py``)."""
     # A hash of (seed, name), mixed into the low 32 bits too: the CPU generator seeds from those alone.
     digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
@@ -61,39 +62,52 @@ def _ue8m0(shape: tuple[int, ...], exponent: int, device: torch.device) -> torch
     return torch.full(shape, exponent + 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
 
 
-def dummy_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int, device: torch.device | str
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(data, scale) of one tensor as the checkpoint would store it (scale None for plain tensors)."""
-    device = torch.device(device)
-    g = _generator(name, seed, device)
-    fmt = storage_format(name, cfg)
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=g, device=device)
-
-    if fmt == "int64":  # distinct experts per token, as a real hash table has
-        ids = torch.rand(shape[0], cfg.n_routed_experts, generator=g, device=device).argsort(dim=1)
-        return ids[:, : shape[1]].contiguous(), None
+def quantized_codes(g: torch.Generator, fmt: str, shape: tuple[int, ...], block: tuple[int, int],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, UE8M0 scales) of a ``shape`` weight stored as ``fmt`` ("fp8" in ``block`` tiles, "fp4" packed
+    two codes a byte with one scale per 32), drawn from ``g``; one power-of-two scale puts the dequantized
+    values at ``_std(fan_in)``. Shared with V4.1's dummy loader (``model/v41/dummy.py``)."""
     if fmt == "fp8":
-        block = cfg.quant.weight_block_size  # type: ignore[union-attr]
-        codes = (randn(*shape) * _FP8_CODE_STD).clamp(-448, 448).to(torch.float8_e4m3fn)
+        codes = (torch.randn(shape, generator=g, device=device) * _FP8_CODE_STD).clamp(-448, 448).to(
+            torch.float8_e4m3fn)
         exponent = round(math.log2(_std(shape[1]) / _FP8_CODE_STD))
         return codes, _ue8m0(fp8_scale_shape(shape, block), exponent, device)
     if fmt == "fp4":
         codes = torch.randint(-128, 128, (shape[0], shape[1] // 2), generator=g, device=device, dtype=torch.int8)
         exponent = round(math.log2(_std(shape[1]) / _FP4_CODE_RMS))
         return codes, _ue8m0(fp4_scale_shape(shape), exponent, device)
+    raise ValueError(f"fmt: {fmt!r} is not a quantized storage format; allowed: fp8, fp4")
+
+
+def plain_value(name: str, shape: tuple[int, ...], g: torch.Generator, device: torch.device) -> torch.Tensor:
+    """An unquantized tensor's fp32 value, its magnitude chosen by its role (read from the name)."""
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=g, device=device)
+
     if name.endswith("_scale") and "hc_" in name:
-        value = 1.0 + 0.2 * randn(*shape)
-    elif re.search(r"(attn_sink|\.ape|_base)$", name):
-        value = 0.5 * randn(*shape)
-    elif name.endswith("gate.bias"):
-        value = 0.1 * randn(*shape)
-    elif len(shape) == 1:  # norm weights
-        value = 1.0 + 0.1 * randn(*shape)
-    else:
-        value = _std(shape[-1]) * randn(*shape)
-    return value.to(_STORE_DTYPE[fmt]), None
+        return 1.0 + 0.2 * randn(*shape)
+    if re.search(r"(attn_sink|\.ape|_base)$", name):
+        return 0.5 * randn(*shape)
+    if name.endswith("gate.bias"):
+        return 0.1 * randn(*shape)
+    if len(shape) == 1:  # norm weights
+        return 1.0 + 0.1 * randn(*shape)
+    return _std(shape[-1]) * randn(*shape)
+
+
+def dummy_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int, device: torch.device | str
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(data, scale) of one tensor as the checkpoint would store it (scale None for plain tensors)."""
+    device = torch.device(device)
+    g = tensor_generator(name, seed, device)
+    fmt = storage_format(name, cfg)
+    if fmt == "int64":  # distinct experts per token, as a real hash table has
+        ids = torch.rand(shape[0], cfg.n_routed_experts, generator=g, device=device).argsort(dim=1)
+        return ids[:, : shape[1]].contiguous(), None
+    if fmt in ("fp8", "fp4"):
+        return quantized_codes(g, fmt, shape, cfg.quant.weight_block_size, device)  # type: ignore[union-attr]
+    return plain_value(name, shape, g, device).to(_STORE_DTYPE[fmt]), None
 
 
 def load_dummy(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, *, ops: OpTable | None = None,

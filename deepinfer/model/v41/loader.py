@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.config.engine import LOAD_FORMATS
 from deepinfer.config.v41 import V41Config
 from deepinfer.model.ckpt_files import CheckpointError, Files, TensorRef, _discover, listing
 from deepinfer.model.ckpt_plan import _finite
@@ -117,7 +118,12 @@ def _read(plan: _Plan, files: Files) -> torch.Tensor:
         raise CheckpointError(f"{plan.scale.where(scale_name(plan.name))}: {e}") from e
     if not _finite(plan.fmt, data, multipliers, plan.block):
         raise CheckpointError(f"{where}: contains NaN or infinite values")
-    return dequant_fp8_block(data, scale, plan.block) if plan.fmt == "fp8" else dequant_fp4(data, scale)
+    return dequantize(plan.fmt, data, scale, plan.block)
+
+
+def dequantize(fmt: str, data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A stored FP8 / FP4 weight (codes + UE8M0 scales) -> its fp32 value (the plain path keeps no codes)."""
+    return dequant_fp8_block(data, scale, block) if fmt == "fp8" else dequant_fp4(data, scale)
 
 
 def load_tokenizer(model_dir: Path):
@@ -131,12 +137,17 @@ def load_tokenizer(model_dir: Path):
 
 
 def load_v41_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *, cfg: V41Config | None = None,
-                   tokenizer=None, cache_qdq: bool = True, dspark: bool = False
-                   ) -> tuple[DeepseekV41, tuple[str, ...]]:
+                   tokenizer=None, cache_qdq: bool = True, dspark: bool = False, load_format: str = "auto",
+                   seed: int = 0) -> tuple[DeepseekV41, tuple[str, ...]]:
     """Build the model from ``model_dir``; returns it and the on-disk names that were skipped. ``dspark``:
-    build and load the DSpark drafter too (its ``mtp.*`` tensors are then required, not skipped)."""
+    build and load the DSpark drafter too (its ``mtp.*`` tensors are then required, not skipped).
+    ``load_format="dummy"``: random weights in the native formats from the config alone, seeded by ``seed``
+    (``model/v41/dummy.py``); no safetensors are read (``model_dir`` may lack them, and its tokenizer too when
+    ``tokenizer`` is given)."""
     if dtype not in FLOATS:
         raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r} is not supported; allowed: {', '.join(LOAD_FORMATS)}")
     model_dir = Path(model_dir)
     if cfg is None:
         try:
@@ -145,6 +156,10 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *
             raise CheckpointError(f"{model_dir / 'config.json'}: {e}") from e
     if tokenizer is None and cfg.active_engram_layers:
         tokenizer = load_tokenizer(model_dir)
+    if load_format == "dummy":
+        from deepinfer.model.v41.dummy import load_dummy_v41
+
+        return load_dummy_v41(cfg, dtype, tokenizer=tokenizer, cache_qdq=cache_qdq, dspark=dspark, seed=seed), ()
     with torch.device("meta"):
         meta = DeepseekV41(cfg, dtype, shapes_only=True, dspark=dspark)
     files = Files(model_dir)

@@ -289,10 +289,17 @@ class PagedV41(nn.Module):
 
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
-                   dspark: bool = False, decoder_replay: str = "off") -> PagedV41:
+                   dspark: bool = False, decoder_replay: str = "off", load_format: str = "auto", seed: int = 0,
+                   tokenizer_dir: str | Path | None = None) -> PagedV41:
     """The engine's V4.1 model from a checkpoint directory (its tokenizer.json is part of Engram's hash);
-    ``dspark``: with the DSpark drafter (speculative decoding); ``decoder_replay``: ``PagedV41``'s."""
-    from deepinfer.model.v41.loader import load_v41_model
+    ``dspark``: with the DSpark drafter (speculative decoding); ``decoder_replay``: ``PagedV41``'s.
+    ``load_format="dummy"``: random weights seeded by ``seed`` (``dummy.py``); Engram then hashes with the
+    tokenizer of ``tokenizer_dir`` (the engine's), since a shapes directory has none."""
+    from deepinfer.model.v41.loader import load_tokenizer, load_v41_model
 
-    model, _ = load_v41_model(model_dir, dtype, cfg=cfg, cache_qdq=cache_quantization, dspark=dspark)
+    tokenizer = None
+    if load_format == "dummy" and cfg.active_engram_layers:
+        tokenizer = load_tokenizer(Path(tokenizer_dir if tokenizer_dir is not None else model_dir))
+    model, _ = load_v41_model(model_dir, dtype, cfg=cfg, tokenizer=tokenizer, cache_qdq=cache_quantization,
+                              dspark=dspark, load_format=load_format, seed=seed)
     return PagedV41(model.eval(), decoder_replay)
