@@ -13,7 +13,7 @@ def demo_model_dir() -> Path:
 
 def shapes_dir(name: str) -> Path:
     """``config.json``-only directories with published model shapes (``v4-flash``, ``v4-pro``, ``v41-flash``):
-    for memory plans and (V4) dummy-weight runs at full size."""
+    for memory plans and dummy-weight runs at full size (V4 and V4.1)."""
     path = _HERE / "shapes" / name
     if not (path / "config.json").is_file():
         known = sorted(p.name for p in (_HERE / "shapes").iterdir() if (p / "config.json").is_file())
