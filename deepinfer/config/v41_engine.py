@@ -91,8 +91,15 @@ def check_v41_engine_args(args, device: str) -> None:
                          "hits would read unwritten; set v41_prefix_replay='v41' (hits recompute the window behind "
                          "the boundary, spec §3.2), or enable_prefix_caching=False, or v41_decoder_replay='off'")
     if env.batch_invariant():
-        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1: the batch-invariant op table does not cover {what} yet; "
-                         "unset it")
+        # The mode runs every token alone (model/v41/invariant.py); these two compute differently by design.
+        if args.v41_decoder_replay != "off":
+            raise ValueError(f"v41_decoder_replay: {args.v41_decoder_replay!r} runs a long chunk's decoder layers on "
+                             "its tail only, so a token's bits follow how its prompt was cut; allowed with "
+                             "DEEPINFER_BATCH_INVARIANT=1: off")
+        if args.v41_prefix_replay != "exact" and args.enable_prefix_caching:
+            raise ValueError(f"v41_prefix_replay: {args.v41_prefix_replay!r} recomputes the window behind a prefix "
+                             "hit, so a token's bits follow whether its prefix was cached; allowed with "
+                             "DEEPINFER_BATCH_INVARIANT=1: exact (or enable_prefix_caching=False)")
 
 
 def check_v41_speculative(spec: "SpeculativeConfig", cfg: "V41Config") -> None:

@@ -65,7 +65,8 @@ class LLMEngine:
             self.model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
                                         dspark=config.speculative is not None,
                                         decoder_replay=config.v41_decoder_replay, load_format=config.load_format,
-                                        seed=config.seed, tokenizer_dir=config.tokenizer_dir)
+                                        seed=config.seed, tokenizer_dir=config.tokenizer_dir,
+                                        batch_invariant=config.batch_invariant)
         else:
             self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
                                     progress=config.load_progress, ops=ops if cuda else None, cfg=config.model,

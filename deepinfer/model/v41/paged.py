@@ -57,6 +57,7 @@ from deepinfer.model.v41.attention import Attention
 from deepinfer.model.v41.cache import LayerCache
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.context import SharedKV, StepContext
+from deepinfer.model.v41.invariant import token_steps
 from deepinfer.model.v41.model import DeepseekV41
 from deepinfer.model.v41.replay import DecoderReplay
 from deepinfer.model.v41.rope import angles, apply_rope
@@ -116,16 +117,23 @@ class PagedV41(nn.Module):
     """``DeepseekV41``'s weights run as the engine's model: ``forward(ids, None, storage, index)`` -> the final
     collapsed residual [T, H]; ``logits(rows)`` -> fp32 logits."""
 
-    def __init__(self, model: DeepseekV41, decoder_replay: str = "off") -> None:
+    def __init__(self, model: DeepseekV41, decoder_replay: str = "off", batch_invariant: bool = False) -> None:
         """``decoder_replay``: the decoder-side bounded replay of long prefill chunks (``replay.py``: off / v41
-        / exact), applied to the sequences whose step reads only their last row (``StepIndex.last_row_only``)."""
+        / exact), applied to the sequences whose step reads only their last row (``StepIndex.last_row_only``).
+        ``batch_invariant``: every token runs alone, the head on one row at a time (``invariant.py``)."""
         super().__init__()
         self.model = model
         self.cfg: V41Config = model.cfg
         self.replay = DecoderReplay.of(self.cfg, decoder_replay)
+        if batch_invariant and self.replay.keep is not None:
+            raise ValueError(f"v41_decoder_replay: {decoder_replay!r} narrows chunks by their length; the "
+                             "batch-invariant mode needs 'off'")
+        self.batch_invariant = batch_invariant
         self._taps = frozenset(self.cfg.dspark.target_layer_ids) if model.mtp is not None else frozenset()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and hidden.shape[0] > 1:
+            return torch.cat([self.model.logits(hidden[i:i + 1]) for i in range(hidden.shape[0])])
         return self.model.logits(hidden)
 
     @torch.no_grad()
@@ -134,6 +142,11 @@ class PagedV41(nn.Module):
         tokens [T] -> the final collapsed residual [T, H] (``logits`` turns rows of it into logits)."""
         if batch is not None or index is None:
             raise ValueError("index: the V4.1 step takes a StepIndex (build_slot_index), not a ForwardBatch")
+        if self.batch_invariant and input_ids.numel() > 1:
+            return torch.cat([self._forward(input_ids[i:i + 1], storage, one) for i, one in token_steps(index)])
+        return self._forward(input_ids, storage, index)
+
+    def _forward(self, input_ids: torch.Tensor, storage: KVStorage, index: StepIndex) -> torch.Tensor:
         m, cfg = self.model, self.cfg
         step = self._step(storage, index)
         engram = self._engram_rows(input_ids, step) if m.hasher is not None else None
@@ -290,11 +303,12 @@ class PagedV41(nn.Module):
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
                    dspark: bool = False, decoder_replay: str = "off", load_format: str = "auto", seed: int = 0,
-                   tokenizer_dir: str | Path | None = None) -> PagedV41:
+                   tokenizer_dir: str | Path | None = None, batch_invariant: bool = False) -> PagedV41:
     """The engine's V4.1 model from a checkpoint directory (its tokenizer.json is part of Engram's hash);
     ``dspark``: with the DSpark drafter (speculative decoding); ``decoder_replay``: ``PagedV41``'s.
     ``load_format="dummy"``: random weights seeded by ``seed`` (``dummy.py``); Engram then hashes with the
-    tokenizer of ``tokenizer_dir`` (the engine's), since a shapes directory has none."""
+    tokenizer of ``tokenizer_dir`` (the engine's), since a shapes directory has none. ``batch_invariant``:
+    ``PagedV41``'s (``DEEPINFER_BATCH_INVARIANT=1``)."""
     from deepinfer.model.v41.loader import load_tokenizer, load_v41_model
 
     tokenizer = None
@@ -302,4 +316,4 @@ def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, ca
         tokenizer = load_tokenizer(Path(tokenizer_dir if tokenizer_dir is not None else model_dir))
     model, _ = load_v41_model(model_dir, dtype, cfg=cfg, tokenizer=tokenizer, cache_qdq=cache_quantization,
                               dspark=dspark, load_format=load_format, seed=seed)
-    return PagedV41(model.eval(), decoder_replay)
+    return PagedV41(model.eval(), decoder_replay, batch_invariant)
