@@ -149,3 +149,15 @@ def test_info_prints_the_v41_plan(v41_dir, capsys) -> None:
     assert [r["layer"] for r in info["layer_plan"] if r.get("engram")] == [1, 4]
     assert info["parameters"]["total"] > info["parameters"]["active_per_token"] > 0
     assert info["cache_bf16"]["history_bytes_per_token"] > 0 and info["cache_bf16"]["state_bytes_per_token"] > 0
+
+
+def test_batch_invariant_mode_is_accepted_without_the_replays(v41_dir, monkeypatch) -> None:
+    """``DEEPINFER_BATCH_INVARIANT=1`` runs V4.1 token by token (model/v41/invariant.py); the two replays that
+    compute differently by design are refused with it, naming the field."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    assert _config(model=str(v41_dir)).batch_invariant
+    assert _config(model=str(v41_dir), v41_prefix_replay="v41", enable_prefix_caching=False).batch_invariant
+    with pytest.raises(ValueError, match=r"^v41_decoder_replay: .*allowed with DEEPINFER_BATCH_INVARIANT=1: off"):
+        _config(model=str(v41_dir), v41_decoder_replay="exact", enable_prefix_caching=False)
+    with pytest.raises(ValueError, match=r"^v41_prefix_replay: .*allowed with DEEPINFER_BATCH_INVARIANT=1: exact"):
+        _config(model=str(v41_dir), v41_prefix_replay="v41")
