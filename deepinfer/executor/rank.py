@@ -17,8 +17,8 @@ from deepinfer.config.engine import EngineConfig
 from deepinfer.distributed.world import WorldEnv, close_world, init_world
 from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
-from deepinfer.executor.messages import (CollectExpertLoad, ExpertLoad, ExpertsMoved, MoveExperts, Ready, RunStep,
-                                         Shutdown, StepDone)
+from deepinfer.executor.messages import (CollectContextHistory, CollectExpertLoad, ContextHistory, ExpertLoad,
+                                         ExpertsMoved, MoveExperts, Ready, RunStep, Shutdown, StepDone)
 from deepinfer.executor.rank_tiers import RankTiers
 from deepinfer.executor.tier_messages import TIER_ORDERS
 from deepinfer.kv.block_budget import cdiv
@@ -79,6 +79,10 @@ class RankWorker:
         if isinstance(order, MoveExperts):
             self.balancer.apply(order.placements)
             return ExpertsMoved(self.pctx.rank)
+        if isinstance(order, CollectContextHistory) and self.cp_history is not None:
+            h = self.cp_history
+            return ContextHistory(self.pctx.rank, tuple(r.seq_id for r in h.replicas.values()), h.nbytes,
+                                  h.chunks_from_replica, h.catch_ups, h.dropped_on_leave)
         if isinstance(order, TIER_ORDERS) and self.tiers is not None:
             return self.tiers.handle(order)
         raise TypeError(f"rank {self.pctx.rank}: unexpected order {type(order).__name__}")
@@ -119,7 +123,7 @@ class RankWorker:
             work = next(w for w in order.plans[chunk.owner].work if w.seq_id == chunk.seq_id)
             return ContextShare(pctx.cp_group, pctx.cp_rank, pctx.cp_size, pctx.cp_global_rank(chunk.owner),
                                 chunk.owner == pctx.dp_rank, chunk.seq_id, work.first_pos, work.token_ids,
-                                self.cp_history.track(chunk.owner, chunk.seq_id))
+                                self.cp_history.track(chunk.owner, chunk.seq_id, work.first_pos))
         return None
 
 

@@ -128,8 +128,9 @@ class ShareStep:
         self.share, self.storage, self.own, self.chunk = share, storage, own, chunk
         self.n_own = 0 if own is None else len(own.input_ids)
         self.replica = share.replica if share.replica is not None else HistoryReplica(-1, share.seq_id)
-        if share.first_pos < self.replica.pos:  # positions the replica holds are being recomputed: start over
-            self.replica.reset()
+        if share.first_pos < self.replica.pos:
+            raise ValueError(f"context parallel: {share.seq_id!r} chunk from {share.first_pos}, but its replica holds "
+                             f"positions up to {self.replica.pos} (HistoryReplicas.track resets it)")
         self.known = self.replica.pos  # the history every rank of the group holds: positions [0, known)
         cfg, dev = model.cfg, next(model.parameters()).device
         self.window = cfg.sliding_window

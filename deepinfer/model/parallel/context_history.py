@@ -16,12 +16,13 @@ hit) also receives the window rows and entries of the positions the replica lack
 (cannot happen without the sequence leaving the batch first, but cheap to be safe against) starts over.
 
 Every rank of the group applies the same rules to the same orders, so the owner knows what the other ranks
-hold without asking; the owner's replica keeps ``pos`` only (it reads its cache). A rank holds one replica at
-a time (its CP group runs one chunk per step): a chunk of another sequence replaces it, and it is dropped when
-its sequence leaves its owner's batch (finished, preempted, aborted: the plan's ``left``) or draws (its
-prefill ended). A group alternating between two sequences' chunks therefore re-sends the history at each
-switch, as every chunk did before; in exchange a rank's replica memory is bounded by one sequence's history
-(``engine/cp_plan.py`` counts it).
+hold without asking; the owner's replica keeps ``pos`` only (it reads its cache). A rank holds one replica
+per DP rank of its group: the group's pick (the longest chunk) moves between its ranks' prompts as their
+budgets fill with other work, and each keeps its own. A chunk of another sequence of the same owner replaces
+that owner's replica (a DP rank prefills its prompts mostly one after the other), and a replica is dropped
+when its sequence leaves its owner's batch (finished, preempted, aborted: the plan's ``left``) or draws (its
+prefill ended). So a rank's replica memory is bounded by cp - 1 sequences' history (``engine/cp_plan.py``
+counts it).
 """
 
 from __future__ import annotations
@@ -81,35 +82,50 @@ class HistoryReplica:
 
 
 class HistoryReplicas:
-    """A rank's replica (at most one) and the rules that keep it in step with the group's other ranks.
+    """A rank's replicas, one per DP rank of its CP group at most (the owner of the sequence), and the rules that
+    keep them in step with the group's other ranks.
 
     ``track`` before a step that runs a CP chunk of the rank's group; ``retire`` before and ``finish_step``
     after every step, with the step's plans (every DP rank's: a rank reads its peers' departures there)."""
 
     def __init__(self) -> None:
-        self.replica: HistoryReplica | None = None
-        self.chunks_from_replica = 0  # CP chunks that started from what a replica held (pos > 0)
+        self.replicas: dict[int, HistoryReplica] = {}  # owner DP rank -> its sequence's replica
+        self.chunks_from_replica = 0  # CP chunks that started where their replica ended (pos > 0)
+        self.catch_ups = 0  # CP chunks that started past it: the positions in between are sent
+        self.dropped_on_leave = 0  # replicas dropped as their sequence left the batch mid-prefill
 
-    def track(self, owner: int, seq_id: str) -> HistoryReplica:
-        r = self.replica
-        if r is None or (r.owner, r.seq_id) != (owner, seq_id):
-            r = self.replica = HistoryReplica(owner, seq_id)
+    def track(self, owner: int, seq_id: str, first_pos: int) -> HistoryReplica:
+        """The replica for a CP chunk of ``seq_id`` (in DP rank ``owner``'s plan) from ``first_pos`` on."""
+        r = self.replicas.get(owner)
+        if r is None or r.seq_id != seq_id:  # another sequence of that owner: it replaces the one held
+            r = self.replicas[owner] = HistoryReplica(owner, seq_id)
+        if first_pos < r.pos:  # positions it holds are being recomputed: start over
+            r.reset()
+        if first_pos > r.pos:
+            self.catch_ups += 1
         elif r.pos:
             self.chunks_from_replica += 1
         return r
 
     def retire(self, plans: Sequence[StepPlan]) -> None:
-        """Before a step: drop the replica of a sequence that left its owner's batch."""
-        r = self.replica
-        if r is not None and r.seq_id in plans[r.owner].left:
-            self.replica = None
+        """Before a step: drop the replicas of sequences that left their owner's batch."""
+        for owner, r in list(self.replicas.items()):
+            if r.seq_id in plans[owner].left:
+                del self.replicas[owner]
+                self.dropped_on_leave += 1
 
     def finish_step(self, plans: Sequence[StepPlan]) -> None:
-        """After a step: drop the replica of a sequence that drew a token (its prefill is over)."""
-        r = self.replica
-        if r is not None and any(w.seq_id == r.seq_id and w.num_samples for w in plans[r.owner].work):
-            self.replica = None
+        """After a step: drop the replicas of sequences that drew a token (their prefill is over)."""
+        for owner, r in list(self.replicas.items()):
+            if any(w.seq_id == r.seq_id and w.num_samples for w in plans[owner].work):
+                del self.replicas[owner]
+
+    def held(self, seq_id: str) -> HistoryReplica | None:
+        return next((r for r in self.replicas.values() if r.seq_id == seq_id), None)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.replica is None else self.replica.nbytes
+        return sum(r.nbytes for r in self.replicas.values())
+
+    def __len__(self) -> int:
+        return len(self.replicas)
