@@ -16,7 +16,10 @@ What V4 attention lets us split, and what not (docs: deepseek-v4-architecture.md
     1/4 and 1/128 of the positions. So every CP rank gets the whole context instead of passing K/V around a
     ring: per attention layer, one all-gather of the chunk's per-token rows (the K=V row each rank computed
     for its tokens, and the compressors' raw kv/gate projections), and one broadcast from the owner of the
-    history rows (prior window rows, entries, index keys).
+    history rows the other ranks lack. They keep what they received of the sequence's history across its
+    chunks (``context_history.py``): the prior window rows are the tail of the last chunk's gathered rows, so a
+    chunk that follows the sequence's previous CP chunk receives only the entries and index keys it closes
+    (about 1/4 of its positions' rows in CSA layers, 1/128 in HCA), not the whole history again.
   * The compressors are computed where they are exact: on the owner, from the gathered per-token rows,
     by the same ops and the same cache rows as a single-process step (``attention_indexed._compress``):
     a window closing in the chunk pools raw rows that may come from several ranks and from earlier chunks
@@ -24,14 +27,22 @@ What V4 attention lets us split, and what not (docs: deepseek-v4-architecture.md
     The indexer's top-k is per query, so it runs on the query's rank over the broadcast index keys.
   * Cache entries land on the owner only (window rows, compressor state, entries, index keys), written
     before the broadcast so that the chunk's later queries see the entries its earlier positions closed,
-    as in one step on one rank. The helpers write nothing into their own caches.
+    as in one step on one rank. The helpers write nothing into their own caches (their replica is apart).
 
 A CP step also carries each rank's own DP work: the ranks run their own tokens through the usual batched
 path (``model/attention_indexed.py``) and their share of the chunk through ``ShareStep.attention`` in the
 same layers (one MoE call per layer for both, so expert parallelism's collectives see every token once).
 After the last layer the share's final streams are gathered and the owner puts the chunk's back in its
-step's token order, so sampling and prompt logprobs on the owner are unchanged. At most one chunk per CP
-group per step (the engine picks the longest eligible one: ``executor/engine.py``).
+step's token order, so sampling and prompt logprobs on the owner are unchanged.
+
+At most one chunk per CP group per step (the engine picks the longest eligible one: ``executor/engine.py``).
+Splitting a second one in the same step is left out: each split chunk has its own owner, so a layer would
+run one share attention, all-gather and history broadcast per chunk (or pack several owners' rows into one
+collective with per-chunk offsets), the streams gather and the owners' reordering would be per chunk, and
+a rank would hold a replica per chunk in flight. It only helps while two DP ranks of a group both have a
+chunk of at least ``context_parallel_min_tokens`` in the same step, and then the second chunk runs unsplit
+on its owner beside its share of the first, which is the plain DP case (the group's step waits for the
+slower rank either way). Not worth the second code path until a measurement says otherwise.
 """
 
 from __future__ import annotations
