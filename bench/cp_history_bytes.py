@@ -161,7 +161,7 @@ def section(a, before: dict, after: dict, single: list[int]) -> list[str]:
               "2 layers: 224 KiB; the SWA layers broadcast nothing). The chunk rows' all-gather, linear in the chunk, "
               "is now the larger exchange by far. The time to the first token is the same within this machine's "
               "noise: on the demo model's small rows the broadcast was a small share of the step. The bytes saved grow "
-              "with the prompt and the rows: with V4-Flash's shapes `deepinfer info -dp 2 --enable-expert-parallel -cp 2 "
+              "with the prompt and the rows: with V4-Flash's shapes `deepinfer info --model deepinfer/assets/shapes/v4-flash -dp 2 --enable-expert-parallel -cp 2 "
               "--max-model-len 131072 --max-num-batched-tokens 8192` plans 2.5 MiB per layer and chunk from the replica against up "
               "to 40 MiB re-sent (its `history_rows_catch_up`), for a replica of 865 MiB per sequence on the helper.",
               ""]
