@@ -125,7 +125,8 @@ def section(a, before: dict, after: dict, single: list[int]) -> list[str]:
     kib = 1024
     lines = [HEADING, "",
              f"Command: `git archive <before> deepinfer | tar -x -C /tmp/cp-before && PYTHONPATH=. python "
-             f"bench/cp_history_bytes.py --before /tmp/cp-before --prompt {a.prompt} --budget {a.budget} --reps {a.reps} "
+             f"bench/cp_history_bytes.py --before /tmp/cp-before --prompt {a.prompt} --budget {a.budget} "
+             f"--reps {a.reps} "
              f"--rounds {a.rounds}` "
              f"(before: {a.before_label}; after: {_commit(str(ROOT))}).", "",
              f"One prompt of {a.prompt} tokens on the demo model (float32, 6 layers: 2 CSA, 2 HCA, 2 SWA), DP2 + CP2 "
@@ -145,7 +146,8 @@ def section(a, before: dict, after: dict, single: list[int]) -> list[str]:
     def runs(m: dict) -> str:
         return ", ".join(f"{t:.1f}" for t in m["ttft_s"])
 
-    lines += [f"| total | | {tb / kib:.1f} | {ta / kib:.1f} | | {sum(s['gather_bytes'] for s in after['steps']) / kib:.1f} |",
+    tg = sum(s["gather_bytes"] for s in after["steps"])
+    lines += [f"| total | | {tb / kib:.1f} | {ta / kib:.1f} | | {tg / kib:.1f} |",
               "", f"History broadcast over the prompt: {tb / kib / kib:.2f} MiB before, {ta / kib / kib:.2f} MiB after "
               f"({tb / max(ta, 1):.1f}x less). Time to the first token per run (s; {a.rounds} rounds alternating "
               f"before and after, {a.reps} runs each after a warm-up): before {runs(before)}; after {runs(after)} "
@@ -161,9 +163,10 @@ def section(a, before: dict, after: dict, single: list[int]) -> list[str]:
               "2 layers: 224 KiB; the SWA layers broadcast nothing). The chunk rows' all-gather, linear in the chunk, "
               "is now the larger exchange by far. The time to the first token is the same within this machine's "
               "noise: on the demo model's small rows the broadcast was a small share of the step. The bytes saved grow "
-              "with the prompt and the rows: with V4-Flash's shapes `deepinfer info --model deepinfer/assets/shapes/v4-flash -dp 2 --enable-expert-parallel -cp 2 "
-              "--max-model-len 131072 --max-num-batched-tokens 8192` plans 2.5 MiB per layer and chunk from the replica against up "
-              "to 40 MiB re-sent (its `history_rows_catch_up`), for a replica of 865 MiB per sequence on the helper.",
+              "with the prompt and the rows: with V4-Flash's shapes `deepinfer info --model "
+              "deepinfer/assets/shapes/v4-flash -dp 2 --enable-expert-parallel -cp 2 --max-model-len 131072 "
+              "--max-num-batched-tokens 8192` plans 2.5 MiB per layer and chunk from the replica against up to "
+              "40 MiB re-sent (its `history_rows_catch_up`), for a replica of 865 MiB per sequence on the helper.",
               ""]
     return lines
 
