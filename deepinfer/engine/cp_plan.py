@@ -15,7 +15,8 @@ splits a chunk (``model/parallel/context.py``):
     for its own queries of every chunk);
   * each rank keeps the replica of one sequence per other DP rank of its group while that sequence's prefill
     runs: every layer's 127 window rows and entries / index keys up to the sequence's end
-    (``replica_bytes`` at ``max_model_len``, held by each rank for up to cp - 1 sequences);
+    (``replica_bytes`` at ``max_model_len``, held by each rank for up to cp - 1 sequences; its buffers grow
+    by a quarter at a time, so the estimate counts 5/4 of it);
   * after the last layer the chunk's final streams are all-gathered.
 The cache is not pooled: a sequence's rows stay on the DP rank that owns it (the helpers write nothing into
 theirs), so the per-rank KV budget and the longest sequence are those of one DP rank, as without CP.

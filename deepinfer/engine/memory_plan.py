@@ -196,7 +196,7 @@ def activation_bytes_estimate(cfg: ModelConfig, d: Deployment, cp: ContextParall
     extra = 0
     if cp is not None:
         extra = (cp.share_tokens * _per_token_bytes(cfg, d) + cp.gathered_bytes + cp.catch_up_bytes + cp.streams_bytes
-                 + (cp.context_parallel_size - 1) * cp.replica_bytes)
+                 + (cp.context_parallel_size - 1) * cp.replica_bytes * 5 // 4)  # growing buffers: 5/4 at most
     return t * _per_token_bytes(cfg, d) + logits + extra
 
 

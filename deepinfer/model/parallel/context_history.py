@@ -34,9 +34,13 @@ import torch
 from deepinfer.sched.plan import StepPlan
 
 
+GROWTH = 1.25  # a replica's buffers grow by a quarter at least: at most 5/4 of its rows held, ~5 copies per row
+
+
 class GrowingRows:
     """Rows appended chunk by chunk, with one zero row past the last (what the -1 padding columns of the
-    attention ops' indices name); capacity doubles, so appends copy each row O(1) times."""
+    attention ops' indices name); capacity grows geometrically (``GROWTH``), so appends copy each row O(1)
+    times."""
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
@@ -45,7 +49,8 @@ class GrowingRows:
     def append(self, rows: torch.Tensor) -> None:
         n = self.count + len(rows)
         if self._buf is None or len(self._buf) < n + 1:
-            grown = rows.new_empty(max(n + 1, 2 * (0 if self._buf is None else len(self._buf))), *rows.shape[1:])
+            grown = rows.new_empty(max(n + 1, int(GROWTH * (0 if self._buf is None else len(self._buf)))),
+                                   *rows.shape[1:])
             if self._buf is not None:
                 grown[: self.count] = self._buf[: self.count]
             self._buf = grown
