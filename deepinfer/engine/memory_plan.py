@@ -189,12 +189,14 @@ def _per_token_bytes(cfg: ModelConfig, d: Deployment) -> int:
 def activation_bytes_estimate(cfg: ModelConfig, d: Deployment, cp: ContextParallelPlan | None = None) -> int:
     """A generous estimate of the transient peak of one step of ``max_num_batched_tokens`` tokens on one
     device: a layer's live tensors (``_per_token_bytes``) plus the logits of the sampled rows; with context
-    parallelism (``cp``), a rank's share of a chunk beside its own tokens, and what it receives for it."""
+    parallelism (``cp``), a rank's share of a chunk beside its own tokens, what it receives for it, and the
+    history replicas it keeps between a sequence's chunks."""
     t = d.max_num_batched_tokens
     logits = min(d.max_num_seqs, t) * cfg.vocab_size * 4 * 2  # fp32 logits and the sampler's working copy
     extra = 0
     if cp is not None:
-        extra = cp.share_tokens * _per_token_bytes(cfg, d) + cp.gathered_bytes + cp.history_bytes + cp.streams_bytes
+        extra = (cp.share_tokens * _per_token_bytes(cfg, d) + cp.gathered_bytes + cp.catch_up_bytes + cp.streams_bytes
+                 + (cp.context_parallel_size - 1) * cp.replica_bytes * 5 // 4)  # growing buffers: 5/4 at most
     return t * _per_token_bytes(cfg, d) + logits + extra
 
 

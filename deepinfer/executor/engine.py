@@ -39,7 +39,7 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, build_output, finish
 from deepinfer.executor.eplb import EplbDriver
 from deepinfer.executor.launch import follow, node_worlds, spawn_ranks
-from deepinfer.executor.messages import Ready, RunStep, Shutdown
+from deepinfer.executor.messages import CollectContextHistory, ContextHistory, Ready, RunStep, Shutdown
 from deepinfer.executor.rank import RankWorker, rank_main
 from deepinfer.executor.remote_tiers import RemoteTiers
 from deepinfer.executor.tier_messages import CloseTiers, CollectTierStats, TierReply, TierWork
@@ -139,6 +139,10 @@ class ParallelLLMEngine(LLMEngine):
         """Every rank carries out ``order`` (between steps); their replies in rank order."""
         self.worker.channel.broadcast(order)
         return self.worker.channel.gather(self.worker.handle(order))
+
+    def context_history(self) -> list[ContextHistory]:
+        """Every rank's context-parallel history replicas, in rank order (needs context_parallel_size > 1)."""
+        return self._ask(CollectContextHistory())
 
     def tier_stats(self) -> list[TierReply]:
         """Every rank's tier counters (blocks saved and loaded, its store's stats), in rank order."""

@@ -84,9 +84,28 @@ class ExpertsMoved:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectContextHistory:
+    """Between steps: every rank reports what it holds of sequences' history for context parallelism."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContextHistory:
+    """A rank's history replicas (``model/parallel/context_history.py``): the sequences, the bytes of rows held,
+    and its counters (chunks that started from a replica, catch-ups, replicas dropped as their sequence left)."""
+
+    rank: int
+    seq_ids: tuple[str, ...]
+    nbytes: int
+    chunks_from_replica: int
+    catch_ups: int
+    dropped_on_leave: int
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
 
-MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, Shutdown)
+MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, CollectContextHistory,
+            ContextHistory, Shutdown)
 MESSAGES += TIER_MESSAGES  # the cache tiers' orders and replies (tier_messages.py)

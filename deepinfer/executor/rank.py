@@ -17,14 +17,15 @@ from deepinfer.config.engine import EngineConfig
 from deepinfer.distributed.world import WorldEnv, close_world, init_world
 from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
-from deepinfer.executor.messages import (CollectExpertLoad, ExpertLoad, ExpertsMoved, MoveExperts, Ready, RunStep,
-                                         Shutdown, StepDone)
+from deepinfer.executor.messages import (CollectContextHistory, CollectExpertLoad, ContextHistory, ExpertLoad,
+                                         ExpertsMoved, MoveExperts, Ready, RunStep, Shutdown, StepDone)
 from deepinfer.executor.rank_tiers import RankTiers
 from deepinfer.executor.tier_messages import TIER_ORDERS
 from deepinfer.kv.block_budget import cdiv
 from deepinfer.model.device import use_op_table
 from deepinfer.model.loader import load_model
 from deepinfer.model.parallel.context import ContextShare
+from deepinfer.model.parallel.context_history import HistoryReplicas
 from deepinfer.model.parallel.eplb import ExpertBalancer
 from deepinfer.model.parallel.shard import empty_mtp_passes, empty_step, needs_empty_steps, sharding_hook
 from deepinfer.ops.table import select as select_ops
@@ -64,6 +65,8 @@ class RankWorker:
         self.speculative = config.speculative is not None
         self.runner = ModelRunner(self.model, self.storage, batch, speculative=self.speculative)
         self.reports = self.pctx.tp_rank == 0
+        # Context parallelism: what this rank keeps of a sequence's history between its CP chunks.
+        self.cp_history = HistoryReplicas() if self.pctx.cp_size > 1 else None
         self._inflight = None  # async scheduling: the step submitted last, its results not yet reported
 
     def handle(self, order):
@@ -76,6 +79,10 @@ class RankWorker:
         if isinstance(order, MoveExperts):
             self.balancer.apply(order.placements)
             return ExpertsMoved(self.pctx.rank)
+        if isinstance(order, CollectContextHistory) and self.cp_history is not None:
+            h = self.cp_history
+            return ContextHistory(self.pctx.rank, tuple(r.seq_id for r in h.replicas.values()), h.nbytes,
+                                  h.chunks_from_replica, h.catch_ups, h.dropped_on_leave)
         if isinstance(order, TIER_ORDERS) and self.tiers is not None:
             return self.tiers.handle(order)
         raise TypeError(f"rank {self.pctx.rank}: unexpected order {type(order).__name__}")
@@ -91,6 +98,8 @@ class RankWorker:
             self.storage.copy_block(pool, src, dst)
         if tier_work is not None:
             self.tiers.load(tier_work)
+        if self.cp_history is not None:
+            self.cp_history.retire(order.plans)
         share = self._share(order)
         handle = self.runner.submit(plan, share=share)
         if plan.empty and share is None and order.busy and needs_empty_steps(self.model):
@@ -100,6 +109,8 @@ class RankWorker:
         if order.in_flight:  # its placeholders were filled from the step before, on this rank's device
             handle, self._inflight = self._inflight, handle
         result = handle.result() if handle is not None else StepResult()
+        if self.cp_history is not None:
+            self.cp_history.finish_step(order.plans)
         return StepDone(self.pctx.rank, result if self.reports else None,
                         self.tiers.report() if self.tiers is not None else None)
 
@@ -111,7 +122,8 @@ class RankWorker:
                 continue
             work = next(w for w in order.plans[chunk.owner].work if w.seq_id == chunk.seq_id)
             return ContextShare(pctx.cp_group, pctx.cp_rank, pctx.cp_size, pctx.cp_global_rank(chunk.owner),
-                                chunk.owner == pctx.dp_rank, chunk.seq_id, work.first_pos, work.token_ids)
+                                chunk.owner == pctx.dp_rank, chunk.seq_id, work.first_pos, work.token_ids,
+                                self.cp_history.track(chunk.owner, chunk.seq_id, work.first_pos))
         return None
 
 

@@ -16,7 +16,10 @@ What V4 attention lets us split, and what not (docs: deepseek-v4-architecture.md
     1/4 and 1/128 of the positions. So every CP rank gets the whole context instead of passing K/V around a
     ring: per attention layer, one all-gather of the chunk's per-token rows (the K=V row each rank computed
     for its tokens, and the compressors' raw kv/gate projections), and one broadcast from the owner of the
-    history rows (prior window rows, entries, index keys).
+    history rows the other ranks lack. They keep what they received of the sequence's history across its
+    chunks (``context_history.py``): the prior window rows are the tail of the last chunk's gathered rows, so a
+    chunk that follows the sequence's previous CP chunk receives only the entries and index keys it closes
+    (about 1/4 of its positions' rows in CSA layers, 1/128 in HCA), not the whole history again.
   * The compressors are computed where they are exact: on the owner, from the gathered per-token rows,
     by the same ops and the same cache rows as a single-process step (``attention_indexed._compress``):
     a window closing in the chunk pools raw rows that may come from several ranks and from earlier chunks
@@ -24,14 +27,22 @@ What V4 attention lets us split, and what not (docs: deepseek-v4-architecture.md
     The indexer's top-k is per query, so it runs on the query's rank over the broadcast index keys.
   * Cache entries land on the owner only (window rows, compressor state, entries, index keys), written
     before the broadcast so that the chunk's later queries see the entries its earlier positions closed,
-    as in one step on one rank. The helpers write nothing into their own caches.
+    as in one step on one rank. The helpers write nothing into their own caches (their replica is apart).
 
 A CP step also carries each rank's own DP work: the ranks run their own tokens through the usual batched
 path (``model/attention_indexed.py``) and their share of the chunk through ``ShareStep.attention`` in the
 same layers (one MoE call per layer for both, so expert parallelism's collectives see every token once).
 After the last layer the share's final streams are gathered and the owner puts the chunk's back in its
-step's token order, so sampling and prompt logprobs on the owner are unchanged. At most one chunk per CP
-group per step (the engine picks the longest eligible one: ``executor/engine.py``).
+step's token order, so sampling and prompt logprobs on the owner are unchanged.
+
+At most one chunk per CP group per step (the engine picks the longest eligible one: ``executor/engine.py``).
+Splitting a second one in the same step is left out: each split chunk has its own owner, so a layer would
+run one share attention, all-gather and history broadcast per chunk (or pack several owners' rows into one
+collective with per-chunk offsets), the streams gather and the owners' reordering would be per chunk, and
+a rank would hold a replica per chunk in flight. It only helps while two DP ranks of a group both have a
+chunk of at least ``context_parallel_min_tokens`` in the same step, and then the second chunk runs unsplit
+on its owner beside its share of the first, which is the plain DP case (the group's step waits for the
+slower rank either way). Not worth the second code path until a measurement says otherwise.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import torch.distributed as dist
 from deepinfer.config.model import CSA, HCA, SWA
 from deepinfer.distributed.collectives import all_gather_rows, broadcast_rows
 from deepinfer.model.attention_indexed import _compress, attention_indexed
+from deepinfer.model.parallel.context_history import GrowingRows, HistoryReplica
 from deepinfer.model.context import StepContext
 
 
@@ -106,6 +118,9 @@ class ContextShare:
     seq_id: str
     first_pos: int
     token_ids: tuple[int, ...]  # the whole chunk's
+    # What this rank keeps of the sequence's history across its CP chunks (``context_history.py``); None: a
+    # replica for this chunk only (the whole history is broadcast).
+    replica: HistoryReplica | None = None
 
     @property
     def length(self) -> int:
@@ -123,6 +138,11 @@ class ShareStep:
     def __init__(self, model, storage, share: ContextShare, own: StepContext | None, chunk: StepContext | None):
         self.share, self.storage, self.own, self.chunk = share, storage, own, chunk
         self.n_own = 0 if own is None else len(own.input_ids)
+        self.replica = share.replica if share.replica is not None else HistoryReplica(-1, share.seq_id)
+        if share.first_pos < self.replica.pos:
+            raise ValueError(f"context parallel: {share.seq_id!r} chunk from {share.first_pos}, but its replica holds "
+                             f"positions up to {self.replica.pos} (HistoryReplicas.track resets it)")
+        self.known = self.replica.pos  # the history every rank of the group holds: positions [0, known)
         cfg, dev = model.cfg, next(model.parameters()).device
         self.window = cfg.sliding_window
         self.splits = share.splits
@@ -212,6 +232,8 @@ class ShareStep:
                               "index_keys", ci, emit_cos, emit_sin, ops)
         prior, entries, keys = self._history(attn, layer_key, key, window)
         local_window = torch.cat([prior, kv_chunk])
+        if not share.is_owner:  # the replica's window rows for the next chunk: positions end-127 .. end-1
+            self.replica.window[layer_key] = local_window[-(self.window - 1) :].clone()
 
         q_all = attn.q_proj(q_res)
         q = q_all[:, : attn.n_heads * attn.head_dim].view(s, attn.n_heads, attn.head_dim)
@@ -236,35 +258,63 @@ class ShareStep:
         return attn.wo_b(attn.wo_a.grouped_flat(out.reshape(s, -1), attn.groups))
 
     def _history(self, attn, layer_key: str, key, window: torch.Tensor):
-        """(prior window rows [w-1, D], entries [n+1, D] or None, index keys [n+1, Di] or None) from the owner's
-        cache: the 127 positions before the chunk (zeros before position 0) and the compressed entries up to
-        the chunk's end, each pool with one zero row past the last (what the -1 padding columns name)."""
-        storage, w = self.storage, self.window
+        """(prior window rows [w-1, D], entries [n+1, D] or None, index keys [n+1, Di] or None): the 127
+        positions before the chunk (zeros before position 0) and the compressed entries up to the chunk's end,
+        each pool with one zero row past the last (what the -1 padding columns name). The owner reads them from
+        its cache and broadcasts what the other ranks' replica lacks (``context_history.py``): the window rows
+        of positions [lo, first_pos) and the entries [have, n); they add those to their replica."""
+        storage, w, rep, first = self.storage, self.window, self.replica, self.share.first_pos
         names = ["entries"] + (["index_keys"] if attn.kind == CSA else []) if attn.kind != SWA else []
         n = self.entries.get(attn.ratio, 0)
+        have = self.known // attn.ratio if names else 0  # entries the replica holds
+        lo = max(self.known, first - (w - 1))  # the first window position it lacks
         pools = [storage.get(layer_key, name) for name in names]
-        shapes = [(w - 1, window.shape[1])] + [(n + 1, p.shape[1]) for p in pools]
-        parts = None
+        shapes = [(first - lo, window.shape[1])] + [(n - have, p.shape[1]) for p in pools]
+        parts = full = None
         if self.share.is_owner:
             c = self.chunk
             prior_rows = c.index.window_keys[0, : w - 1].long()  # positions first_pos - 127 .. first_pos - 1
             prior = torch.where((prior_rows >= 0)[:, None], window[prior_rows.clamp(min=0)], 0)
-            parts = [prior]
+            full = [prior]
             if pools:
                 rows = c.index.compress[key].seq_rows[0, :n].long()
-                parts += [torch.cat([p[rows], p.new_zeros(1, p.shape[1])]) for p in pools]
-        # One broadcast per (width, dtype): window rows and entries share both in V4.
-        out: list[torch.Tensor | None] = [None] * len(shapes)
+                full += [torch.cat([p[rows], p.new_zeros(1, p.shape[1])]) for p in pools]
+            parts = [prior[w - 1 - (first - lo) :]] + [f[have:n] for f in full[1:]]
+        # One broadcast per (width, dtype) of what is not empty: window rows and entries share both in V4.
+        got: list[torch.Tensor | None] = [None] * len(shapes)
         dtypes = [window.dtype] + [p.dtype for p in pools]
         groups: dict[tuple, list[int]] = {}
         for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-            groups.setdefault((shape[1], dtype), []).append(i)
+            if shape[0]:
+                groups.setdefault((shape[1], dtype), []).append(i)
         for (_, dtype), idx in groups.items():
-            got = self._broadcast([parts[i] for i in idx] if parts else [], [shapes[i] for i in idx], dtype,
-                                  window.device)
-            for i, t in zip(idx, got):
-                out[i] = t
-        return out[0], (out[1] if len(out) > 1 else None), (out[2] if len(out) > 2 else None)
+            sent = self._broadcast([parts[i] for i in idx] if parts else [], [shapes[i] for i in idx], dtype,
+                                   window.device)
+            for i, t in zip(idx, sent):
+                got[i] = t
+        if full is None:  # not the owner: the replica, completed by what was received
+            full = [self._replica_window(layer_key, window, got[0])]
+            for name, p, t in zip(names, pools, got[1:]):
+                held = rep.pools.setdefault((layer_key, name), GrowingRows())
+                if held.count != have:
+                    raise RuntimeError(f"context parallel: {self.share.seq_id!r} {layer_key} {name}: the replica "
+                                       f"holds {held.count} rows, the owner assumed {have}")
+                if t is not None:
+                    held.append(t)
+                full.append(held.padded(p[:1]))
+        return full[0], (full[1] if len(full) > 1 else None), (full[2] if len(full) > 2 else None)
+
+    def _replica_window(self, layer_key: str, window: torch.Tensor, received: torch.Tensor | None) -> torch.Tensor:
+        """The prior window rows from the replica's (positions known-127 .. known-1) and the received ones."""
+        w, first = self.window, self.share.first_pos
+        keep = self.known - (first - (w - 1))  # replica rows still in the chunk's window
+        parts = []
+        if keep > 0:
+            held = self.replica.window.get(layer_key)
+            parts.append(window.new_zeros(keep, window.shape[1]) if held is None else held[w - 1 - keep :])
+        if received is not None:
+            parts.append(received)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 @torch.no_grad()
@@ -282,6 +332,7 @@ def forward_with_share(model, storage, share: ContextShare, own_ids: torch.Tenso
     ids = step.ids if own is None else torch.cat([own.input_ids, step.ids])
     ctx = StepContext(ids, None, None, storage, None, None, None, cp=step)
     streams = model.run_layers(ctx)
+    step.replica.pos = share.first_pos + share.length
     n = step.n_own
     chunk_streams = step.gather(streams[n:])
     return (streams[:n] if own is not None else None), (chunk_streams if share.is_owner else None)
