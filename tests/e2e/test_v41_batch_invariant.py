@@ -20,6 +20,7 @@ import random
 import pytest
 
 from deepinfer import LLMEngine, SamplingParams
+from tests.e2e.test_batch_invariant import _alone, _drain  # the V4 file's drivers: alone vs batched
 from tests.e2e.v41_tiny import write_tiny_v41
 
 VOCAB = 4096  # the demo tokenizer's
@@ -59,30 +60,6 @@ def _params(i: int) -> SamplingParams:
         return SamplingParams(temperature=0.9, top_p=0.9, seed=1000 + i, max_tokens=MAX_TOKENS, logprobs=2,
                               ignore_eos=True)
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True)
-
-
-def _result(out) -> tuple:
-    c = out.outputs[0]
-    return tuple(c.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in pos.items())) for pos in c.logprobs)
-
-
-def _drain(engine: LLMEngine, requests) -> dict:
-    for rid, prompt, params in requests:
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = _result(out)
-        engine.cache.check_integrity()
-    return done
-
-
-def _alone(engine: LLMEngine, requests) -> dict:
-    done = {}
-    for r in requests:
-        done.update(_drain(engine, [r]))
-    return done
 
 
 def _requests(prompts, order=None) -> list:
