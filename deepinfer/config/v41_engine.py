@@ -4,7 +4,7 @@ The engine runs V4.1 through its CPU reference step (``model/v41/paged.py``) wit
 chunked prefill, preemption, prefix caching, async scheduling, the cache tiers, DSpark speculative decoding
 (``runner/dspark.py``), the decoder-side bounded replay of long prefills (``v41_decoder_replay``) and the
 encoder-side replay of prefix hits (``v41_prefix_replay``, which prefix caching needs with the decoder replay
-on), ``hf_overrides`` (``config/v41.apply_v41_overrides``), dummy weights (``model/v41/dummy.py``) and
+on), ``hf_overrides`` (``config/v41_overrides.apply_v41_overrides``), dummy weights (``model/v41/dummy.py``) and
 ``DEEPINFER_BATCH_INVARIANT=1`` (every token alone, ``model/v41/invariant.py``; the two replays that compute
 differently by design are refused with it). Not yet: the GPU kernels, several ranks. Each is refused here with
 the field and what is allowed.

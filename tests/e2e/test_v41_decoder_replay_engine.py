@@ -27,7 +27,7 @@ from deepinfer.config.engine import EngineArgs, EngineConfig
 from deepinfer.model.v41 import paged
 from deepinfer.model.v41.loader import load_v41_model
 from deepinfer.testing.staggered import assert_same, drain
-from tests.e2e.v41_tiny import write_tiny_v41
+from tests.e2e.v41_tiny import greedy_from, write_tiny_v41
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 MAX_TOKENS = 8
@@ -94,14 +94,7 @@ def _plain_chunked_greedy(plain, ids: list[int], chunk: int, replay: str) -> tup
     cache, t = plain.new_cache(), torch.tensor(ids)
     for lo in range(0, len(ids), chunk):
         logits = plain(t[lo : lo + chunk], cache, replay)
-    tokens, logprobs = [], []
-    while True:
-        scores = logits[-1].log_softmax(-1)
-        tokens.append(int(scores.argmax()))
-        logprobs.append(float(scores[tokens[-1]]))
-        if len(tokens) == MAX_TOKENS:
-            return tokens, logprobs
-        logits = plain(torch.tensor(tokens[-1:]), cache)
+    return greedy_from(plain, logits, cache, MAX_TOKENS)
 
 
 def test_v41_equals_the_plain_model_on_the_same_chunks(tiny, narrowed_steps) -> None:

@@ -32,7 +32,7 @@ from deepinfer.kv.spec import HISTORY
 from deepinfer.model.v41 import paged
 from deepinfer.model.v41.loader import load_v41_model
 from deepinfer.testing.staggered import assert_same
-from tests.e2e.v41_tiny import write_tiny_v41
+from tests.e2e.v41_tiny import greedy_from, write_tiny_v41
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 MAX_TOKENS = 6
@@ -93,14 +93,7 @@ def _reference(plain, ids: list[int], chunk: int, replay: str = "off") -> tuple[
     plain.take_prefix_hit(cache, H)
     for lo in range(H - plain.cfg.sliding_window, len(ids), chunk):
         logits = plain(t[lo : lo + chunk], cache, replay)
-    tokens, logprobs = [], []
-    while True:
-        scores = logits[-1].log_softmax(-1)
-        tokens.append(int(scores.argmax()))
-        logprobs.append(float(scores[tokens[-1]]))
-        if len(tokens) == MAX_TOKENS:
-            return tokens, logprobs
-        logits = plain(torch.tensor(tokens[-1:]), cache)
+    return greedy_from(plain, logits, cache, MAX_TOKENS)
 
 
 def _history(engine: LLMEngine) -> dict[tuple[str, str, int], torch.Tensor]:
@@ -180,13 +173,7 @@ def _plain_chunked(plain, ids: list[int], chunk: int) -> tuple[list[int], list[f
     t, cache = torch.tensor(ids), plain.new_cache()
     for lo in range(0, len(ids), chunk):
         logits = plain(t[lo : lo + chunk], cache, "v41")
-    tokens, logprobs = [], []
-    while len(tokens) < MAX_TOKENS:
-        scores = logits[-1].log_softmax(-1)
-        tokens.append(int(scores.argmax()))
-        logprobs.append(float(scores[tokens[-1]]))
-        logits = plain(torch.tensor(tokens[-1:]), cache)
-    return tokens, logprobs
+    return greedy_from(plain, logits, cache, MAX_TOKENS)
 
 
 def test_refusals(tiny) -> None:

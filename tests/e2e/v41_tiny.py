@@ -60,3 +60,15 @@ def write_tiny_v41(out_dir: Path, seed: int = 0, dspark: bool = False, **overrid
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo_model_dir() / name, out_dir / name)
     return out_dir
+
+
+def greedy_from(plain: DeepseekV41, logits: torch.Tensor, cache, max_tokens: int) -> tuple[list[int], list[float]]:
+    """The plain model's greedy tokens and their logprobs, decoding on from ``logits`` (the prefill's last rows)."""
+    tokens, logprobs = [], []
+    while True:
+        scores = logits[-1].log_softmax(-1)
+        tokens.append(int(scores.argmax()))
+        logprobs.append(float(scores[tokens[-1]]))
+        if len(tokens) == max_tokens:
+            return tokens, logprobs
+        logits = plain(torch.tensor(tokens[-1:]), cache)

@@ -1,4 +1,4 @@
-"""``hf_overrides`` on a DeepSeek-V4.1 config (``config/v41.apply_v41_overrides``): where each key lands in the
+"""``hf_overrides`` on a DeepSeek-V4.1 config (``config/v41_overrides.apply_v41_overrides``): where each key lands in the
 nested config.json, fewer layers keeping the schedules whole, and overrides that leave the KV-source / reuse /
 Engram schedules inconsistent refused with the field named."""
 
@@ -10,7 +10,8 @@ import pytest
 
 from deepinfer.assets import shapes_dir
 from deepinfer.config.engine import EngineArgs, EngineConfig
-from deepinfer.config.v41 import V41Config, apply_v41_overrides
+from deepinfer.config.v41 import V41Config
+from deepinfer.config.v41_overrides import apply_v41_overrides
 from tests.oracle.v41 import checkpoint_config, tiny_text_config, tiny_tokenizer
 
 FLASH = shapes_dir("v41-flash")
