@@ -10,9 +10,10 @@ Which choices change bits: the FP8 split-K (``fp8_split_target``, ``fp8_tiles``,
 changes the order of the K reduction, and the attention small-batch split (``attention_small_split``)
 changes where the softmax merge happens; both depend on the batch size, so a batch-invariant table must
 fix them: ``invariant()`` is that table's tuning (``batch_invariant=True``). With it the dense GEMMs sum K
-in segments that are a function of (N, K) and the SM count only (``k_segment``), one kernel family for
-every M (no swap-AB decode path, no weight-as-A prefill path, no cuBLAS), tiles of one MMA instruction
-family (``invariant_fp8_tiles``), and attention keeps its fixed, position-anchored split. The remaining
+in segments that are a function of (N, K) and the SM count only (``k_segment``), one kernel per weight for
+every M (FP8: the MMA kernel on ``invariant_fp8_tiles``, or with ``invariant_fp8_swap_ab`` the swap-AB
+kernel on ``invariant_decode_tiles`` for power-of-two scales; no weight-as-A prefill path, no cuBLAS),
+tiles of one MMA instruction family, and attention keeps its fixed, position-anchored split. The remaining
 fields never change a result's bits (tests/gpu check the fast division and the e4m3 bit placement against
 their plain forms).
 
@@ -61,6 +62,15 @@ class KernelTuning:
     # multiple of 4, so every bucket runs the same wgmma m64 instruction (launchers assert it); the K
     # reduction is fixed by ``k_segment`` whatever the tile.
     invariant_fp8_tiles: tuple[tuple[int | None, FP8Tile], ...] = ((256, (64, 64, 4, 4)), (None, (128, 128, 8, 3)))
+    # The batch-invariant table's FP8 kernel for power-of-two scales: the swap-AB kernel for every M (decode
+    # 1.16x the default's time at batch 1 instead of 1.50x) when True. Off: its rows are invariant in the kernel
+    # tests, but the engine test of batches of 7 gave one request other logprobs with it (cause not found yet;
+    # bench/results/batch_invariant_cuda.md).
+    invariant_fp8_swap_ab: bool = False
+    # Its token tiles: one warpgroup each (the wgmma m64 instruction over 64 weight rows); the token count is
+    # the instruction's N side, which does not change bits.
+    invariant_decode_tiles: tuple[tuple[int | None, DecodeTile], ...] = (
+        (16, (16, 4, 3)), (32, (32, 4, 3)), (64, (64, 4, 3)), (None, (128, 4, 3)))
 
     def __post_init__(self) -> None:
         if self.num_sms <= 0:
@@ -73,14 +83,17 @@ class KernelTuning:
             raise ValueError("fp8_tiles, invariant_fp8_tiles: the last bucket must be None (every larger M)")
         if any(bm < 64 or warps % 4 for _, (bm, _, warps, _) in self.invariant_fp8_tiles):
             raise ValueError("invariant_fp8_tiles: BLOCK_M >= 64 and warps a multiple of 4 (one wgmma family)")
+        if self.invariant_decode_tiles[-1][0] is not None or any(w != 4 for _, (_, w, _) in
+                                                                 self.invariant_decode_tiles):
+            raise ValueError("invariant_decode_tiles: 4 warps each (one warpgroup), the last bucket None")
 
     @property
     def split_target(self) -> int:
         return self.fp8_split_target or 2 * self.num_sms
 
     def invariant(self) -> "KernelTuning":
-        """The batch-invariant table's choices: no small-batch attention split, no decode or weight-as-A FP8
-        paths (their sums differ from the MMA kernel's), ``batch_invariant`` for the launchers."""
+        """The batch-invariant table's choices: no small-batch attention split, no M-bucketed FP8 paths (the
+        launchers take one kernel per weight for every M), ``batch_invariant`` for the launchers."""
         return dataclasses.replace(self, attention_small_split=0, fp8_decode_max_m=0, batch_invariant=True)
 
     def split_for(self, programs: int, k: int) -> int:
@@ -109,6 +122,9 @@ class KernelTuning:
 
     def invariant_fp8_tile(self, m: int) -> FP8Tile:
         return next(t for b, t in self.invariant_fp8_tiles if b is None or m <= b)
+
+    def invariant_decode_tile(self, m: int) -> DecodeTile:
+        return next(t for b, t in self.invariant_decode_tiles if b is None or m <= b)
 
     def fp8_tile(self, m: int) -> tuple[int | None, FP8Tile]:
         """(bucket, tile) of the first bucket holding M."""

@@ -28,12 +28,14 @@ from tests.unit.test_batch_invariant_ops import _rows_invariant
 SIZES = (2, 7, 16, 17, 40) if INTERPRET else (2, 7, 16, 63, 64, 65, 130, 256, 257, 600, 2048)
 
 
-def _tables(device: str):
+def _tables(device: str, swap_ab: bool = False):
+    """(default table, batch-invariant table); ``swap_ab``: the invariant table's swap-AB FP8 kernel."""
     from deepinfer.ops.table import triton_ops
 
     tuning = dataclasses.replace(H200, num_sms=4) if INTERPRET else None
     default = triton_ops(tuning)
-    return default, triton_ops((tuning or default.tuning).invariant())
+    invariant = dataclasses.replace((tuning or default.tuning).invariant(), invariant_fp8_swap_ab=swap_ab)
+    return default, triton_ops(invariant)
 
 
 def _fp8_weight(n: int, k: int, seed: int, device: str):
@@ -46,13 +48,15 @@ def _rows(k: int, device: str, dtype=torch.bfloat16):
     return lambda m, g: (torch.randn(m, k, generator=g).to(device, dtype),)
 
 
-FP8_SHAPES = [(200, 256)] if INTERPRET else [(4096, 4096), (1536, 4096), (4096, 1024), (24576, 1536), (512, 4096)]
+FP8_SHAPES = [(200, 256)] if INTERPRET else [(4096, 4096), (1536, 4096), (4096, 1024), (24576, 1536), (512, 4096),
+                                           (64, 256), (128, 256), (256, 128)]  # the last three: demo-model shapes
 
 
 @pytest.mark.interpret_ok
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["mma", "swap_ab"])
 @pytest.mark.parametrize("n, k", FP8_SHAPES)
-def test_fp8_linear_rows_are_invariant(n, k, device) -> None:
-    _, table = _tables(device)
+def test_fp8_linear_rows_are_invariant(n, k, swap_ab, device) -> None:
+    _, table = _tables(device, swap_ab)
     assert table.batch_invariant and table.name == "triton-batch-invariant"
     w, s = _fp8_weight(n, k, n + k, device)
     fn = lambda x: table.fp8_linear(x, w, s, pow2_scales=True)  # noqa: E731 (UE8M0: every fast path eligible)
@@ -62,8 +66,9 @@ def test_fp8_linear_rows_are_invariant(n, k, device) -> None:
 
 
 @pytest.mark.interpret_ok
-def test_fp8_linear_grouped_rows_are_invariant(device) -> None:
-    _, table = _tables(device)
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["mma", "swap_ab"])
+def test_fp8_linear_grouped_rows_are_invariant(swap_ab, device) -> None:
+    _, table = _tables(device, swap_ab)
     groups, r, k = (2, 128, 256) if INTERPRET else (8, 1024, 4096)  # V4-Flash wo_a: 8 groups of 1024 rows
     w, s = _fp8_weight(groups * r, k, 5, device)
     _rows_invariant(lambda x: table.fp8_linear_grouped(x, w, s, groups, pow2_scales=True),

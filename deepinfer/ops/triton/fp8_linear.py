@@ -15,6 +15,8 @@ loop per program over all (tile, K block) steps, measured 40% slower: bench/resu
 With power-of-two (UE8M0) scales, M <= 64 takes ``_fp8_decode_kernel`` instead: swap-AB, the weight as the
 MMA's register operand read in a permuted order that needs no layout shuffle, the scale folded into the
 conversion (half the instructions per K step; the decode layer's FP8 GEMMs 6-14% faster, bench/results run 48).
+The batch-invariant table can take that kernel for every M (``KernelTuning.invariant_fp8_swap_ab``: token tiles
+on a third grid axis, K in fixed segments).
 """
 
 from __future__ import annotations
@@ -209,40 +211,12 @@ def _memory_rows(t):
 
 
 @triton.jit
-def _fp8_decode_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, k_per_split, group_rows,
-    stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
-    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """Small-M path for power-of-two scales, swap-AB: yᵀ tile [64, BM] = (w · s) [64, K] @ xᵀ [K, BM], split
-    over K like ``_fp8_linear_kernel``.
-
-    The weight is wgmma's register operand, and the tile is read in an order in which the bytes each thread
-    loads (16-byte runs) are exactly its share of the MMA's operand: the K columns of a 128-wide block are
-    taken in a fixed permuted order (``_logical_cols``; xᵀ's rows in the same order, so the dot is the same
-    sum) and the tile's 64 rows in another (``_row_order``; the output rows follow). Bytes then go from
-    shared memory to registers 16 at a time and are converted in place (``_e4m3_words_to_bf16``, the scale
-    folded into its multiply), with no layout shuffle between conversion and MMA (``loop_sass.py``: 244
-    instructions per K step against 326 for the split-K MMA kernel at M <= 16, 255 against 425 at M <= 32);
-    all K blocks chain into one accumulator.
-    """
+def _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, k_start, k_end, BLOCK_M: tl.constexpr):
+    """fp32 yᵀ [64, BLOCK_M] (rows in the MMA's order) summed from zero over K in [k_start, k_end), one 128-wide
+    block at a time, every block chained into the one accumulator (see ``_fp8_decode_kernel``)."""
     BLOCK_N: tl.constexpr = 64
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    x_ptr += (pid_n * BLOCK_N // group_rows) * K  # grouped use, as in _fp8_linear_kernel
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col = tl.arange(0, 64)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    words = tl.arange(0, 16)
-    w_ptrs = w_ptr + offs_n[:, None] * (stride_wn // 4) + words[None, :]  # [64, 16] words: half a K block
-    w_rows_ok = (offs_n < N)[:, None]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + col[None, :]
-    s_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn  # 64 rows lie in one 128-row scale block
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), 128):  # K % 128 == 0 (the launcher checks)
+    for k0 in range(k_start, k_end, 128):  # K % 128 == 0 (the launcher checks)
         k1 = k0 + 64
         w = tl.join(tl.load(w_ptrs + k0 // 4, mask=w_rows_ok, other=0), tl.load(w_ptrs + k1 // 4, mask=w_rows_ok,
                                                                                  other=0))
@@ -261,11 +235,60 @@ def _fp8_decode_kernel(
         wl = _row_order(tl.reshape(tl.permute(wb, (0, 4, 2, 3, 5, 1, 6)), [BLOCK_N, 128]))
         xl = tl.trans(_logical_cols(xt, BLOCK_M))
         acc = tl.dot(wl, xl.to(tl.bfloat16), acc)
+    return acc
+
+
+@triton.jit
+def _fp8_decode_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
+    M, N, K, k_per_split, group_rows,
+    stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
+    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, SEGS: tl.constexpr = 1,
+):
+    """Swap-AB path for power-of-two scales: yᵀ tile [64, BM] = (w · s) [64, K] @ xᵀ [K, BM], split over K like
+    ``_fp8_linear_kernel``. Program (n tile, K split, token tile); the default table takes it for small M (one
+    token tile), the batch-invariant table for every M, its K range then being SEGS segments of ``k_per_split``,
+    each summed from zero and added in order: the bits of SEGS split-K programs and ``_write_tile``'s ordered
+    reduction.
+
+    The weight is wgmma's register operand, and the tile is read in an order in which the bytes each thread
+    loads (16-byte runs) are exactly its share of the MMA's operand: the K columns of a 128-wide block are
+    taken in a fixed permuted order (``_logical_cols``; xᵀ's rows in the same order, so the dot is the same
+    sum) and the tile's 64 rows in another (``_row_order``; the output rows follow). Bytes then go from
+    shared memory to registers 16 at a time and are converted in place (``_e4m3_words_to_bf16``, the scale
+    folded into its multiply), with no layout shuffle between conversion and MMA (``loop_sass.py``: 244
+    instructions per K step against 326 for the split-K MMA kernel at M <= 16, 255 against 425 at M <= 32);
+    all K blocks of a segment chain into one accumulator.
+    """
+    BLOCK_N: tl.constexpr = 64
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    x_ptr += (pid_n * BLOCK_N // group_rows) * K  # grouped use, as in _fp8_linear_kernel
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col = tl.arange(0, 64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    words = tl.arange(0, 16)
+    w_ptrs = w_ptr + offs_n[:, None] * (stride_wn // 4) + words[None, :]  # [64, 16] words: half a K block
+    w_rows_ok = (offs_n < N)[:, None]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + col[None, :]
+    s_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn  # 64 rows lie in one 128-row scale block
+    if SEGS == 1:
+        k_start = pid_k * k_per_split
+        acc = _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, k_start,
+                              tl.minimum(k_start + k_per_split, K), BLOCK_M)
+    else:  # (no K split is launched with SEGS > 1)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for sg in range(SEGS):
+            acc += _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, sg * k_per_split,
+                                   tl.minimum((sg + 1) * k_per_split, K), BLOCK_M)
     # Rows back in memory order (a relabeling, no data movement), so that the stores are contiguous along N
     # (stored in the MMA's row order, the split-K partials were scattered 4-byte writes: 2-4x slower at M >= 8).
     acc = _memory_rows(acc)
+    # Each (token tile, n tile) pair counts its own split tickets.
     _write_tile(tl.trans(acc), offs_m, offs_n, m_mask[:, None] & (offs_n < N)[None, :], y_ptr, part_ptr, ticket_ptr,
-                pid_n, pid_k, stride_ym, stride_pm, stride_psplit, SPLIT)
+                pid_m * tl.num_programs(0) + pid_n, pid_k, stride_ym, stride_pm, stride_psplit, SPLIT)
 
 
 @triton.jit
@@ -374,7 +397,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
     group_rows = n // groups
     assert n % groups == 0 and (groups == 1 or group_rows % 128 == 0), f"{n} rows in {groups} groups"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    swap_ab_ok = (pow2_scales and x.dtype == torch.bfloat16 and not _INTERPRET and k % 128 == 0
+                  and group_rows % 64 == 0)  # what the swap-AB kernel handles: never a function of M
     if tuning.batch_invariant:
+        if swap_ab_ok and tuning.invariant_fp8_swap_ab:
+            return _launch_invariant_swap_ab(x, weight, scale, y, group_rows, tuning)
         return _launch_invariant(x, weight, scale, y, group_rows, tuning)
     c = dict(tuning.fp8_wa_tile)
     bits = tuning.fp8_e4m3_by_bits
@@ -387,8 +414,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
         return y
-    if (pow2_scales and m <= tuning.fp8_decode_max_m and x.dtype == torch.bfloat16 and not _INTERPRET and k % 128 == 0
-            and group_rows % 64 == 0):
+    if swap_ab_ok and m <= tuning.fp8_decode_max_m:
         return _launch_decode(x, weight, scale, y, group_rows, tuning)
     bm, bn, split, warps, stages = _config(m, n, k, tuning)
     k_per_split = triton.cdiv(triton.cdiv(k, 128), split) * 128
@@ -408,10 +434,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
 
 def _launch_invariant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, group_rows: int,
                       tuning: KernelTuning) -> torch.Tensor:
-    """Batch-invariant launch (``tuning.batch_invariant``): the MMA kernel for every M, K summed in
-    ``tuning.k_segment(N, K)`` segments added in order. The tile (one wgmma family for every bucket) and
-    whether the segments run as split-K programs (too few tiles to fill the GPU) or inside each program
-    change with M; neither changes a row's bits (tests/gpu/test_batch_invariant_kernels.py)."""
+    """Batch-invariant launch (``tuning.batch_invariant``; unless ``_launch_invariant_swap_ab`` takes the weight):
+    the MMA kernel for every M, K summed in ``tuning.k_segment(N, K)`` segments added in order. The tile (one wgmma
+    family for every bucket) and whether the segments run as split-K programs (too few tiles to fill the GPU)
+    or inside each program change with M; neither changes a row's bits (tests/gpu/test_batch_invariant_kernels.py)."""
     m = x.shape[0]
     n, k = weight.shape
     bm, bn, warps, stages = tuning.invariant_fp8_tile(m)
@@ -427,6 +453,28 @@ def _launch_invariant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return y
 
 
+def _launch_invariant_swap_ab(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
+                              group_rows: int, tuning: KernelTuning) -> torch.Tensor:
+    """Batch-invariant launch for power-of-two scales: the swap-AB kernel for every M (the decode path's
+    speed at small M, where the MMA kernel cost up to 1.5x), K in ``tuning.k_segment(N, K)`` segments added in
+    order. The token tile (the wgmma N side, one warpgroup: the m64 instruction over 64 weight rows for every
+    tile) and where the segments run follow M; neither changes a row's bits."""
+    m = x.shape[0]
+    n, k = weight.shape
+    bm, warps, stages = tuning.invariant_decode_tile(m)
+    assert warps == 4, "batch-invariant swap-AB tiles must run one warpgroup (wgmma m64 over the weight rows)"
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, bm)
+    seg, split, segs = tuning.segment_launch(n, k, tiles)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    assert split == 1 or tiles <= MAX_TILES, f"{tiles} split-K tiles > {MAX_TILES}"
+    _fp8_decode_kernel[(triton.cdiv(n, 64), split, triton.cdiv(m, bm))](
+        x, weight.view(torch.int32), scale, y, part, _tickets(x.device), m, n, k, seg, group_rows,
+        x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
+        BLOCK_M=bm, SPLIT=split, SEGS=segs, num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
 def _launch_decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, group_rows: int,
                    tuning: KernelTuning):
     m = x.shape[0]
@@ -436,7 +484,7 @@ def _launch_decode(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y
     k_per_split = triton.cdiv(k // 128, split) * 128
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(n, 64), split)
+    grid = (triton.cdiv(n, 64), split, 1)
     assert split == 1 or grid[0] <= MAX_TILES, f"{grid[0]} split-K tiles > {MAX_TILES}"
     _fp8_decode_kernel[grid](
         x, weight.view(torch.int32), scale, y, part, _tickets(x.device), m, n, k, k_per_split, group_rows,
