@@ -28,6 +28,7 @@ L <= 4096. JSON goes to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -60,8 +61,19 @@ TINY = {**FLASH, "vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4
         "index_topk": 8}
 
 
-# --modes: the op table each mode times (the value: ``select``'s batch_invariant).
-MODES = {"default": False, "batch-invariant": True}
+# --modes: the op table each mode times (the value: ``select``'s batch_invariant; "batch-invariant-swap-ab": the
+# invariant table with ``KernelTuning.invariant_fp8_swap_ab``, CUDA only).
+MODES = {"default": False, "batch-invariant": True, "batch-invariant-swap-ab": True}
+
+
+def mode_table(device: str, mode: str):
+    if mode != "batch-invariant-swap-ab":
+        return select(device, batch_invariant=MODES[mode])
+    from deepinfer.ops.table import triton_ops
+    from deepinfer.ops.tuning import KernelTuning
+
+    tuning = dataclasses.replace(KernelTuning.for_device().invariant(), invariant_fp8_swap_ab=True)
+    return triton_ops(tuning)
 
 
 def from_layer(native: dict, first: int) -> dict:
@@ -350,7 +362,7 @@ def main() -> None:
     floor_bytes = weight_bytes_per_layer(model, model.cfg.num_experts_per_tok)
     rows = []
     max_len = max(args.contexts) + 256
-    tables = {mode: select(args.device, batch_invariant=MODES[mode]) for mode in args.modes}
+    tables = {mode: mode_table(args.device, mode) for mode in args.modes}
     for c, b, mode in ((c, b, mode) for c in args.contexts for b in args.batches for mode in args.modes):
         use_op_table(model, tables[mode])
         times = decode_ms(model, b, c, args.device, max_len)
