@@ -108,10 +108,11 @@ def _assert_same(got: dict, want: dict) -> None:
                                                                           abs=1e-4), rid
 
 
-def _plant(engine: LLMEngine, reference: dict, seed: int) -> None:
+def _plant(engine: LLMEngine, reference: dict, seed: int, reject_all: bool = False) -> None:
     """Replace the MTP layer's drafts, on the device after its pass, by the reference continuation from each
     proposer's real last emitted token (its position moved by the step's shift and accepted count, read here
-    on the CPU), with an error at a random draft position in 60% of the steps."""
+    on the CPU), with an error at a random draft position in 60% of the steps (``reject_all``: at the first
+    draft of every step)."""
     rng = random.Random(seed)
     drafter = engine.runner.drafter
     propose = drafter.propose
@@ -132,8 +133,8 @@ def _plant(engine: LLMEngine, reference: dict, seed: int) -> None:
             at = last + 1 - seq.num_prompt
             drafts = list(ref[at : at + w.num_proposals])
             drafts += [3] * (w.num_proposals - len(drafts))
-            if rng.random() < 0.6:
-                bad = rng.randrange(len(drafts))
+            if reject_all or rng.random() < 0.6:
+                bad = 0 if reject_all else rng.randrange(len(drafts))
                 drafts[bad] = (drafts[bad] + 1) % 90 + 3
             out[j, : len(drafts)] = torch.tensor(drafts)
         return out
@@ -265,3 +266,21 @@ def test_demo_grammar_penalties_and_min_tokens_take_the_synchronous_order() -> N
     _assert_same(runs[True], plain)
     _assert_same(runs[False], plain)
     assert {c.finish_reason for c in plain["2"].outputs} == {"stop"}  # the structure was completed
+
+
+def test_tiny_long_sequences_keep_their_window_rows(tiny_dir) -> None:
+    """Sequences past 2 blocks release their oldest window and state blocks as they go. With every draft
+    rejected the host's lengths run 2k positions ahead of the real ones (two steps at full acceptance) at
+    every commit: the cache keeps 2k positions of rollback slack (``engine/sizing.spec_slack``), so every
+    rollback and every window read finds its rows."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 97) for _ in range(n)] for n in (250, 236)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _drain(_engine(tiny_dir, max_num_batched_tokens=128), prompts, params)
+    engine = _engine(tiny_dir, 4, True, max_num_batched_tokens=128)
+    watch = _Watch(engine)
+    _plant(engine, _tokens(plain), seed=3, reject_all=True)
+    got = _drain(engine, prompts, params)
+    assert watch.overlapped > 0 and engine.spec_stats.num_draft_tokens > 0
+    assert engine.spec_stats.num_accepted_tokens == 0
+    _assert_same(got, plain)
