@@ -15,7 +15,11 @@ are compared with its drafts (``runner/speculative.py``), the MTP layer (V4.1: t
 the accepted prefix plus the target's next token reach the host with those drafts in one copy (the step's
 one read). On the GPU a full verify step (every sequence k drafts) replays a verify graph that keeps the
 final streams, and the MTP passes replay theirs, head and draft pick included (``runner/mtp_graphs.py``);
-other steps (prefill chunks, fewer drafts) run eagerly, through the same functions.
+other steps (prefill chunks, fewer drafts) run eagerly, through the same functions. With async scheduling a
+verifying sequence whose previous step is still in flight has only placeholder inputs (that step's last
+emitted token and its drafts, from ``InputBatch``), planned at the positions of that step's full acceptance;
+``runner/step_shift.py`` moves them back on the device (the eager index, or the graph's static one after its
+copy), and its drafts are verified against the filled inputs.
 
 Structured outputs: ``submit(plan, masks)`` launches the forward and the logits first and only then calls
 ``masks()`` for the step's grammar masks (``StepMasks``: the constrained rows' words and row numbers,
