@@ -83,18 +83,17 @@ def verify(tokens: torch.Tensor, work: list[SeqWork], device: torch.device, inpu
     targets = np.where(col < lead[:, None], FREE, NO_DRAFT)
     is_draft = (rel >= 0) & (rel < d[:, None])
     unknown = [i for i, w in enumerate(work) if len(w.token_ids) < w.num_drafts]  # placeholder drafts
+    cells = rows = np.zeros(0, dtype=np.int64)
     if unknown:
-        # Their cells (flat, in [sequences, most draws]) and input rows: filled on the device below.
+        # Their cells (flat, in [sequences, most draws]) and input rows: the device fills them below.
         cells = np.flatnonzero(is_draft[unknown].ravel())
         cells = np.asarray(unknown, dtype=np.int64)[cells // width] * width + cells % width
-        rows = np.concatenate([np.arange(starts[i] + w.num_tokens - w.num_drafts, starts[i] + w.num_tokens)
-                               for i, w in ((i, work[i]) for i in unknown)])
+        ends = [starts[i] + work[i].num_tokens for i in unknown]
+        rows = np.concatenate([np.arange(e - work[i].num_drafts, e) for i, e in zip(unknown, ends)])
         is_draft[unknown] = False
-    else:
-        cells = rows = np.zeros(0, dtype=np.int64)
-    targets[is_draft] = np.fromiter(chain.from_iterable(w.token_ids[len(w.token_ids) - w.num_drafts :]
-                                                        for w in work if w.num_drafts and len(w.token_ids)
-                                                        >= w.num_drafts), dtype=np.int64, count=int(is_draft.sum()))
+    known = (w.token_ids[len(w.token_ids) - w.num_drafts :] for w in work
+             if w.num_drafts and len(w.token_ids) >= w.num_drafts)
+    targets[is_draft] = np.fromiter(chain.from_iterable(known), dtype=np.int64, count=int(is_draft.sum()))
     draw_idx = off[:, None] + np.minimum(col, k[:, None] - 1)  # padding repeats the last draw
     seg = np.repeat(np.arange(s), k)
     local = np.arange(nd) - off[seg]
