@@ -81,8 +81,8 @@ def run(device: str, batch: int, k: int, tokens: int, profile: bool = False, asy
     generated = sum(len(v) for v in out.values()) - batch  # the prefill step drew the first token of each
     stats = engine.spec_stats
     drafts, accepted = stats.num_drafts - warm[0], stats.num_accepted_tokens - warm[1]
-    return {"loop": "async" if async_scheduling else "sync", "batch": batch, "k": k, "steps": steps, "seconds": seconds, "tok_s": generated / seconds,
-            "step_ms": 1e3 * seconds / max(steps, 1), "tokens_per_step": 1 + accepted / drafts if drafts else None,
+    return {"loop": "async" if async_scheduling else "sync", "batch": batch, "k": k, "steps": steps,
+            "seconds": seconds, "tok_s": generated / seconds, "step_ms": 1e3 * seconds / max(steps, 1), "tokens_per_step": 1 + accepted / drafts if drafts else None,
             "outputs": out}
 
 
@@ -118,7 +118,8 @@ def main() -> None:
     lines = [f"# Speculative decoding (MTP), demo model, {name}", "",
              f"`python bench/spec_decode.py --device {a.device} --batches {' '.join(map(str, a.batches))} "
              f"--ks {' '.join(map(str, a.ks))} --tokens {a.tokens} --loops {' '.join(a.loops)}`", "",
-             f"| loop | batch | k | decode tok/s | step ms | tokens/step | speedup vs k=0 | vs {a.loops[0]} | same tokens |",
+             f"| loop | batch | k | decode tok/s | step ms | tokens/step | speedup vs k=0 | vs {a.loops[0]} "
+             "| same tokens |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] else "1"
