@@ -202,6 +202,8 @@ class EngineConfig:
                                   args.context_parallel_size, args.context_parallel_min_tokens).validate(model)
         launch = LaunchConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port).validate(parallel)
         _check_parallel(parallel, launch, args, device)
+        if speculative is not None and args.async_scheduling:
+            _check_async_speculative(parallel)
         from deepinfer.engine.cp_plan import check_chunk_budget
 
         check_chunk_budget(parallel, args.max_num_batched_tokens)  # a CP group that could never split a chunk
@@ -355,11 +357,19 @@ def _check_speculative(spec: SpeculativeConfig, model: ModelConfig | V41Config, 
     elif model.num_nextn_predict_layers < 1:
         raise ValueError("speculative_config.method: 'mtp' needs a checkpoint with an MTP layer "
                          "(num_nextn_predict_layers >= 1); this model has none")
-    if args.async_scheduling:
-        # A step's drafts and its accepted count decide the next step's inputs and cache length; async
-        # scheduling plans that next step before they reach the host.
-        raise ValueError("speculative_config: cannot be combined with async_scheduling=True (on one device or "
-                         "several); allowed: speculative_config=None, or async_scheduling=False")
+    if args.async_scheduling and spec.method != "mtp":
+        # DSpark drafts from the accepted count on the host; the MTP chain moves its positions on the device.
+        raise ValueError(f"speculative_config: cannot be combined with async_scheduling=True for method "
+                         f"{spec.method!r}; allowed: method 'mtp' (one device), speculative_config=None, or "
+                         "async_scheduling=False")
+
+
+def _check_async_speculative(parallel: ParallelConfig) -> None:
+    if not parallel.is_single:
+        # One device plans a verify step on the device's results of the one in flight (``llm_engine.py``); the
+        # parallel engine's ranks do not yet.
+        raise ValueError("speculative_config: cannot be combined with async_scheduling=True on several devices; "
+                         "allowed: speculative_config=None, async_scheduling=False, or one device")
 
 
 def _check_positive(args: EngineArgs) -> None:

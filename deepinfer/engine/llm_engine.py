@@ -13,6 +13,14 @@ returns its accepted tokens plus the next drafts; applying it rolls the rejected
 (``Scheduler.rollback``) before the tokens go through the usual stop checks one by one, so a stop or
 ``max_tokens`` reached mid-draft ends the sequence there and the rest is dropped.
 
+Both together (one device): step N+1 is planned while verify step N runs, as if N's drafts were all
+accepted: a decoding sequence's inputs are placeholders (N's last emitted token and the drafts N proposes,
+filled on the device) at the positions full acceptance gives, and the device moves that step back by N's
+rejected drafts (``runner/step_shift.py``); applying N then rolls the host's lengths back by as much. So the
+host's work on N's results overlaps N+1's verification, and the tokens are the synchronous loop's. A step
+whose sequences need N's tokens to be planned exactly (grammars, penalties, a pending ``min_tokens``) takes
+the synchronous order (``_apply_first``): N is applied before N+1 is planned.
+
 Structured outputs: the runner asks for the step's grammar masks once its forward is launched
 (``_StepGrammar.masks``); under async scheduling a constrained batch's step N-1 is applied right there,
 before N's masks, since they need its tokens. The matchers take the accepted tokens as they are applied.
@@ -95,8 +103,11 @@ class LLMEngine:
                 graphs.capture()
                 mtp_graphs = MTPGraphs(self.model, self.storage, graphs, sc.max_model_len, sizes)
                 mtp_graphs.capture()
+        # Async speculation: the batch keeps each slot's drafts and shift for the step planned behind it.
+        async_drafts = config.speculative.num_speculative_tokens if config.speculative and config.async_scheduling \
+            else 0
         self.input_batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size),
-                                      mc.vocab_size, config.device)
+                                      mc.vocab_size, config.device, max_drafts=async_drafts)
         drafter = None
         if config.speculative is not None and config.speculative.method == "dspark":
             from deepinfer.runner.dspark import DSparkDrafter
@@ -165,6 +176,15 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         touched: set[str] = set()
         late = None
+        if self._inflight is not None and self.config.speculative is not None and self._apply_first():
+            # The synchronous order for this step: the step in flight is applied before the next is planned.
+            current, self._inflight = self._inflight, None
+            applied = self._apply(*current)
+            touched |= applied
+            for rid in applied:
+                for seq in self.requests[rid].seqs if rid in self.requests else ():
+                    if seq.finished:
+                        self.scheduler.remove(seq)
         if self._inflight is not None and any(s.grammar is not None for s in self.scheduler.running):
             # A grammar's next mask needs the token in flight: that step is applied once this one's forward is
             # launched, just before the masks are computed (the device runs the forward meanwhile).
@@ -203,6 +223,22 @@ class LLMEngine:
                 del self.requests[rid]
         return outputs
 
+    def _apply_first(self) -> bool:
+        """Async speculation: whether the step in flight must be applied before the next step is planned,
+        because a sequence's next step depends on its tokens in a way the device cannot fix up by moving
+        positions: a grammar's masks (per draft, and computed while a step is being submitted, too late to
+        roll back), penalties (the counts include the drafts before each draw), a pending ``min_tokens``
+        (its mask depends on the draw's output index)."""
+        for seq in self.scheduler.running:
+            if seq.grammar is not None:
+                return True
+            if seq.num_pending:
+                p = seq.params
+                if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                        or seq.num_output < p.min_tokens):
+                    return True
+        return False
+
     def _with_grammar_masks(self, schedule: Schedule) -> Schedule:
         """The schedule with each constrained draw's allowed-token mask in its work item (the parallel engine:
         its plans cross to the ranks whole)."""
@@ -223,17 +259,18 @@ class LLMEngine:
         for s in result.sampled:
             seq, w = by_id[s.seq_id], work[s.seq_id]
             seq.num_pending -= w.num_samples
+            if seq.finished:  # a stop found after this step was planned (async): its draws are dropped
+                continue
             if w.num_drafts:
                 accepted = len(s.token_ids) - 1
                 self.spec_stats.observe(w.num_drafts, accepted)
                 seq.draft_acceptance = update_rate(seq.draft_acceptance, w.num_drafts, accepted)
-                if not seq.finished:  # rejected drafts leave the cache (a finished one is freed whole)
-                    self._rollback(seq, w.num_drafts - accepted)
+                self._rollback(seq, w.num_drafts - accepted)  # rejected drafts leave the cache
             elif self.config.speculative is not None and w.num_samples:
                 seq.draft_acceptance = update_rate(seq.draft_acceptance, 0, 0)
             seq.drafts = s.drafts
             for token, lp in zip(s.token_ids, s.logprobs):
-                if seq.finished:  # a stop found after later draws were planned: those are dropped
+                if seq.finished:  # a stop mid-draft: the rest is dropped
                     break
                 append_token(seq, token, lp, eos, self._decode_one)
                 touched.add(seq.request.request_id)

@@ -32,8 +32,11 @@ class Sequence:
     detok: object  # IncrementalDetokenizer
     max_output: int  # tokens it may generate: max_tokens capped by the model length
     num_computed: int = 0
-    # Tokens drawn on the device whose ids have not reached the host yet (async scheduling: at most 1).
+    # Tokens drawn on the device whose ids have not reached the host yet (async scheduling: one step's draws;
+    # with speculation, a verify step's k + 1, of which the accepted drafts' and the next are emitted).
     num_pending: int = 0
+    # Async scheduling with speculation: drafts the MTP layer proposes in the step in flight (on the device).
+    pending_drafts: int = 0
     grammar: object | None = None  # the structured-output matcher (llguidance.LLMatcher), fed every token
     # The prompt opened a thinking block: the constraint starts after the model closes it (the reasoning
     # is free text; only the answer is constrained).

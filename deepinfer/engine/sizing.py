@@ -72,14 +72,18 @@ def _cuda_budget(config: EngineConfig, model, layout) -> int:
 
 def spec_slack(config: EngineConfig) -> tuple[int, int]:
     """(rollback depth, extra resident positions) of speculative decoding: a verify step of k drafts may be
-    rolled back by k; its MTP chain writes up to k - 1 positions past the step."""
-    return speculative_slack(config.speculative.num_speculative_tokens if config.speculative is not None else 0)
+    rolled back by k; its MTP chain writes up to k - 1 positions past the step. With async scheduling the
+    host's lengths assume full acceptance of the step in flight and of the one just planned, so a
+    sequence may be 2k positions ahead of its real length when its tail blocks are released."""
+    k = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    return speculative_slack(k, config.async_scheduling)
 
 
-def speculative_slack(num_speculative_tokens: int) -> tuple[int, int]:
+def speculative_slack(num_speculative_tokens: int, async_scheduling: bool = False) -> tuple[int, int]:
     """``spec_slack`` of ``num_speculative_tokens`` drafts per step (also what ``deepinfer info`` plans with)."""
     k = num_speculative_tokens
-    return k, 2 * k
+    depth = 2 * k if async_scheduling else k
+    return depth, depth + k
 
 
 def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> dict[str, int]:

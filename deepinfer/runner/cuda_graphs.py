@@ -117,15 +117,16 @@ class DecodeGraphs:
         return self._graphs[next(s for s in self.sizes if s >= n)]
 
     def run_slots(self, input_ids, slots: np.ndarray, first: np.ndarray, tables: SlotTables,
-                  placeholders: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  placeholders: tuple[torch.Tensor, torch.Tensor] | None = None, shift=None) -> torch.Tensor:
         """``run`` for sequences kept in batch slots (the engine's runner): ``tokens_per_seq`` tokens each,
         sequence i in slot ``slots[i]`` from position ``first[i]``. ``placeholders`` (rows, values on the
-        device): inputs the host does not know, written into the graph's token ids after the copy."""
+        device): inputs the host does not know, written into the graph's token ids after the copy;
+        ``shift`` (a ``runner/step_shift.StepShift``): moves the static index's positions after the copy."""
         n = len(slots)
         g = self._bucket(n)
         g.host.write_slots(slots, first, np.full(n, self.tokens_per_seq, dtype=np.int64), tables, self.storage,
                            self.model.cfg.sliding_window)
-        return self._replay(g, n, input_ids, placeholders)
+        return self._replay(g, n, input_ids, placeholders, shift)
 
     def _bucket(self, n: int) -> _Graph:
         g = self.bucket(n)
@@ -134,7 +135,7 @@ class DecodeGraphs:
         g.copied.synchronize()
         return g
 
-    def _replay(self, g: _Graph, n: int, input_ids, placeholders=None) -> torch.Tensor:
+    def _replay(self, g: _Graph, n: int, input_ids, placeholders=None, shift=None) -> torch.Tensor:
         n *= self.tokens_per_seq
         g.host.ids[:n] = input_ids
         g.host.ids[n:] = 0
@@ -142,5 +143,7 @@ class DecodeGraphs:
         g.copied.record()
         if placeholders is not None:
             g.ids[placeholders[0]] = placeholders[1]
+        if shift is not None:  # in the static inputs, after the copy: the captured region reads them
+            shift.apply(g.index)
         g.graph.replay()
         return g.logits[:n]

@@ -56,12 +56,15 @@ class DSparkDrafter:
 
     def propose(self, streams: torch.Tensor, input_ids: torch.Tensor, index: StepIndex, work: tuple[SeqWork, ...],
                 starts: list[int], slots: list[int], draw_rows: list[int], tokens: torch.Tensor | None,
-                kept: torch.Tensor | None, graphed: bool = False) -> torch.Tensor | None:
+                kept: torch.Tensor | None, graphed: bool = False,
+                shift: torch.Tensor | None = None) -> torch.Tensor | None:
         """``MTPDrafter.propose``'s contract (the runner calls either): [proposers, most proposals] int64, -1
         past each proposer's verify length, or None when no work asks. ``streams``/``input_ids`` are unused
         (the context rows are in the cache already)."""
         if graphed:
             raise ValueError("dspark: no CUDA graphs for the DSpark drafter")
+        if shift is not None:  # its positions come from the host's accepted counts
+            raise ValueError("dspark: no steps planned before the previous one's drafts are verified")
         drawing = [(i, w) for i, w in enumerate(work) if w.num_samples]
         firsts = np.cumsum([0] + [w.num_samples for _, w in drawing])[:-1]  # each drawing work's first draw
         props = [(d, i, w) for d, (i, w) in enumerate(drawing) if w.num_proposals]

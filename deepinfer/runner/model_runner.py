@@ -15,7 +15,11 @@ are compared with its drafts (``runner/speculative.py``), the MTP layer (V4.1: t
 the accepted prefix plus the target's next token reach the host with those drafts in one copy (the step's
 one read). On the GPU a full verify step (every sequence k drafts) replays a verify graph that keeps the
 final streams, and the MTP passes replay theirs, head and draft pick included (``runner/mtp_graphs.py``);
-other steps (prefill chunks, fewer drafts) run eagerly, through the same functions.
+other steps (prefill chunks, fewer drafts) run eagerly, through the same functions. With async scheduling a
+verifying sequence whose previous step is still in flight has only placeholder inputs (that step's last
+emitted token and its drafts, from ``InputBatch``), planned at the positions of that step's full acceptance;
+``runner/step_shift.py`` moves them back on the device (the eager index, or the graph's static one after its
+copy), and its drafts are verified against the filled inputs.
 
 Structured outputs: ``submit(plan, masks)`` launches the forward and the logits first and only then calls
 ``masks()`` for the step's grammar masks (``StepMasks``: the constrained rows' words and row numbers,
@@ -45,6 +49,7 @@ from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.mtp_graphs import MTPGraphs
 from deepinfer.runner.speculative import MTPDrafter, Readback, verify
+from deepinfer.runner.step_shift import StepShift
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling import TokenLogprobs
 from deepinfer.sampling.logprobs import LogprobTensors
@@ -177,11 +182,13 @@ class ModelRunner:
         ids = np.fromiter(chain.from_iterable(w.token_ids + (-1,) * w.num_placeholders for w in work),
                           dtype=np.int64, count=int(lens.sum()))
         placeholders = self._placeholders(work, slots, starts)
+        shift = StepShift.of(work, slots.tolist(), batch)  # a verify step in flight (async speculation)
         draw_rows, draw_slots, draw_pos, last_rows, counts, history = [], [], [], [], [], []
         for w, slot, start in zip(work, slots.tolist(), starts.tolist()):
             k = w.num_samples
             if k:
-                if k > 1 and batch.sampling[slot].has_penalty and w.num_drafts != k - 1:
+                if k > 1 and batch.sampling[slot].has_penalty and (w.num_drafts != k - 1 or w.num_placeholders > 1):
+                    # (Placeholder drafts: their penalty counts would need tokens the host does not have.)
                     raise ValueError(f"{w.seq_id}: several draws in one step are not supported with penalties")
                 end = start + w.num_tokens
                 draw_rows.extend(range(end - k, end))
@@ -204,7 +211,7 @@ class ModelRunner:
                     and all(w.num_tokens == q == w.num_samples and not w.emit_from for w in work))
         streams = index = input_ids = None
         if graph_ok:
-            logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders)
+            logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders, shift)
             if self.drafter is not None:  # the MTP graphs read the verify graph's streams, index and ids
                 g = self.graphs.bucket(len(work))
                 streams, index, input_ids = g.streams[: len(ids)], g.index, g.ids[: len(ids)]
@@ -213,7 +220,8 @@ class ModelRunner:
             if share is None:
                 # Whose outputs before the last row nobody reads (V4.1's decoder replay may skip them).
                 last_only = tuple(w.num_samples <= 1 and w.prompt_logprobs is None for w in work)
-                streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders, emit_from, last_only)
+                streams, index, input_ids = self._forward(ids, slots, first, lens, placeholders, emit_from, last_only,
+                                                          shift)
             else:
                 streams, index, input_ids = self._forward_share(ids, slots, first, lens, placeholders, emit_from,
                                                                 work, share)
@@ -230,20 +238,25 @@ class ModelRunner:
             if bitmask is None:
                 bitmask = self._plan_masks(drawing, last_rows)
             tokens, extra = self._draw(logits[:nd], drawing, draw_slots, draw_pos, last_rows, counts,
-                                       history if any(w.num_drafts for w in drawing) else None, bitmask)
+                                       history if any(w.num_drafts for w in drawing) else None, bitmask,
+                                       shift.draws if shift is not None else None)
             handle_args.update(extra)
             if self.drafter is not None:  # the batched acceptance (without drafts: every draw is kept)
-                v = verify(tokens, drawing, self.device)
+                draw_starts = [start for w, start in zip(work, starts.tolist()) if w.num_samples]
+                v = verify(tokens, drawing, self.device, input_ids, draw_starts)
                 batch.record([slot for w, slot in zip(work, slots.tolist()) if w.num_samples], tokens, v.last, v.keep,
-                             draw_slots)
+                             draw_slots, v.shift)
             else:
                 handle_args["tokens"] = _to_host(tokens)
                 batch.record([draw_slots[i] for i in last_rows], tokens, last_rows, None, draw_slots)
         if self.drafter is not None:
             drafts = self.drafter.propose(streams, input_ids, index, work, starts.tolist(), slots.tolist(),
-                                          draw_rows, tokens, v.kept if v is not None else None, graphed=graph_ok)
+                                          draw_rows, tokens, v.kept if v is not None else None, graphed=graph_ok,
+                                          shift=shift.seqs if shift is not None else None)
             if v is not None:
                 if drafts is not None:
+                    batch.record_drafts([slot for w, slot in zip(work, slots.tolist())
+                                         if w.num_samples and w.num_proposals], drafts)
                     drawing_ids = [w for w in work if w.num_samples]
                     props = tuple(i for i, w in enumerate(drawing_ids) if w.num_proposals)
                     handle_args["draws"] = dataclasses.replace(handle_args["draws"], proposers=props)
@@ -260,10 +273,12 @@ class ModelRunner:
 
     def _draw(self, logits: torch.Tensor, work, slots: list[int], positions: list[int], last_rows: list[int],
               counts: list[int], history: list[tuple[int, ...]] | None,
-              bitmask: StepMasks | np.ndarray | None = None) -> tuple[torch.Tensor, dict]:
+              bitmask: StepMasks | np.ndarray | None = None,
+              shift: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """Draw a token from each row of ``logits`` (``work``: the drawing works, in order); the tokens and
         the StepHandle fields that describe them (the caller ships the tokens). ``history``: per row, drafts
-        that precede it; ``bitmask``: per row, the allowed tokens (structured outputs)."""
+        that precede it; ``bitmask``: per row, the allowed tokens (structured outputs); ``shift``: per row,
+        on the device, how far its position moves (``StepShift.draws``)."""
         batch = self.batch
         seq_ids = tuple(w.seq_id for w in work)
         if bitmask is not None:  # in place, in the logits' dtype: -inf and the float32 conversion commute
@@ -274,7 +289,7 @@ class ModelRunner:
             tokens = torch.argmax(logits, dim=-1)
             return tokens, {"draws": _Draws(seq_ids, tuple(counts), (None,) * len(slots))}
         logits = logits.float()
-        t = batch.sampling_tensors(slots, positions, history)
+        t = batch.sampling_tensors(slots, positions, history, shift)
         tokens = draw(logits, t)
         out = {"draws": _Draws(seq_ids, tuple(counts), t.num_logprobs)}
         lp_rows = [b for b, n in enumerate(t.num_logprobs) if n is not None]
@@ -322,26 +337,35 @@ class ModelRunner:
         getattr(self.model, "ops", REF).token_mask(logits, *masks.split(flat))
 
     def _placeholders(self, work, slots: np.ndarray, starts: np.ndarray):
-        """(flat rows, device values) of the inputs still on the device, or None."""
-        rows, owners = [], []
+        """(flat rows, device values) of the inputs still on the device, or None: a work's last input, or
+        (async speculation) all of its inputs, the last emitted token and the drafts of its step in flight."""
+        rows, owners, cols = [], [], []
         for w, slot, start in zip(work, slots.tolist(), starts.tolist()):
-            if w.num_placeholders:
-                if w.num_placeholders != 1:
-                    raise ValueError(f"{w.seq_id}: {w.num_placeholders} placeholder inputs; one step drew one")
-                rows.append(start + w.num_tokens - 1)
-                owners.append(slot)
+            m = w.num_placeholders
+            if m:
+                if m != 1 and (w.token_ids or m != w.num_drafts + 1 or self.batch.drafts is None):
+                    raise ValueError(f"{w.seq_id}: {m} placeholder inputs; the step in flight drew one (and "
+                                     f"proposed the {w.num_drafts} drafts verified)")
+                end = start + w.num_tokens
+                rows.extend(range(end - m, end))
+                owners.extend([slot] * m)
+                cols.extend(range(m))
         if not rows:
             return None
-        both = to_device(rows + owners, torch.int64, self.device)
-        return both[: len(rows)], self.batch.last_tokens[both[len(rows) :]]
+        n = len(rows)
+        t = to_device(rows + owners + cols, torch.int64, self.device)
+        return t[:n], self.batch.placeholder_values(t[n : 2 * n], t[2 * n :])
 
     def _forward(self, ids: np.ndarray, slots, first, lens, placeholders, emit_from: list[int],
-                 last_row_only: tuple[bool, ...]):
+                 last_row_only: tuple[bool, ...], shift: StepShift | None = None):
         """The target's final streams [T, N, H] of the step, with its index and input ids (the MTP layer
         reuses both). ``emit_from``: per sequence, the bounded replay's boundary (0: none); ``last_row_only``:
-        per sequence, whether only its last row's output is read (``StepIndex.last_row_only``)."""
+        per sequence, whether only its last row's output is read (``StepIndex.last_row_only``); ``shift``:
+        moves the index's positions on the device (a verify step in flight)."""
         index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
                                  pin_memory=self.device.type == "cuda").to(self.device)
+        if shift is not None:
+            shift.apply(index)
         index = dataclasses.replace(index, last_row_only=last_row_only)
         if any(emit_from):
             index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))

@@ -60,13 +60,17 @@ class Verification:
     last: torch.Tensor  # [S] int64: drawn-row index of each sequence's last emitted token
     emitted: torch.Tensor  # [S, W] int64: each sequence's emitted tokens, -1 after them (W: most draws)
     kept: torch.Tensor  # [S] int64: emitted tokens per sequence (accepted drafts + the target's next)
+    shift: torch.Tensor  # [S] int64: accepted - verified drafts (<= 0): how far the next step's positions move
 
 
-def verify(tokens: torch.Tensor, work: list[SeqWork], device: torch.device) -> Verification:
+def verify(tokens: torch.Tensor, work: list[SeqWork], device: torch.device, input_ids: torch.Tensor | None = None,
+           starts: list[int] | None = None) -> Verification:
     """Compare each drawing sequence's drafts with its draws (``tokens``: the drawn rows, sequence by
     sequence, ``w.num_samples`` each); the draw after the last draft has nothing to compare (never kept
     back: it is the target's own token). The host lays the batch out as a [sequences, most draws] matrix
-    with numpy (no loop over rows) and ships it in one copy; the comparison is ``accept_drafts``."""
+    with numpy (no loop over rows) and ships it in one copy; the comparison is ``accept_drafts``. Drafts
+    the host does not know (placeholders: async scheduling) are read from the step's ``input_ids`` on the
+    device (``starts``: each work's first input row)."""
     k = np.fromiter((w.num_samples for w in work), dtype=np.int64, count=len(work))
     d = np.fromiter((w.num_drafts for w in work), dtype=np.int64, count=len(work))
     s, width, nd = len(work), int(k.max()), int(k.sum())
@@ -78,21 +82,35 @@ def verify(tokens: torch.Tensor, work: list[SeqWork], device: torch.device) -> V
     rel = col - lead[:, None]  # the draft a column's draw verifies
     targets = np.where(col < lead[:, None], FREE, NO_DRAFT)
     is_draft = (rel >= 0) & (rel < d[:, None])
-    targets[is_draft] = np.fromiter(chain.from_iterable(w.token_ids[len(w.token_ids) - w.num_drafts :]
-                                                        for w in work if w.num_drafts), dtype=np.int64,
-                                    count=int(d.sum()))
+    unknown = [i for i, w in enumerate(work) if len(w.token_ids) < w.num_drafts]  # placeholder drafts
+    cells = rows = np.zeros(0, dtype=np.int64)
+    if unknown:
+        # Their cells (flat, in [sequences, most draws]) and input rows: the device fills them below.
+        cells = np.flatnonzero(is_draft[unknown].ravel())
+        cells = np.asarray(unknown, dtype=np.int64)[cells // width] * width + cells % width
+        ends = [starts[i] + work[i].num_tokens for i in unknown]
+        rows = np.concatenate([np.arange(e - work[i].num_drafts, e) for i, e in zip(unknown, ends)])
+        is_draft[unknown] = False
+    known = (w.token_ids[len(w.token_ids) - w.num_drafts :] for w in work
+             if w.num_drafts and len(w.token_ids) >= w.num_drafts)
+    targets[is_draft] = np.fromiter(chain.from_iterable(known), dtype=np.int64, count=int(is_draft.sum()))
     draw_idx = off[:, None] + np.minimum(col, k[:, None] - 1)  # padding repeats the last draw
     seg = np.repeat(np.arange(s), k)
     local = np.arange(nd) - off[seg]
-    host = np.concatenate([draw_idx.ravel(), targets.ravel(), seg, local, off, lead])
+    host = np.concatenate([draw_idx.ravel(), targets.ravel(), seg, local, off, lead, d, cells, rows])
     t = to_device(host, torch.int64, device)
-    n2 = s * width
-    draw_t, target_t = t[:n2].view(s, width), t[n2 : 2 * n2].view(s, width)
+    n2, nu = s * width, len(cells)
+    draw_t, target_t = t[:n2].view(s, width), t[n2 : 2 * n2]
     seg_t, local_t = t[2 * n2 : 2 * n2 + nd], t[2 * n2 + nd : 2 * n2 + 2 * nd]
-    off_t, lead_t = t[2 * n2 + 2 * nd : 2 * n2 + 2 * nd + s], t[2 * n2 + 2 * nd + s :]
-    emitted, kept = accept_drafts(tokens[draw_t], target_t)
-    return Verification(accepted=kept - 1 - lead_t, keep=local_t < kept[seg_t], last=off_t + kept - 1,
-                        emitted=emitted, kept=kept)
+    at = 2 * n2 + 2 * nd
+    off_t, lead_t, d_t = t[at : at + s], t[at + s : at + 2 * s], t[at + 2 * s : at + 3 * s]
+    if nu:
+        cells_t, rows_t = t[at + 3 * s : at + 3 * s + nu], t[at + 3 * s + nu :]
+        target_t = target_t.index_put((cells_t,), input_ids[rows_t])
+    emitted, kept = accept_drafts(tokens[draw_t], target_t.view(s, width))
+    accepted = kept - 1 - lead_t
+    return Verification(accepted=accepted, keep=local_t < kept[seg_t], last=off_t + kept - 1, emitted=emitted,
+                        kept=kept, shift=accepted - d_t)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,15 +160,18 @@ class MTPDrafter:
 
     def propose(self, streams: torch.Tensor, input_ids: torch.Tensor, index: StepIndex, work, starts: list[int],
                 slots: list[int], draw_rows: list[int], tokens: torch.Tensor | None,
-                kept: torch.Tensor | None, graphed: bool = False) -> torch.Tensor | None:
+                kept: torch.Tensor | None, graphed: bool = False,
+                shift: torch.Tensor | None = None) -> torch.Tensor | None:
         """Fill the MTP layer's cache for every row of the step and draft for the works that ask.
 
         ``draw_rows``/``tokens``: the step's drawn rows and their tokens; ``kept``: per drawing work (in
         order) its emitted tokens (None: every draw); ``graphed``: the target ran in a verify graph
         (``streams`` and ``index`` are its static ones), so the pass over the rows replays the matching MTP
-        graph. Returns [proposers, max proposals] int64 (-1 past a work's count), or None when no work
-        asks. Reads nothing back from the device: the chain's step indexes are built on the host at the
-        positions of full acceptance and moved by the accepted counts on the device."""
+        graph. ``shift``: per work, how far the step's positions were moved on the device (its verify
+        step in flight, ``runner/step_shift.py``; ``index`` is moved already). Returns [proposers, max
+        proposals] int64 (-1 past a work's count), or None when no work asks. Reads nothing back from the
+        device: the chain's step indexes are built on the host at the positions of full acceptance and
+        moved by the accepted counts (and ``shift``) on the device."""
         dev, batch = self.device, self.batch
         next_ids = torch.empty_like(input_ids)
         next_ids[:-1] = input_ids[1:]
@@ -172,10 +193,10 @@ class MTPDrafter:
         first_draw = np.fromiter((starts[i] + work[i].num_tokens - work[i].num_samples for _, i in props),
                                  dtype=np.int64, count=m)
         # One upload: [fixed rows | fixed ids | drawn rows | proposers' drawing index | first drawn rows | slots
-        # | draws - 1 (the base row's offset at full acceptance)].
+        # | draws - 1 (the base row's offset at full acceptance) | proposers' work index].
         host = np.concatenate([np.asarray(fixed_rows + fixed_ids + draw_rows, dtype=np.int64),
                                np.fromiter((d for d, _ in props), dtype=np.int64, count=m), first_draw, prop_slots,
-                               samples - 1])
+                               samples - 1, np.fromiter((i for _, i in props), dtype=np.int64, count=m)])
         t = to_device(host, torch.int64, dev)
         nf, nd = len(fixed_rows), len(draw_rows)
         if nf:
@@ -185,7 +206,7 @@ class MTPDrafter:
         p = t[2 * nf + nd :]
         sampled = any(batch.sampling[s].temperature >= GREEDY_TEMPERATURE_EPS for s in prop_slots.tolist())
         if m:
-            full = p[3 * m :]
+            full = p[3 * m : 4 * m]
             offset = kept[p[:m]] - 1 if kept is not None else full
             base_rows = p[m : 2 * m] + offset
             temperature, seeds = batch.draft_params(p[2 * m : 3 * m])
@@ -205,9 +226,9 @@ class MTPDrafter:
         if width == 1:
             return out
         # The chain's index is built at the positions of full acceptance (the last drawn row's, + j) and moved
-        # back on the device by offset - (samples - 1) = -(rejected drafts).
+        # back on the device by offset - (samples - 1) = -(rejected drafts), and by the step's own shift.
         last_pos = np.fromiter((w.first_pos + w.num_tokens - 1 for w in pw), dtype=np.int64, count=m)
-        shift = offset - full
+        shift = offset - full if shift is None else offset - full + shift[p[4 * m :]]
         active = np.arange(m)
         for j in range(1, width):
             keep = np.flatnonzero(counts[active] > j)

@@ -17,7 +17,10 @@ The runner keeps a persistent batch state (``runner/input_batch.py``) that a pla
     With speculative decoding (MTP) a decoding sequence's inputs are its last token plus ``num_drafts``
     drafts, drawn at every one of them (verification); ``num_proposals`` asks the runner for that many new
     drafts after the step, and ``next_token`` is the known token after the last input of a prompt chunk
-    that draws nothing (the MTP layer at position p reads token p + 1).
+    that draws nothing (the MTP layer at position p reads token p + 1). With both (async scheduling and
+    speculation) a sequence whose verify step is still in flight has only placeholders: its last emitted
+    token and ``num_drafts`` drafts of that step, at the positions its full acceptance gives; the runner
+    moves them back by the step's rejected drafts on the device.
 The runner applies ``left``, then ``joined``, then ``table_edits``, then runs ``work``.
 """
 
@@ -100,7 +103,7 @@ class SeqWork:
     # carries one per verified position (the grammar advanced over the drafts before it); a draw without a
     # row is unconstrained (a sequence still thinking, up to a drafted ``</think>``).
     grammar_masks: tuple[bytes, ...] = ()
-    num_drafts: int = 0  # the last num_drafts token_ids are drafts, verified by this step's draws
+    num_drafts: int = 0  # the last num_drafts inputs are drafts (placeholders or not), verified by this step's draws
     num_proposals: int = 0  # drafts the MTP layer proposes for the next step (0: none)
     next_token: int = -1  # token after the last input when the step draws none (-1: it draws)
     # Bounded replay of a prefix hit: windows closing before this position are cached already, so the step

@@ -19,6 +19,13 @@ the MTP chain writes past the step (DSpark writes none: its context rows are the
 After the step the engine rolls the rejected drafts back (``rollback``: the cache is position-addressed,
 so that is "set the length").
 
+Both together (async scheduling with speculation): a sequence whose verify step is in flight is planned as
+if all of its drafts were accepted: its inputs are placeholders (the step's last emitted token and the
+``pending_drafts`` it proposed, which the runner takes from the device) at the positions full acceptance
+gives; the runner moves them back by the rejected drafts on the device, and the engine's ``rollback`` of
+the step in flight moves the host's lengths back once its results arrive. The cache's rollback slack covers
+two such steps (``engine/sizing.py``).
+
 With prefix caching (``prefix``, a ``BlockHasher``) a sequence admitted from the queue first looks up the
 longest cached prefix of its known tokens (leaving at least one to compute) and starts there; each
 commit names the sequence's newly completed full blocks so that they stay cached after release. Requests
@@ -231,7 +238,7 @@ class Scheduler:
         known = len(seq.token_ids)
         if seq.num_pending and known - seq.num_prompt + seq.num_pending >= seq.max_output:
             return 0
-        return known + seq.num_pending - seq.num_computed + len(self._drafts(seq))
+        return known + seq.num_pending - seq.num_computed + len(self._drafts(seq)) + self._pending_drafts(seq)
 
     def _drafts(self, seq: Sequence) -> tuple[int, ...]:
         """The drafts a decoding sequence verifies this step: none past its output limit (the last token
@@ -240,6 +247,14 @@ class Scheduler:
             return ()
         return seq.drafts[: max(0, seq.max_output - seq.num_output - 1)]
 
+    def _pending_drafts(self, seq: Sequence) -> int:
+        """The drafts a sequence whose verify step is in flight verifies this step: those the step proposes,
+        still on the device (none past its output limit, counted at the step's full acceptance)."""
+        if (self.speculative is None or not seq.num_pending
+                or seq.num_computed != seq.num_tokens + seq.num_pending - 1):
+            return 0
+        return max(0, min(seq.pending_drafts, seq.max_output - seq.num_output - seq.num_pending - 1))
+
     def _proposals(self, seq: Sequence, n: int, draws: int) -> int:
         """Drafts the MTP layer proposes after a step of ``n`` inputs that draws ``draws`` tokens."""
         spec = self.speculative
@@ -247,10 +262,11 @@ class Scheduler:
             return 0
         want = draft_length(seq.draft_acceptance, spec.num_speculative_tokens) if spec.length_by_rate else \
             spec.num_speculative_tokens
-        # Useless past the output limit (the next step keeps at most max_output - num_output - 2 drafts);
-        # and the chain writes MTP rows up to position first + n + proposals - 2, inside the model length.
+        # Useless past the output limit (the next step keeps at most max_output - num_output - 2 drafts,
+        # counting the tokens in flight as emitted); and the chain writes MTP rows up to position
+        # first + n + proposals - 2, inside the model length.
         room = self.config.max_model_len - (seq.num_computed + n) + 1
-        return max(0, min(want, seq.max_output - seq.num_output - 2, room))
+        return max(0, min(want, seq.max_output - seq.num_output - seq.num_pending - 2, room))
 
     def _extent(self, seq: Sequence, n: int) -> int:
         """Positions to allocate for a step of ``n`` inputs: those plus the MTP chain's rows past them."""
@@ -287,14 +303,18 @@ class Scheduler:
             samples = 1 if first + n == known + seq.num_pending else 0
             return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n),
                            emit_from=emit_from)
-        drafts = self._drafts(seq)[: max(0, first + n - known)]  # the budget may cut drafts off
+        if seq.num_pending:  # its step in flight drew every input: the last emitted token, then the drafts
+            drafts, num_drafts = (), min(self._pending_drafts(seq), n - 1)
+        else:
+            drafts = self._drafts(seq)[: max(0, first + n - known)]  # the budget may cut drafts off
+            num_drafts = len(drafts)
         samples = self._num_draws(seq, n)
         proposals = self._proposals(seq, n, samples)
         chain = max(0, proposals - 1) if self.speculative.writes_past_step else 0  # the MTP chain's rows
         self.cache.allocate(seq.seq_id, n + chain)
         nxt = -1 if samples else seq.token_ids[first + n]
         return SeqWork(seq.seq_id, first, tokens + drafts, n - len(tokens) - len(drafts), samples,
-                       self._prompt_job(seq, first, n), num_drafts=len(drafts), num_proposals=proposals,
+                       self._prompt_job(seq, first, n), num_drafts=num_drafts, num_proposals=proposals,
                        next_token=nxt, emit_from=emit_from)
 
     def _prompt_job(self, seq: Sequence, first: int, n: int) -> PromptLogprobJob | None:
@@ -335,8 +355,9 @@ class Scheduler:
 
     def rollback(self, seq: Sequence, num_rejected: int) -> None:
         """Forget the cache rows of a step's last ``num_rejected`` inputs (rejected drafts): every pool is
-        position-addressed, so the rows past the new length are simply rewritten later."""
-        if num_rejected:
+        position-addressed, so the rows past the new length are simply rewritten later. A sequence preempted
+        while the step was in flight (async scheduling) holds no cache to roll back."""
+        if num_rejected and seq.status is Status.RUNNING:
             seq.num_computed -= num_rejected
             self.cache.truncate(seq.seq_id, seq.num_computed)
 
@@ -347,6 +368,8 @@ class Scheduler:
         for seq, w in zip(schedule.seqs, schedule.plan.work):
             seq.num_computed += w.num_tokens
             seq.num_pending += w.num_samples
+            if w.num_samples:
+                seq.pending_drafts = w.num_proposals
             # Name the full blocks whose tokens are final (drafts and in-flight draws are not in token_ids).
             hashes = () if self.prefix is None else self._chain(seq, min(seq.num_computed, seq.num_tokens))
             self.cache.commit(seq.seq_id, seq.num_computed, hashes)

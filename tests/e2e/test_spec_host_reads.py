@@ -1,7 +1,8 @@
 """A speculative step reads the device once: its emitted tokens and next drafts come back in one packed copy.
 
 Counted on the CPU over verify steps of the demo model (k = 3, a greedy and a seeded sampled request in one
-batch, so the chain and the sampled draft pick run): every Python-level read of a tensor's values
+batch, so the chain and the sampled draft pick run), with the synchronous loop and with async scheduling
+(whose verify steps are planned on the placeholder drafts of the step in flight and moved on the device): every Python-level read of a tensor's values
 (``tolist``, ``item``, ``numpy``, ``cpu``, ``bool``/``int``/``float``/``index``) and every operator whose
 result shape depends on tensor values (``nonzero``, boolean indexing, ``unique``, ...: on the GPU each waits
 for the device), made by the runner, the sampler or the engine. The model's forward is left out: on the
@@ -53,10 +54,10 @@ class _ShapeFromValues(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine(request):
     eng = LLMEngine.from_engine_args(device="cpu", load_progress=False, block_size=128, max_num_seqs=4,
-                                     max_model_len=1024,
+                                     max_model_len=1024, async_scheduling=request.param,
                                      speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     eng.add_request("greedy", "def fib(n):", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     eng.add_request("sampled", "import os\n", SamplingParams(temperature=0.8, seed=3, max_tokens=64, ignore_eos=True))
@@ -77,6 +78,13 @@ def test_a_speculative_step_reads_the_device_once(engine, monkeypatch) -> None:
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    submit, overlapped = engine.runner.submit, []
+
+    def counted(plan, *args, **kwargs):  # verify works planned on a step in flight's drafts (async)
+        overlapped.extend(w for w in plan.work if w.num_placeholders > 1)
+        return submit(plan, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "submit", counted)
     per_step = []
     for _ in range(3):
         drafts_before = engine.spec_stats.num_drafts
@@ -86,6 +94,7 @@ def test_a_speculative_step_reads_the_device_once(engine, monkeypatch) -> None:
         assert engine.spec_stats.num_drafts > drafts_before  # a verify step
         per_step.append(dict(reads))
     monkeypatch.undo()
+    assert bool(overlapped) == engine.async_scheduling
     print("device reads per speculative step:", per_step, file=sys.stderr)
     for step in per_step:
         assert sum(step.values()) == 1, step

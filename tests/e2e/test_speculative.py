@@ -92,9 +92,9 @@ def test_config_errors_name_the_field(tiny_dir) -> None:
     for value, field in bad:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             EngineConfig.create(EngineArgs(model=str(tiny_dir), speculative_config=value))
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig.create(EngineArgs(model=str(tiny_dir), async_scheduling=True,
-                                       speculative_config='{"method": "mtp", "num_speculative_tokens": 1}'))
+    # Together with async scheduling on one device (several: tests/e2e/test_parallel_speculative.py).
+    assert EngineConfig.create(EngineArgs(model=str(tiny_dir), async_scheduling=True,
+                                          speculative_config='{"method": "mtp", "num_speculative_tokens": 1}'))
     cfg = EngineConfig.create(EngineArgs(model=str(tiny_dir),
                                          speculative_config='{"method": "mtp", "num_speculative_tokens": 3}'))
     assert cfg.speculative.num_speculative_tokens == 3 and cfg.speculative.varlen is False

@@ -1,7 +1,8 @@
 """Speculative decoding's CUDA graphs (verify steps that keep their streams, the MTP passes with the head and
 the draft pick inside) compute what the eager verify path computes: the same tokens, drafts and logprobs,
-bit for bit, at full buckets -- per engine step with greedy and seeded sampled rows in one batch, and per
-chained MTP pass replayed directly against the eager function it captures."""
+bit for bit, at full buckets -- per engine step with greedy and seeded sampled rows in one batch (also with
+async scheduling, whose verify steps move the graphs' static positions on the device), and per chained MTP
+pass replayed directly against the eager function it captures."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "# sort a list\n", "for
            "x = [", "while True:"]
 
 
-def _engine(k: int, eager: bool) -> LLMEngine:
+def _engine(k: int, eager: bool, async_scheduling: bool = False) -> LLMEngine:
     return LLMEngine.from_engine_args(device="cuda", block_size=256, max_num_seqs=8, max_model_len=1024,
                                       cache_memory_gb=2.0, load_progress=False, enforce_eager=eager,
+                                      async_scheduling=async_scheduling,
                                       speculative_config={"method": "mtp", "num_speculative_tokens": k})
 
 
@@ -68,6 +70,33 @@ def test_drafts_of_mixed_batches_equal_eager(k: int) -> None:
         assert any(any(d) for step in da for d in step.values())
         for rid in a:
             assert a[rid].token_ids == b[rid].token_ids, (k, n, rid)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_async_verify_graphs_equal_eager(k: int) -> None:
+    """Async scheduling: verify steps planned on the drafts of the step in flight replay the verify and MTP
+    graphs with their static positions moved on the device (``runner/step_shift.py``): the eager async
+    engine's tokens, logprobs and drafts bit for bit. (Against the synchronous loop the GPU's tokens are
+    equal where its kernels are batch-invariant: near max_tokens async steps verify fewer drafts.)"""
+    graphs, eager = _engine(k, eager=False, async_scheduling=True), _engine(k, eager=True, async_scheduling=True)
+    submit, overlapped = graphs.runner.submit, []
+
+    def counted(plan, *args, **kwargs):  # full verify steps on placeholder drafts: the graphs' case
+        overlapped.extend(w for w in plan.work if w.num_placeholders == k + 1)
+        return submit(plan, *args, **kwargs)
+
+    graphs.runner.submit = counted
+    for n in (1, 4, 8):
+        params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2) if i % 2 else
+                  SamplingParams(temperature=0.8, seed=5 + i, max_tokens=40, ignore_eos=True) for i in range(n)]
+        da, db = [], []
+        a, b = _run(graphs, PROMPTS[:n], params, da), _run(eager, PROMPTS[:n], params, db)
+        assert da == db, (k, n)
+        for rid in a:
+            assert a[rid].token_ids == b[rid].token_ids, (k, n, rid)
+            assert a[rid].logprobs == b[rid].logprobs, (k, n, rid)
+    assert overlapped
+    assert graphs.spec_stats.num_accepted_tokens == eager.spec_stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("sampled", [False, True])

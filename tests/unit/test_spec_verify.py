@@ -78,3 +78,38 @@ def test_coupled_verification_equals_plain_sampling_and_follows_the_target() -> 
     obs, exp = observed[keep], expected[keep]
     exp = exp * obs.sum() / exp.sum()
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+
+
+def test_placeholder_drafts_verify_as_known_ones() -> None:
+    """Drafts the host does not have (async scheduling: a step planned on the drafts of the one in flight)
+    are read from the step's input ids on the device: the same verification as with the drafts in the
+    plan, in a batch that mixes both, prefill-like draws before the drafts, and sequences without drafts."""
+    rng = torch.Generator().manual_seed(3)
+    shapes = [(3, 2, 3), (1, 0, 1), (4, 3, 4), (5, 2, 3), (2, 1, 2), (3, 2, 3)]  # (inputs, drafts, draws)
+    known, mixed, inputs = [], [], []
+    for i, (n, d, k) in enumerate(shapes):
+        ids = tuple(torch.randint(0, V, (n,), generator=rng).tolist())
+        inputs.extend(ids)
+        known.append(SeqWork(str(i), 0, ids, num_samples=k, num_drafts=d))
+        # Every other verify work: all of its inputs placeholders (its last emitted token and its drafts).
+        placeholder = d and n == d + 1 and i % 2 == 0
+        mixed.append(SeqWork(str(i), 0, (), num_placeholders=n, num_samples=k, num_drafts=d) if placeholder
+                     else known[-1])
+    assert any(w.num_placeholders for w in mixed) and any(w.num_drafts and not w.num_placeholders for w in mixed)
+    starts = torch.cumsum(torch.tensor([0] + [n for n, _, _ in shapes[:-1]]), 0).tolist()
+    input_ids = torch.tensor(inputs)
+    for trial in range(20):  # draws that match the drafts to every depth
+        tokens = []
+        for w in known:
+            drafts = list(w.token_ids[len(w.token_ids) - w.num_drafts :])
+            hit = int(torch.randint(0, w.num_drafts + 1, (1,), generator=rng))
+            draws = torch.randint(0, V, (w.num_samples,), generator=rng).tolist()
+            lead = w.num_samples - 1 - w.num_drafts
+            draws[lead : lead + hit] = drafts[:hit]
+            tokens.extend(draws)
+        tokens = torch.tensor(tokens)
+        want = verify(tokens, known, torch.device("cpu"))
+        got = verify(tokens, mixed, torch.device("cpu"), input_ids, starts)
+        for name in ("accepted", "keep", "last", "emitted", "kept", "shift"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
+        assert torch.equal(want.shift, want.accepted - torch.tensor([d for _, d, _ in shapes]))
