@@ -136,13 +136,16 @@ class Scheduler:
                 work.append(self._take(seq, n))
                 planned.append(seq)
                 budget -= n
+        evicted = _Evicted(self.cache, self.tiers)
         while budget and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still in flight: resumable once that token is known
             if self._sibling_computing(seq):
                 break  # its prompt's blocks are being computed by sample 0: hit them next step
-            hit = self._lookup(seq)
+            hit = self._lookup(seq, evicted)
+            if hit is not None and evicted.needed_by(hit):
+                break  # its blocks reach the tiers with this plan's saves: it hits them there next step
             seq.num_computed = hit.start if hit else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             extent = self._extent(seq, n)
@@ -172,9 +175,7 @@ class Scheduler:
         left, self._left = tuple(self._left), []
         edits = tuple(TableEdit(*e) for e in self.cache.drain_edits())
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
-        saves = ()
-        if self.tiers is not None:  # only the pools the tiers keep (no state blocks where hits can replay)
-            saves = tuple(e for e in self.cache.drain_evictions() if e[0] in self.tiers.pools)
+        saves = evicted.drain()
         loads, self._loads = tuple(self._loads), []
         copies, self._copies = tuple(self._copies), []
         return Schedule(plan, tuple(planned), tuple(preempted), stuck, saves, loads, copies)
@@ -188,13 +189,20 @@ class Scheduler:
                                                  seq.request.cache_salt, known=seq.block_hashes)
         return seq.block_hashes[:nb]
 
-    def _lookup(self, seq: Sequence) -> PrefixHit | None:
+    def _lookup(self, seq: Sequence, evicted: "_Evicted | None" = None) -> PrefixHit | None:
+        """The longest usable hit for the sequence. ``evicted``: blocks the plan being made has evicted so far
+        count as held by the tiers, which they reach with the plan's saves (``_Evicted``)."""
         if self.prefix is None or seq.request.params.prompt_logprobs is not None:
             return None
         # At least one token is computed: the step that brings the sequence up to date draws from its logits.
         limit = seq.num_tokens - 1
         chain = self._chain(seq, limit)
-        return self.cache.match_prefix(chain, limit, self.tiers.probe(chain) if self.tiers is not None else None)
+        in_tier = None
+        if self.tiers is not None:
+            in_tier = self.tiers.probe(chain)
+            if evicted is not None:
+                in_tier = evicted.probe(in_tier)
+        return self.cache.match_prefix(chain, limit, in_tier)
 
     def _fetch(self, hit: PrefixHit) -> dict[tuple[str, bytes], bytes] | None:
         """Payloads of the hit's blocks in a lower tier; None when one is gone or unusable. (With several
@@ -350,3 +358,53 @@ class Scheduler:
             # Name the full blocks whose tokens are final (drafts and in-flight draws are not in token_ids).
             hashes = () if self.prefix is None else self._chain(seq, min(seq.num_computed, seq.num_tokens))
             self.cache.commit(seq.seq_id, seq.num_computed, hashes)
+
+
+class _Evicted:
+    """Cached blocks that one plan's allocations evicted so far, for the tiers (``Schedule.saves``).
+
+    The tiers receive them only once the plan is made (the engine saves them before the step), so a lookup
+    later in the same plan finds them neither on the device nor in a lower tier. Under a cyclic reuse pattern
+    that is the common case, not a corner: the least recently used blocks are exactly those of the next
+    conversations in line, so a request admitted after others in the same plan would lose the evicted part of
+    its prefix (and from the first evicted block on, everything behind it) and recompute it. The lookup
+    counts these blocks as held by the tiers instead, and an admission whose hit needs one of them waits for
+    the next plan, by when the tiers hold them (a write-back still in flight is waited for by ``fetch``).
+    """
+
+    def __init__(self, cache: CacheManager, tiers) -> None:
+        self.cache, self.tiers = cache, tiers
+        self.saves: list[tuple[str, int, bytes]] = []
+        self.keys: set[tuple[str, bytes]] = set()  # (pool, hash) of ``saves``
+        self.late: set[tuple[str, bytes]] = set()  # of those, blocks a lookup found only here
+
+    def _collect(self) -> None:
+        if self.tiers is None:
+            return
+        for e in self.cache.drain_evictions():
+            if e[0] in self.tiers.pools:  # only the pools the tiers keep (no state blocks where hits replay)
+                self.saves.append(e)
+                self.keys.add((e[0], e[2]))
+
+    def probe(self, in_tier):
+        """``in_tier`` of a lookup that also counts this plan's evictions as held."""
+        self._collect()
+        if not self.keys:
+            return in_tier
+
+        def held(pool: str, h: bytes) -> bool:
+            if in_tier(pool, h):
+                return True
+            if (pool, h) in self.keys:
+                self.late.add((pool, h))
+                return True
+            return False
+        return held
+
+    def needed_by(self, hit: PrefixHit) -> bool:
+        """Whether the hit loads a block that reaches the tiers only with this plan's saves."""
+        return bool(self.late) and any((p, h) in self.late for p, _, h in hit.loads)
+
+    def drain(self) -> tuple[tuple[str, int, bytes], ...]:
+        self._collect()
+        return tuple(self.saves)
