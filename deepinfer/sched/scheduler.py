@@ -26,8 +26,11 @@ asking for prompt logprobs skip the lookup (the cached positions would have none
 ``n > 1`` request wait in the queue until the first sample has computed the prompt's full blocks, then hit.
 With cache tiers (``tiers``) the lookup also finds blocks in host memory or on disk: their payloads are
 fetched (and checked) at admission, and the schedule carries them (``loads``) with the cached blocks its
-allocations evicted (``saves``), for the engine to apply before the step. A hit whose boundary kept its
-window blocks but not its compressor state is a bounded replay: the sequence starts a few positions early
+allocations evicted (``saves``), for the engine to apply before the step. Those evicted blocks reach the tiers
+only then, so a lookup later in the same plan counts them as held and its admission waits for the next plan
+(``sched/evictions.py``: under lockstep multi-turn traffic LRU evicts exactly the next conversations' blocks,
+often in the plan that admits them). A hit whose boundary kept its window blocks but not its compressor
+state is a bounded replay: the sequence starts a few positions early
 (``PrefixHit.start``), its first step emits no compressed entry before the boundary (``SeqWork.emit_from``),
 and the block it rewrites is private: a copy of a device block (``copies``, applied by the engine before
 the step) or a block loaded from a tier. With replay the tiers hold no state blocks at all (``TierLink.pools``),
@@ -50,6 +53,7 @@ from deepinfer.kv.offload import TierLink
 from deepinfer.kv.prefix_hash import BlockHasher
 from deepinfer.kv.spec import HISTORY
 from deepinfer.sched.draft_length import draft_length
+from deepinfer.sched.evictions import PlanEvictions
 from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
 
@@ -136,7 +140,7 @@ class Scheduler:
                 work.append(self._take(seq, n))
                 planned.append(seq)
                 budget -= n
-        evicted = _Evicted(self.cache, self.tiers)
+        evicted = PlanEvictions(self.cache, self.tiers)
         while budget and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
@@ -189,9 +193,9 @@ class Scheduler:
                                                  seq.request.cache_salt, known=seq.block_hashes)
         return seq.block_hashes[:nb]
 
-    def _lookup(self, seq: Sequence, evicted: "_Evicted | None" = None) -> PrefixHit | None:
+    def _lookup(self, seq: Sequence, evicted: PlanEvictions | None = None) -> PrefixHit | None:
         """The longest usable hit for the sequence. ``evicted``: blocks the plan being made has evicted so far
-        count as held by the tiers, which they reach with the plan's saves (``_Evicted``)."""
+        count as held by the tiers, which they reach with the plan's saves (``PlanEvictions``)."""
         if self.prefix is None or seq.request.params.prompt_logprobs is not None:
             return None
         # At least one token is computed: the step that brings the sequence up to date draws from its logits.
@@ -358,53 +362,3 @@ class Scheduler:
             # Name the full blocks whose tokens are final (drafts and in-flight draws are not in token_ids).
             hashes = () if self.prefix is None else self._chain(seq, min(seq.num_computed, seq.num_tokens))
             self.cache.commit(seq.seq_id, seq.num_computed, hashes)
-
-
-class _Evicted:
-    """Cached blocks that one plan's allocations evicted so far, for the tiers (``Schedule.saves``).
-
-    The tiers receive them only once the plan is made (the engine saves them before the step), so a lookup
-    later in the same plan finds them neither on the device nor in a lower tier. Under a cyclic reuse pattern
-    that is the common case, not a corner: the least recently used blocks are exactly those of the next
-    conversations in line, so a request admitted after others in the same plan would lose the evicted part of
-    its prefix (and from the first evicted block on, everything behind it) and recompute it. The lookup
-    counts these blocks as held by the tiers instead, and an admission whose hit needs one of them waits for
-    the next plan, by when the tiers hold them (a write-back still in flight is waited for by ``fetch``).
-    """
-
-    def __init__(self, cache: CacheManager, tiers) -> None:
-        self.cache, self.tiers = cache, tiers
-        self.saves: list[tuple[str, int, bytes]] = []
-        self.keys: set[tuple[str, bytes]] = set()  # (pool, hash) of ``saves``
-        self.late: set[tuple[str, bytes]] = set()  # of those, blocks a lookup found only here
-
-    def _collect(self) -> None:
-        if self.tiers is None:
-            return
-        for e in self.cache.drain_evictions():
-            if e[0] in self.tiers.pools:  # only the pools the tiers keep (no state blocks where hits replay)
-                self.saves.append(e)
-                self.keys.add((e[0], e[2]))
-
-    def probe(self, in_tier):
-        """``in_tier`` of a lookup that also counts this plan's evictions as held."""
-        self._collect()
-        if not self.keys:
-            return in_tier
-
-        def held(pool: str, h: bytes) -> bool:
-            if in_tier(pool, h):
-                return True
-            if (pool, h) in self.keys:
-                self.late.add((pool, h))
-                return True
-            return False
-        return held
-
-    def needed_by(self, hit: PrefixHit) -> bool:
-        """Whether the hit loads a block that reaches the tiers only with this plan's saves."""
-        return bool(self.late) and any((p, h) in self.late for p, _, h in hit.loads)
-
-    def drain(self) -> tuple[tuple[str, int, bytes], ...]:
-        self._collect()
-        return tuple(self.saves)
