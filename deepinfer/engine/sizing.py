@@ -119,11 +119,16 @@ def cache_layout(config: EngineConfig) -> CacheLayout:
     return build_layout(config.model, config.cache.block_size, include_mtp=config.speculative is not None)
 
 
+def pool_blocks(config: EngineConfig, layout: CacheLayout, model=None) -> dict[str, int]:
+    """Blocks per pool of the engine's cache (``model``: profiled on CUDA when no budget is given)."""
+    return _num_blocks(config, layout, torch.empty(0, dtype=config.dtype).element_size(), model)
+
+
 def build_cache(config: EngineConfig, model=None) -> tuple[CacheManager, KVStorage, RuntimeFacts]:
     """``model`` (optional): profiled on CUDA to size the cache from ``gpu_memory_utilization``."""
     layout = cache_layout(config)
     dtype_bytes = torch.empty(0, dtype=config.dtype).element_size()
-    counts = _num_blocks(config, layout, dtype_bytes, model)
+    counts = pool_blocks(config, layout, model)
     storage = KVStorage(layout, counts, config.dtype, config.device)
     facts = RuntimeFacts(
         num_blocks=dict(counts),

@@ -33,8 +33,11 @@ asking for prompt logprobs skip the lookup (the cached positions would have none
 ``n > 1`` request wait in the queue until the first sample has computed the prompt's full blocks, then hit.
 With cache tiers (``tiers``) the lookup also finds blocks in host memory or on disk: their payloads are
 fetched (and checked) at admission, and the schedule carries them (``loads``) with the cached blocks its
-allocations evicted (``saves``), for the engine to apply before the step. A hit whose boundary kept its
-window blocks but not its compressor state is a bounded replay: the sequence starts a few positions early
+allocations evicted (``saves``), for the engine to apply before the step. Those evicted blocks reach the tiers
+only then, so a lookup later in the same plan counts them as held and its admission waits for the next plan
+(``sched/evictions.py``: under lockstep multi-turn traffic LRU evicts exactly the next conversations' blocks,
+often in the plan that admits them). A hit whose boundary kept its window blocks but not its compressor
+state is a bounded replay: the sequence starts a few positions early
 (``PrefixHit.start``), its first step emits no compressed entry before the boundary (``SeqWork.emit_from``),
 and the block it rewrites is private: a copy of a device block (``copies``, applied by the engine before
 the step) or a block loaded from a tier. With replay the tiers hold no state blocks at all (``TierLink.pools``),
@@ -57,6 +60,7 @@ from deepinfer.kv.offload import TierLink
 from deepinfer.kv.prefix_hash import BlockHasher
 from deepinfer.kv.spec import HISTORY
 from deepinfer.sched.draft_length import draft_length
+from deepinfer.sched.evictions import PlanEvictions
 from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
 
@@ -143,13 +147,16 @@ class Scheduler:
                 work.append(self._take(seq, n))
                 planned.append(seq)
                 budget -= n
+        evicted = PlanEvictions(self.cache, self.tiers)
         while budget and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token still in flight: resumable once that token is known
             if self._sibling_computing(seq):
                 break  # its prompt's blocks are being computed by sample 0: hit them next step
-            hit = self._lookup(seq)
+            hit = self._lookup(seq, evicted)
+            if hit is not None and evicted.needed_by(hit):
+                break  # its blocks reach the tiers with this plan's saves: it hits them there next step
             seq.num_computed = hit.start if hit else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             extent = self._extent(seq, n)
@@ -179,9 +186,7 @@ class Scheduler:
         left, self._left = tuple(self._left), []
         edits = tuple(TableEdit(*e) for e in self.cache.drain_edits())
         plan = StepPlan(tuple(work), tuple(joined), left, edits)
-        saves = ()
-        if self.tiers is not None:  # only the pools the tiers keep (no state blocks where hits can replay)
-            saves = tuple(e for e in self.cache.drain_evictions() if e[0] in self.tiers.pools)
+        saves = evicted.drain()
         loads, self._loads = tuple(self._loads), []
         copies, self._copies = tuple(self._copies), []
         return Schedule(plan, tuple(planned), tuple(preempted), stuck, saves, loads, copies)
@@ -195,13 +200,20 @@ class Scheduler:
                                                  seq.request.cache_salt, known=seq.block_hashes)
         return seq.block_hashes[:nb]
 
-    def _lookup(self, seq: Sequence) -> PrefixHit | None:
+    def _lookup(self, seq: Sequence, evicted: PlanEvictions | None = None) -> PrefixHit | None:
+        """The longest usable hit for the sequence. ``evicted``: blocks the plan being made has evicted so far
+        count as held by the tiers, which they reach with the plan's saves (``PlanEvictions``)."""
         if self.prefix is None or seq.request.params.prompt_logprobs is not None:
             return None
         # At least one token is computed: the step that brings the sequence up to date draws from its logits.
         limit = seq.num_tokens - 1
         chain = self._chain(seq, limit)
-        return self.cache.match_prefix(chain, limit, self.tiers.probe(chain) if self.tiers is not None else None)
+        in_tier = None
+        if self.tiers is not None:
+            in_tier = self.tiers.probe(chain)
+            if evicted is not None:
+                in_tier = evicted.probe(in_tier)
+        return self.cache.match_prefix(chain, limit, in_tier)
 
     def _fetch(self, hit: PrefixHit) -> dict[tuple[str, bytes], bytes] | None:
         """Payloads of the hit's blocks in a lower tier; None when one is gone or unusable. (With several

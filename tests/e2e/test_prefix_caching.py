@@ -326,3 +326,49 @@ def test_tier_hits_replay_instead_of_storing_state_blocks() -> None:
     assert on.scheduler.prefix_replayed == 4 * 8  # every later turn of every conversation replayed
     assert set(stored) == {"history", "window"} and set(asked) == {b"h", b"w"}  # never a state block
     on.close()
+
+
+LOCKSTEP = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=3)
+
+
+def _lockstep_turns(engine: LLMEngine, chats: dict[str, list[int]], turns: int, user: int, rng) -> list[dict]:
+    """Every conversation's next turn submitted at once, the next turn once all have answered (the multi-turn
+    trace of ``bench/prefix_cache.py``). Per turn: conversation -> (output, positions its previous turn computed)."""
+    computed = dict.fromkeys(chats, 0)
+    rows = []
+    for turn in range(turns):
+        for c, ids in chats.items():
+            engine.add_request(f"{c}{turn}", {"prompt_token_ids": ids}, LOCKSTEP)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            engine.cache.check_integrity()
+        rows.append({c: (done[f"{c}{turn}"], computed[c]) for c in chats})
+        for c in chats:
+            out = done[f"{c}{turn}"].outputs[0].token_ids
+            computed[c] = len(chats[c]) + len(out) - 1
+            chats[c] = chats[c] + list(out) + _ids(rng, user)
+    return rows
+
+
+def test_lockstep_turns_find_blocks_evicted_by_the_same_plan_in_the_tier() -> None:
+    """Three conversations taking turns in lockstep, two at a time, outgrow a device pool of 10 history blocks
+    by the third turn; a host tier holds what the device evicts. LRU then evicts exactly the blocks of the next
+    conversation in line, here while admitting it in the same plan: the tier receives those blocks only with
+    the plan's saves, so the lookup must wait a step for them rather than recompute from the first one on.
+    Every turn hits its previous turn's whole computed prefix (256 * t positions, less the 4 a bounded replay
+    may recompute), and outputs equal the cache-off run's bit for bit (batch-invariant ops)."""
+    kw = dict(invariant=True, max_num_seqs=2, max_num_batched_tokens=4 * BS, max_model_len=1024)
+    on = _engine(None, num_cache_blocks=10, kv_host_cache_gb=0.05, **kw)
+    off = _engine(None, enable_prefix_caching=False, **kw)
+    assert on.facts.num_blocks["history"] == 10 and on.cache.replay == 4
+    first = {c: _ids(random.Random(20 + i), 2 * BS - 1) for i, c in enumerate("abc")}  # 256 computed per turn
+    got = _lockstep_turns(on, {c: list(ids) for c, ids in first.items()}, 3, 2 * BS - 2, random.Random(21))
+    want = _lockstep_turns(off, {c: list(ids) for c, ids in first.items()}, 3, 2 * BS - 2, random.Random(21))
+    for turn, (rows, plain) in enumerate(zip(got, want)):
+        for c, (out, computed) in rows.items():
+            assert computed == 2 * BS * turn
+            _assert_same(out, plain[c][0], exact=True)
+            assert out.num_cached_tokens >= computed - on.cache.replay, (turn, c, out.num_cached_tokens)
+    assert on.cache.pools["history"].num_evictions > 0 and on.scheduler.prefix_tier_hits > 0
+    on.close()
