@@ -53,7 +53,7 @@ class EngineArgs:
     # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
     # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
     async_scheduling: bool = False
-    # Prefix caching (kv/manager.py): hits at every block boundary whose window/state tails are retained.
+    # Prefix caching (kv/manager.py, kv/prefix_hits.py): hits at every block boundary whose window/state tails are retained.
     enable_prefix_caching: bool = True
     # The cache tiers below the device pools (sizes in GiB, like cache_memory_gb; kv/offload.py): evicted
     # prefix-cache blocks go to host memory, then to the disk directory, and come back on a hit. With several

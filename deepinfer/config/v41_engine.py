@@ -44,7 +44,7 @@ def check_decoder_replay(mode: object, field: str = "v41_decoder_replay") -> str
     return mode
 
 
-# EngineArgs.v41_prefix_replay: how a prefix-cache hit at a block boundary H is taken (spec §3.2; kv/manager.py,
+# EngineArgs.v41_prefix_replay: how a prefix-cache hit at a block boundary H is taken (spec §3.2; kv/prefix_hits.py,
 # model/v41/paged.py). "exact": the boundary keeps its window and Engram tails, the sequence continues at H and
 # computes what a cold run computes (bitwise). "v41": the released model's encoder-side replay: the hit keeps only
 # the history pool (compressed entries, index keys, token ids) and recomputes [H - W, H), writing window KV and

@@ -17,18 +17,12 @@ returning the blocks past n), ``free(r)`` drops everything. Requests are identif
 
 Prefix caching (``kv/prefix_hash.py`` names each full block by a hash chain over the tokens before its end):
 ``cache_blocks`` names a request's computed blocks in every pool, so that when they are released (a tail
-block passed by, a request freed) they stay *cached* in their pool instead of free. ``match_prefix`` finds
-the longest block boundary P whose history blocks [0, P) **and** the window/state blocks covering the tail
-behind P are all cached: those are exactly the rows the next position reads, so continuing from P computes
-what continuing a full prefill would (architecture note §3.5, "window retention"). ``admit`` registers a
-request on such a hit: it shares the blocks (their rows are never written again: the request writes
-positions >= P only, in blocks of its own) and starts at length P.
-
-DeepSeek-V4.1's encoder-side replay (``CacheLayout.prefix_replay`` = W, spec §3.2) takes hits differently:
-only the history blocks [0, H) are needed (compressed entries, index keys, the token ids Engram looks back
-at), the request starts at H - W and recomputes the window and state rows of [H - W, H) in blocks of its own,
-reading none below H - W (``_Request.floor``); window and state blocks are then never named. Boundaries
-H <= W are not adopted.
+block passed by, a request freed) they stay *cached* in their pool instead of free. ``match_prefix`` plans
+the longest usable hit (``kv/prefix_hits.py``: retained window/state tails, V4's bounded replay, or
+DeepSeek-V4.1's encoder-side replay, which needs the history blocks only and reads no window/state row below
+its start, ``_Request.floor``). ``admit`` registers a request on such a hit: it shares the blocks (their rows
+are never written again: the request writes positions >= its start only, in blocks of its own), gives each
+marker entry of the hit a block of its own, and starts at ``hit.start``.
 
 The manager is torch-free on purpose: it deals in block ids; storage tensors are sized from
 ``num_blocks`` elsewhere, and ``kv/block_budget.py`` computes those sizes from a byte budget.
@@ -36,17 +30,16 @@ The manager is torch-free on purpose: it deals in block ids; storage tensors are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 from deepinfer.kv.block_budget import TAIL_POOLS, cdiv, replay_length
 from deepinfer.kv.block_pool import BlockPool, OutOfBlocks
-from deepinfer.kv.spec import HISTORY, POOLS, STATE, WINDOW, CacheLayout
+from deepinfer.kv.prefix_hits import COPY, FRESH, FROM_TIER, RELEASED, HitPlanner, InTier, PrefixHit
+from deepinfer.kv.spec import HISTORY, POOLS, CacheLayout
 
-RELEASED = -1  # table entry of a released window/state block (what SeqRun.block_tables expects)
-FROM_TIER = -2  # prefix-hit table entry: a block a lower cache tier holds, loaded into a new block at admission
-COPY = -3  # prefix-hit table entry (bounded replay): a private copy of a cached block, which the replay rewrites
-FRESH = -4  # prefix-hit table entry (bounded replay): a new block the replay fills
+# Re-exported: callers name the table markers and the hit type where they meet the manager.
+__all__ = ["Admission", "CacheManager", "COPY", "FRESH", "FROM_TIER", "PrefixHit", "RELEASED"]
 
 
 @dataclass(slots=True)
@@ -67,28 +60,6 @@ class Admission:
 
     fills: tuple[tuple[str, int, bytes], ...] = ()
     copies: tuple[tuple[str, int, int], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """Cached blocks that let a request start at ``num_tokens`` (a block boundary): per pool, the table it
-    starts with (history: every block before the boundary; window/state: -1 up to the tail, then blocks).
-    ``FROM_TIER`` entries are blocks found in a lower tier (host memory, disk): ``loads`` names them
-    (pool, table index, hash); ``admit`` gives each a new block, which the caller fills before the step, and
-    names it by its hash, unless a replay rewrites its rows (then the block is the request's own)."""
-
-    num_tokens: int
-    tables: dict[str, tuple[int, ...]]
-    loads: tuple[tuple[str, int, bytes], ...] = ()
-    # Bounded replay: the request starts ``replay`` positions before the boundary and recomputes them (their
-    # compressor state was not retained); ``copies`` (pool, table index, cached block) are the COPY entries.
-    replay: int = 0
-    copies: tuple[tuple[str, int, int], ...] = ()
-
-    @property
-    def start(self) -> int:
-        """The request's length after admission: the first position it computes."""
-        return self.num_tokens - self.replay
 
 
 class CacheManager:
@@ -113,9 +84,11 @@ class CacheManager:
         # from the retained window KV, emitting no entry (they are cached), instead of giving up the boundary.
         self.replay = replay_length(layout) if bounded_replay else 0
         # V4.1's encoder-side replay: a hit recomputes the last ``window_replay`` positions before its boundary
-        # from the history blocks alone (``_window_replay_hit``).
+        # from the history blocks alone (``kv/prefix_hits.py``).
         self.window_replay = layout.prefix_replay
         self.replay = self.window_replay or self.replay
+        self._hits = HitPlanner(self.block_size, self.pools, self._tail, self._holds_rows, self.replay,
+                                self.window_replay)
         self._reqs: dict[Hashable, _Request] = {}
         # (req, pool, start, ids, length) per table change, for a consumer that mirrors the tables (the
         # scheduler turns them into a plan's table edits); None: not recorded.
@@ -217,86 +190,12 @@ class CacheManager:
                 self._edited(req_id, p, start, r.tables[p])
 
     # ------------------------------------------------------------------------------------ prefix cache
-    def _first_tail_block(self, pool: str, boundary: int) -> int:
-        """Index of the first block of ``pool`` that continuing from ``boundary`` reads."""
-        if not self._holds_rows[pool]:
-            return boundary // self.block_size
-        return max(0, boundary - self._tail[pool]) // self.block_size
-
-    def match_prefix(self, hashes: tuple[bytes, ...], max_tokens: int,
-                     in_tier: Callable[[str, bytes], bool] | None = None) -> PrefixHit | None:
+    def match_prefix(self, hashes: tuple[bytes, ...], max_tokens: int, in_tier: InTier | None = None) -> PrefixHit | None:
         """The longest usable hit for a request whose full blocks hash to ``hashes``, ending at most at
-        ``max_tokens`` (callers leave at least one token to compute). None when nothing is usable.
-        ``in_tier(pool, hash)``: whether a lower tier holds a block the device pools do not."""
-        def find(pool: str, h: bytes) -> int | None:
-            b = self.pools[pool].lookup(h)
-            return FROM_TIER if b is None and in_tier is not None and in_tier(pool, h) else b
-
-        blocks: list[int] = []
-        for h in hashes[: max(0, max_tokens) // self.block_size]:
-            b = find(HISTORY, h)
-            if b is None:
-                break
-            blocks.append(b)
-        if self.window_replay:
-            return self._window_replay_hit(hashes, tuple(blocks))
-        # The history chain may reach further than any retained tail: try boundaries from the longest down.
-        bs = self.block_size
-        for nb in range(len(blocks), 0, -1):
-            boundary = nb * bs
-            tables: dict[str, tuple[int, ...]] = {HISTORY: tuple(blocks[:nb])}
-            for p in TAIL_POOLS:
-                first = self._first_tail_block(p, boundary)
-                found = [find(p, hashes[i]) for i in range(first, nb)]
-                if None in found:
-                    break
-                tables[p] = (RELEASED,) * first + tuple(found)
-            else:
-                loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
-                return PrefixHit(boundary, tables, loads)
-            hit = self._replay_hit(hashes, boundary, tables[HISTORY], find) if self.replay else None
-            if hit is not None:
-                return hit
-        return None
-
-    def _replay_hit(self, hashes: tuple[bytes, ...], boundary: int, history: tuple[int, ...], find) -> PrefixHit | None:
-        """A hit at ``boundary`` that recomputes its last ``replay`` positions: the window blocks behind them
-        must be cached, on the device or in a lower tier; the state blocks it needs are new. The replay rewrites
-        the rows of the window blocks holding replayed positions, so the request gets them privately: a device
-        block is copied (COPY), a tier block is loaded into a new block that ``admit`` leaves unnamed."""
-        bs, start, nb = self.block_size, boundary - self.replay, boundary // self.block_size
-        lo = max(0, start - self._tail[WINDOW]) // bs
-        window = [find(WINDOW, hashes[i]) for i in range(lo, nb)]
-        if None in window:
-            return None
-        copies = []
-        for i in range(start // bs, nb):  # blocks holding replayed positions: copy device-resident ones
-            b = window[i - lo]
-            if b >= 0:
-                copies.append((WINDOW, i, b))
-                window[i - lo] = COPY
-        state_lo = max(0, start - self._tail[STATE]) // bs
-        tables = {HISTORY: history, WINDOW: (RELEASED,) * lo + tuple(window),
-                  STATE: (RELEASED,) * state_lo + (FRESH,) * (nb - state_lo)}
-        loads = tuple((p, i, hashes[i]) for p in POOLS for i, b in enumerate(tables[p]) if b == FROM_TIER)
-        return PrefixHit(boundary, tables, loads, self.replay, tuple(copies))
-
-    def _window_replay_hit(self, hashes: tuple[bytes, ...], history: tuple[int, ...]) -> PrefixHit | None:
-        """V4.1's encoder-side replay (spec §3.2): a hit at the end H of the cached history chain that starts at
-        H - W and recomputes the window and state rows of [H - W, H) into fresh blocks (the rows before H - W
-        are never read); None when H <= W ("hits no longer than the window are not adopted")."""
-        boundary, w, bs = len(history) * self.block_size, self.window_replay, self.block_size
-        if boundary <= w:
-            return None
-        nb, lo = len(history), (boundary - w) // bs
-        tail = (RELEASED,) * lo + (FRESH,) * (nb - lo)
-        tables = {HISTORY: history, WINDOW: tail, STATE: tail}
-        loads = tuple((HISTORY, i, hashes[i]) for i, b in enumerate(history) if b == FROM_TIER)
-        return PrefixHit(boundary, tables, loads, w)
-
-    def _replay_rewrites(self, hit: PrefixHit, pool: str, index: int) -> bool:
-        """Whether the hit's replay rewrites rows of block ``index`` of a tail pool (one holding a replayed position)."""
-        return bool(hit.replay) and pool in TAIL_POOLS and index >= hit.start // self.block_size
+        ``max_tokens`` (callers leave at least one token to compute); None when nothing is usable. Planning
+        only (``kv/prefix_hits.py``); ``admit`` takes the hit. ``in_tier(pool, hash)``: whether a lower tier
+        holds a block the device pools do not."""
+        return self._hits.match(hashes, max_tokens, in_tier)
 
     def _admission_need(self, hit: PrefixHit, num_new_tokens: int) -> dict[str, int]:
         """Per pool: blocks ``admit`` takes out of the available ones (new blocks, blocks to load from a
@@ -337,7 +236,7 @@ class CacheManager:
             loads = [x for x in hit.loads if x[0] == p]
             for (_, i, h), b in zip(loads, self.pools[p].allocate(len(loads))):
                 table[i] = b
-                if not self._replay_rewrites(hit, p, i):  # else private: the index never names rows a replay rewrites
+                if not hit.rewrites(p, i, self.block_size):  # else private: the index never names rows a replay rewrites
                     self.pools[p].set_hash(b, h)
                 filled.append((p, b, h))
             own = [i for i, b in enumerate(table) if b in (COPY, FRESH)]

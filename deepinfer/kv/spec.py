@@ -61,7 +61,7 @@ class CacheLayout:
     layers: tuple[LayerCacheSpec, ...]
     # Positions before a cached block boundary that a prefix hit recomputes from the history pool alone
     # (DeepSeek-V4.1's encoder-side replay, spec §3.2: the window and state pools then leave the prefix cache,
-    # ``kv/manager.py``); 0: a hit keeps the boundary's window/state tails (or V4's bounded replay).
+    # ``kv/manager.py``, ``kv/prefix_hits.py``); 0: a hit keeps the boundary's window/state tails (or V4's bounded replay).
     prefix_replay: int = 0
 
     def layer(self, key: str) -> LayerCacheSpec:

@@ -29,7 +29,7 @@ chunking writes the same rows and rolling back is "set n". What each layer store
     ``prefix_replay``, recomputes them with the replayed window).
 
 With ``prefix_replay`` (``v41_prefix_replay="v41"``) the layout says so (``CacheLayout.prefix_replay``, the
-sliding window): a hit at H keeps the history blocks only and recomputes [H - W, H) (``kv/manager.py``,
+sliding window): a hit at H keeps the history blocks only and recomputes [H - W, H) (``kv/prefix_hits.py``,
 ``model/v41/paged.py``), so no window or state block of a boundary needs to stay cached.
 
 The top-k selection and the candidate blocks are recomputed by every query and the mHC coefficients are per

@@ -16,7 +16,7 @@ def test_generate_writes_jsonl(tmp_path) -> None:
     prompts.write_text("def f(x):\nimport sys\n")
     out = tmp_path / "o.jsonl"
     rc = main(["generate", "class A:", "--prompt-file", str(prompts), "--max-tokens", "4", "--ignore-eos",
-               "--output", str(out), "--quiet", "--device", "cpu", "--block-size", "128"])
+               "--output", str(out), "--quiet", "--device", "cpu", "--block-size", "128", "--num-cache-blocks", "8"])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["class A:", "def f(x):", "import sys"]
@@ -38,7 +38,7 @@ def test_info_reports_layers_and_cache_bytes(capsys) -> None:
 
 
 def test_chat_turn_streams_the_answer() -> None:
-    engine = LLMEngine.from_engine_args(device="cpu", block_size=128, load_progress=False)
+    engine = LLMEngine.from_engine_args(device="cpu", block_size=128, num_cache_blocks=8, load_progress=False)
     sink = io.StringIO()
     answer = stream_turn(engine, "t0", [{"role": "user", "content": "hi"}],
                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), thinking=False, out=sink)

@@ -14,7 +14,7 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "# a comment", "x
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu", load_progress=False, block_size=128)
+    return LLM(device="cpu", load_progress=False, block_size=128, num_cache_blocks=72)  # a max_model_len request fits
 
 
 def _engine(llm: LLM) -> LLMEngine:

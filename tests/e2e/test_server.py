@@ -40,7 +40,9 @@ from deepinfer.testing.server_cli import start_server  # noqa: E402
 
 API_KEY = "sk-test-key"
 MODEL = "deepinfer-demo"
-ENGINE = {"device": "cpu", "block_size": 128, "load_progress": False}
+# 72 history blocks hold a max_model_len (8192) request, so lengths are refused as with the default cache, whose
+# allocation (the CPU default of 2 GiB) takes seconds in every engine of these files.
+ENGINE = {"device": "cpu", "block_size": 128, "num_cache_blocks": 72, "load_progress": False}
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 WORDS = ["def", "class", "import", "return", "yield", "lambda", "async", "with"]
 PROMPTS = [f"{WORDS[i % 8]} f{i}(x):" if i % 2 else f"# {WORDS[i % 8]} {i}\n" for i in range(32)]

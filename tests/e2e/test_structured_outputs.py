@@ -30,7 +30,8 @@ LARK_RE = r"\([0-9]{1,3}(\+[0-9]{1,3})*\)"
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu", load_progress=False, block_size=128, max_num_seqs=100, max_num_batched_tokens=4096)
+    return LLM(device="cpu", load_progress=False, block_size=128, max_num_seqs=100, max_num_batched_tokens=4096,
+               num_cache_blocks=128)  # a block for each of 100 short requests, not the 2 GiB default
 
 
 def _run(llm: LLM, prompt: str, constraint: dict, max_tokens: int = 48, **kw):

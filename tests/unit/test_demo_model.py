@@ -53,7 +53,7 @@ def test_demo_is_a_trained_native_quantized_v4_with_mtp(model) -> None:
 def test_greedy_generation_is_deterministic() -> None:
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(device="cpu", load_progress=False, block_size=128)
+    llm = LLM(device="cpu", load_progress=False, block_size=128, num_cache_blocks=8)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     first = llm.generate("def fibonacci(n):", params, use_tqdm=False)[0].outputs[0]
     second = llm.generate("def fibonacci(n):", params, use_tqdm=False)[0].outputs[0]

@@ -32,7 +32,8 @@ def test_dummy_engine_generates_from_a_config_alone(config_only) -> None:
     from deepinfer import LLM, SamplingParams
 
     assert not list(config_only.glob("*.safetensors"))
-    llm = LLM(model=str(config_only), device="cpu", load_progress=False, block_size=128, load_format="dummy", seed=7)
+    llm = LLM(model=str(config_only), device="cpu", load_progress=False, block_size=128, num_cache_blocks=8,
+              load_format="dummy", seed=7)
     outs = llm.generate(["def fibonacci(n):", "import os"], SamplingParams(**GREEDY), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
     want = load_model(None, dtype=torch.float32, cfg=llm.engine.model.cfg, load_format="dummy", seed=7, progress=False)
@@ -72,7 +73,7 @@ def test_dummy_transformed_model_is_the_dummy_reference_transformed() -> None:
 def test_hf_overrides_truncate_a_real_checkpoint() -> None:
     from deepinfer import LLM
 
-    llm = LLM(device="cpu", load_progress=False, block_size=128, hf_overrides={"num_hidden_layers": 4})
+    llm = LLM(device="cpu", load_progress=False, block_size=128, num_cache_blocks=8, hf_overrides={"num_hidden_layers": 4})
     model = llm.engine.model
     full = load_model(demo_model_dir(), dtype=torch.float32, progress=False)
     assert len(model.layers) == 4 and len(model.mtp) == 1

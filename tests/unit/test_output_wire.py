@@ -17,7 +17,7 @@ def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
     the same requests in lockstep, one building RequestOutputs, one DeltaBuilder deltas."""
     def start() -> LLMEngine:
         engine = LLMEngine.from_engine_args(device="cpu", block_size=128, load_progress=False,
-                                            max_num_batched_tokens=32)
+                                            max_num_batched_tokens=32, num_cache_blocks=16)
         engine.add_request("greedy", "def " * 20, SamplingParams(temperature=0, max_tokens=6, logprobs=2,
                                                                  prompt_logprobs=2, ignore_eos=True))
         engine.add_request("seeded", "class A:", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8,

@@ -15,6 +15,8 @@ tight tolerance and identical greedy argmax.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -84,6 +86,7 @@ def _rank(env: WorldEnv, jobs: list[tuple[str, torch.dtype, bool, ParallelConfig
     return results
 
 
+@functools.cache  # the same model and path serve several parallel configs, in both worlds
 def _reference(model_dir: str, dtype: torch.dtype, device_path: bool) -> list[list[torch.Tensor]]:
     """Per step, per DP rank (of two): the single-process model's logits of that rank's rows."""
     model = load_model(model_dir, dtype=dtype, progress=False, keep_quantized=True)

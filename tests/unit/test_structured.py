@@ -51,7 +51,8 @@ def test_async_scheduling_gives_the_synchronous_tokens() -> None:
               for s, c in enumerate(constraints)]
     runs = []
     for async_scheduling in (False, True):
-        llm = LLM(device="cpu", load_progress=False, block_size=128, async_scheduling=async_scheduling)
+        llm = LLM(device="cpu", load_progress=False, block_size=128, num_cache_blocks=16,
+                  async_scheduling=async_scheduling)
         outs = llm.generate(["x = ", "y = ", "z = "] * 2, params, use_tqdm=False)
         runs.append([[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs])
     assert runs[0] == runs[1]
