@@ -61,6 +61,9 @@ class SeqSamples:
     drafts: tuple[int, ...] = ()  # the MTP layer's drafts for the tokens after these
 
 
+_NO_LOGPROBS = (None,)  # SeqSamples.logprobs of one token drawn without logprobs
+
+
 @dataclass(frozen=True, slots=True)
 class PromptLogprobChunk:
     seq_id: str
@@ -110,6 +113,11 @@ class StepHandle:
             packed, layout = self._spec
             emitted, drafted = layout.unpack(packed.tolist())
             drafts = dict(zip(d.proposers, drafted))
+        elif self._logprobs is None and len(d.counts) == len(self._tokens):
+            # One draw per sequence and no logprobs (a plain decode step): one object per sequence, no slicing
+            # (this builder runs for every sequence of every step).
+            return tuple(SeqSamples(seq_id, (token,), _NO_LOGPROBS)
+                         for seq_id, token in zip(d.seq_ids, self._tokens.tolist()))
         else:
             tokens = self._tokens.tolist()
             emitted, drafts, row = [], {}, 0
