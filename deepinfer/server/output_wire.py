@@ -51,34 +51,37 @@ class DeltaBuilder:
     counters the same way (``delta_text`` / ``delta_token_ids`` are what is new, as there)."""
 
     def __init__(self) -> None:
-        # request id -> [prompt logprobs sent, per sample [chars, output tokens, logprobs] sent]
-        self._sent: dict[str, tuple[list[int], list[list[int]]]] = {}
+        # request id -> [prompt logprobs sent, per sample logprobs sent]; what each sample's text and tokens
+        # sent is the sequence's own streaming counters (``emitted_text`` / ``emitted_tokens``).
+        self._sent: dict[str, list] = {}
 
     def build(self, req: RequestState) -> OutputDelta:
         rid = req.request_id
         state = self._sent.get(rid)
         first = state is None
         if first:
-            state = self._sent[rid] = ([0], [[0, 0, 0] for _ in req.seqs])
+            state = self._sent[rid] = [0, [0] * len(req.seqs)]
+        with_lp = req.params.logprobs is not None
         samples = []
-        for s, sent in zip(req.seqs, state[1]):
-            chars, ids, lps = sent
-            text, n_out = s.text, len(s.token_ids) - s.num_prompt
-            new_text = text[chars:]
-            new_ids = tuple(s.token_ids[s.num_prompt + ids:])
-            with_lp = s.params.logprobs is not None
-            samples.append(SampleDelta(s.index, new_text, new_ids, tuple(s.logprobs[lps:]) if with_lp else None,
-                                       s.finish_reason, s.stop_reason, s.cumulative_logprob if with_lp else None,
+        for k, s in enumerate(req.seqs):
+            text, ids, start = s.text, s.token_ids, s.num_prompt + s.emitted_tokens
+            new_text = text[s.emitted_text:]
+            new_ids = tuple(ids[start:])
+            if with_lp:
+                lps, state[1][k] = tuple(s.logprobs[state[1][k]:]), len(s.logprobs)
+                cum = s.cumulative_logprob
+            else:
+                lps = cum = None
+            samples.append(SampleDelta(s.index, new_text, new_ids, lps, s.finish_reason, s.stop_reason, cum,
                                        new_text, new_ids))
-            sent[0], sent[1], sent[2] = len(text), n_out, len(s.logprobs)
-            s.emitted_text, s.emitted_tokens = len(text), n_out
+            s.emitted_text, s.emitted_tokens = len(text), len(ids) - s.num_prompt
         plp = req.prompt_logprobs
-        new_plp = None if plp is None else tuple(plp[state[0][0]:])
+        new_plp = None if plp is None else tuple(plp[state[0]:])
         finished = req.finished
         if finished:
             del self._sent[rid]
         elif plp is not None:
-            state[0][0] = len(plp)
+            state[0] = len(plp)
         return OutputDelta(rid, tuple(samples), finished, req.num_cached_tokens or 0, new_plp,
                            req.prompt if first else None, tuple(req.prompt_token_ids) if first else None)
 
