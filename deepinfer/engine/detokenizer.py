@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from deepinfer.frozen_init import fast_init
+
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 PROMPT_CONTEXT_TOKENS = 5
@@ -37,6 +39,7 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class DetokenizerUpdate:
     """What one ``step()`` / ``finish()`` adds to the stream.

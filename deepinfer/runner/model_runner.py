@@ -36,6 +36,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from deepinfer.frozen_init import fast_init
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.parallel.context import ContextShare, forward_with_share
@@ -53,6 +54,7 @@ from deepinfer.sched.plan import StepPlan
 from deepinfer.structured.backend import StepMasks, words_of
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class SeqSamples:
     seq_id: str

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.engine.sequence import RequestState
+from deepinfer.frozen_init import fast_init
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class SampleDelta:
     index: int
@@ -32,6 +34,7 @@ class SampleDelta:
     delta_token_ids: tuple[int, ...]
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class OutputDelta:
     request_id: str
