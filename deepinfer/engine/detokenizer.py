@@ -118,6 +118,12 @@ class IncrementalDetokenizer:
         if self._stopped:
             # The engine may still hold tokens of the step that hit the stop; they add nothing.
             return DetokenizerUpdate("", True, self._stop_reason, 0)
+        if not self._stop:  # no stop strings (the common case): nothing to scan, nothing held back
+            for token_id in new_token_ids:
+                self._num_output += 1
+                self._text += self._decode_next(int(token_id))
+            self._scanned = len(self._text)
+            return DetokenizerUpdate(self._release(self._scanned), False, None, len(new_token_ids))
         for i, token_id in enumerate(new_token_ids):
             self._num_output += 1
             self._text += self._decode_next(int(token_id))
