@@ -95,7 +95,7 @@ class _Request:
     prompt_token_ids: tuple[int, ...]
     prompt_logprobs: list | None
     texts: list[str]
-    token_ids: list[list[int]]
+    token_ids: list[tuple[int, ...]]  # tuples, grown by concatenation: the output's own tuple, one copy a step
     logprobs: list[list | None]
 
 
@@ -109,7 +109,7 @@ class OutputAssembler:
         r = self._requests.get(d.request_id)
         if r is None:
             assert d.prompt_token_ids is not None, f"{d.request_id}: the first delta carries the prompt"
-            r = _Request(d.prompt, d.prompt_token_ids, None, [""] * len(d.samples), [[] for _ in d.samples],
+            r = _Request(d.prompt, d.prompt_token_ids, None, [""] * len(d.samples), [()] * len(d.samples),
                          [None] * len(d.samples))
             if not d.finished:
                 self._requests[d.request_id] = r
@@ -121,17 +121,18 @@ class OutputAssembler:
         outputs = []
         for k, s in enumerate(d.samples):
             r.texts[k] += s.text
-            r.token_ids[k].extend(s.token_ids)
+            r.token_ids[k] += s.token_ids
             if s.logprobs is not None:
                 r.logprobs[k] = r.logprobs[k] or []
                 r.logprobs[k].extend(s.logprobs)
             outputs.append(CompletionOutput(
-                s.index, r.texts[k], tuple(r.token_ids[k]), s.finish_reason, s.stop_reason,
+                s.index, r.texts[k], r.token_ids[k], s.finish_reason, s.stop_reason,
                 None if s.logprobs is None else tuple(r.logprobs[k]), s.cumulative_logprob))
         return RequestOutput(
             d.request_id, r.prompt, r.prompt_token_ids, tuple(outputs), d.finished,
             None if d.prompt_logprobs is None else tuple(r.prompt_logprobs),
-            tuple(s.delta_text for s in d.samples), tuple(s.delta_token_ids for s in d.samples), d.num_cached_tokens)
+            tuple([s.delta_text for s in d.samples]), tuple([s.delta_token_ids for s in d.samples]),
+            d.num_cached_tokens)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
