@@ -180,15 +180,27 @@ class ModelRunner:
                 forward_with_share(self.model, self.storage, share)
             return StepHandle()
         batch, work = self.batch, plan.work
-        slots = np.fromiter((batch.slot_of[w.seq_id] for w in work), dtype=np.int64, count=len(work))
-        first = np.fromiter((w.first_pos for w in work), dtype=np.int64, count=len(work))
-        lens = np.fromiter((w.num_tokens for w in work), dtype=np.int64, count=len(work))
+        slot_of = batch.slot_of
+        # The work items' numbers in one pass: slot, first position, inputs, draws, drafts, replay boundary.
+        cols = np.array([(slot_of[w.seq_id], w.first_pos, len(w.token_ids) + w.num_placeholders, w.num_samples,
+                          w.num_drafts, w.emit_from) for w in work], dtype=np.int64).reshape(len(work), 6)
+        slots, first, lens = cols[:, 0].copy(), cols[:, 1].copy(), cols[:, 2].copy()
+        draws, drafted, replays = cols[:, 3], cols[:, 4], cols[:, 5]
         starts = np.cumsum(lens) - lens
         ids = np.fromiter(chain.from_iterable(w.token_ids + (-1,) * w.num_placeholders for w in work),
                           dtype=np.int64, count=int(lens.sum()))
         placeholders = self._placeholders(work, slots, starts)
         draw_rows, draw_slots, draw_pos, last_rows, counts, history = [], [], [], [], [], []
-        for w, slot, start in zip(work, slots.tolist(), starts.tolist()):
+        n = len(work)
+        if int(lens.max()) == 1 and int(draws.min()) == 1 and not drafted.any():
+            # A decode step (one input and one draw per sequence, no drafts): what the loop below builds, at
+            # once. Row i is sequence i's; its token goes to the position after its input.
+            draw_rows, draw_slots, draw_pos = list(range(n)), slots.tolist(), (first + 1).tolist()
+            last_rows, counts, history = list(range(n)), [1] * n, [()] * n
+            work_rows = ()
+        else:
+            work_rows = zip(work, slots.tolist(), starts.tolist())
+        for w, slot, start in work_rows:
             k = w.num_samples
             if k:
                 if k > 1 and batch.sampling[slot].has_penalty and w.num_drafts != k - 1:
@@ -211,7 +223,7 @@ class ModelRunner:
         # Every sequence draws at each of its q inputs (decode; with speculation, a full verify step).
         graph_ok = (self.graphs is not None and share is None and not jobs
                     and self.graphs.fits_slots(len(work), len(ids))
-                    and all(w.num_tokens == q == w.num_samples and not w.emit_from for w in work))
+                    and bool((lens == q).all() and (draws == q).all() and not replays.any()))
         streams = index = input_ids = None
         if graph_ok:
             logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders)
@@ -219,7 +231,7 @@ class ModelRunner:
                 g = self.graphs.bucket(len(work))
                 streams, index, input_ids = g.streams[: len(ids)], g.index, g.ids[: len(ids)]
         else:
-            emit_from = [w.emit_from for w in work]
+            emit_from = replays.tolist()
             if share is None:
                 # Whose outputs before the last row nobody reads (V4.1's decoder replay may skip them).
                 last_only = tuple(w.num_samples <= 1 and w.prompt_logprobs is None for w in work)
