@@ -148,7 +148,8 @@ class Tokenizer:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # A list goes as it is (the detokenizer decodes a list slice twice per token: no third copy).
+        return self.backend.decode(ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from deepinfer.frozen_init import fast_init
+
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 PROMPT_CONTEXT_TOKENS = 5
@@ -37,6 +39,7 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class DetokenizerUpdate:
     """What one ``step()`` / ``finish()`` adds to the stream.
@@ -115,6 +118,12 @@ class IncrementalDetokenizer:
         if self._stopped:
             # The engine may still hold tokens of the step that hit the stop; they add nothing.
             return DetokenizerUpdate("", True, self._stop_reason, 0)
+        if not self._stop:  # no stop strings (the common case): nothing to scan, nothing held back
+            for token_id in new_token_ids:
+                self._num_output += 1
+                self._text += self._decode_next(int(token_id))
+            self._scanned = len(self._text)
+            return DetokenizerUpdate(self._release(self._scanned), False, None, len(new_token_ids))
         for i, token_id in enumerate(new_token_ids):
             self._num_output += 1
             self._text += self._decode_next(int(token_id))

@@ -37,7 +37,7 @@ from deepinfer.config.v41 import V41Config
 from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, append_token, build_output, finish, to_position_logprobs
-from deepinfer.engine.sequence import RequestState
+from deepinfer.engine.sequence import RequestState, Status
 from deepinfer.engine.sizing import build_cache, build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.block_budget import cdiv
@@ -56,6 +56,7 @@ from deepinfer.structured.step_masks import mask_source, with_plan_masks
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer")
+FINISHED = Status.FINISHED
 
 
 class LLMEngine:
@@ -249,15 +250,17 @@ class LLMEngine:
         result = handle.result()
         touched: set[str] = set()
         eos = self.config.model.eos_token_id
-        by_id = {seq.seq_id: seq for seq in schedule.seqs}
+        speculative = self.config.speculative is not None
+        decode_one = self._decode_one
+        # seq_id -> (sequence, its work item): one lookup per sampled sequence.
+        planned = {w.seq_id: (seq, w) for seq, w in zip(schedule.seqs, schedule.plan.work)}
         for chunk in result.prompt_logprobs:
-            req = by_id[chunk.seq_id].request
+            req = planned[chunk.seq_id][0].request
             if req.request_id in self.requests:
                 req.prompt_logprobs.extend(self._position_logprobs(chunk.values))
-        work = {w.seq_id: w for w in schedule.plan.work}
         advance = []  # (sequence, token): a single accepted token each, fed to the grammars in one call below
         for s in result.sampled:
-            seq, w = by_id[s.seq_id], work[s.seq_id]
+            seq, w = planned[s.seq_id]
             seq.num_pending -= w.num_samples
             if seq.finished:  # a stop found after this step was planned (async): its draws are dropped
                 continue
@@ -266,13 +269,13 @@ class LLMEngine:
                 self.spec_stats.observe(w.num_drafts, accepted)
                 seq.draft_acceptance = update_rate(seq.draft_acceptance, w.num_drafts, accepted)
                 self._rollback(seq, w.num_drafts - accepted)  # rejected drafts leave the cache
-            elif self.config.speculative is not None and w.num_samples:
+            elif speculative and w.num_samples:
                 seq.draft_acceptance = update_rate(seq.draft_acceptance, 0, 0)
             seq.drafts = s.drafts
             for token, lp in zip(s.token_ids, s.logprobs):
-                if seq.finished:  # a stop mid-draft: the rest is dropped
+                if seq.status is FINISHED:  # a stop mid-draft: the rest is dropped
                     break
-                append_token(seq, token, lp, eos, self._decode_one)
+                append_token(seq, token, lp, eos, decode_one)
                 touched.add(seq.request.request_id)
                 if seq.grammar is not None and not seq.finished:
                     if seq.grammar_after is None:

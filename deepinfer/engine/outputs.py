@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from deepinfer.frozen_init import fast_init
+
 
 @dataclass(frozen=True, slots=True)
 class Logprob:
@@ -16,6 +18,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
     index: int
@@ -31,6 +34,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str

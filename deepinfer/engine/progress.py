@@ -19,8 +19,9 @@ def to_position_logprobs(lp: TokenLogprobs, decode) -> PositionLogprobs:
 
 def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, eos_id: int, decode) -> None:
     """Add one sampled token and settle whether the sequence is finished (and why)."""
-    p = seq.params
-    seq.token_ids.append(token)
+    p = seq.request.params
+    ids = seq.token_ids
+    ids.append(token)
     if lp is not None:
         seq.logprobs.append(to_position_logprobs(lp, decode))
         seq.cumulative_logprob += lp.logprob
@@ -28,16 +29,17 @@ def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, eos_id: in
     if token == eos_id and not p.ignore_eos:
         finish(seq, "stop", None)
         return
-    if token in p.stop_token_ids:
+    if p.stop_token_ids and token in p.stop_token_ids:
         if p.include_stop_str_in_output:
-            seq.text += seq.detok.step([token]).text_delta
+            seq.text += seq.detok.step((token,)).text_delta
         finish(seq, "stop", token)
         return
-    update = seq.detok.step([token])
-    seq.text += update.text_delta
+    update = seq.detok.step((token,))
+    if update.text_delta:
+        seq.text += update.text_delta
     if update.stopped:
         finish(seq, "stop", update.stop_reason)
-    elif seq.num_output >= seq.max_output:
+    elif len(ids) - seq.num_prompt >= seq.max_output:  # seq.num_output, inline: once per token
         finish(seq, "length", None)
 
 

@@ -50,6 +50,9 @@ class _Request:
     # Releases only ever happen at the front and truncation only at the back, so -1s form a prefix.
     first_live: dict[str, int] = field(default_factory=lambda: {p: 0 for p in TAIL_POOLS})
     num_hashed: int = 0  # leading blocks named by ``cache_blocks``
+    # ``commit`` releases no tail block while the length is below this (a decode step's usual case: the
+    # per-pool release check is skipped); 0: not known, check. Reset wherever ``first_live`` moves back.
+    release_from: int = 0
     floor: int = 0  # no window/state row below this position is read (an encoder-side replay's start)
 
 
@@ -306,10 +309,13 @@ class CacheManager:
         r.length = num_computed
         if len(hashes) > r.num_hashed:
             self.cache_blocks(req_id, hashes)
+        if num_computed < r.release_from:
+            return
+        bs = self.block_size
         for p in TAIL_POOLS:
             # Block i is entirely before the keep range iff (i+1)*bs <= start, i.e. i < start // bs.
             start = max(0, num_computed - self._tail[p] - self.spec_slack)
-            keep_from = start // self.block_size
+            keep_from = start // bs
             lo = r.first_live[p]
             if keep_from > lo:
                 table = r.tables[p]
@@ -318,6 +324,9 @@ class CacheManager:
                 self.pools[p].free(stale)  # oldest first: they become the first evicted later
                 r.first_live[p] = keep_from
                 self._edited(req_id, p, lo, table, keep_from)
+        # The next release: block first_live[p] leaves once start >= (first_live[p] + 1) * bs.
+        r.release_from = min(((r.first_live[p] + 1) * bs + self._tail[p] + self.spec_slack for p in TAIL_POOLS),
+                             default=0)
 
     def truncate(self, req_id: Hashable, n: int) -> None:
         """Roll the request back to its first ``n`` positions, returning every block past them.
@@ -353,6 +362,7 @@ class CacheManager:
             self._edited(req_id, p, keep, table)
         for p in TAIL_POOLS:  # a no-op unless n == 0 or the pool holds no rows: -1s stay a prefix
             r.first_live[p] = min(r.first_live[p], keep)
+        r.release_from = 0
         r.length = n
         r.num_hashed = min(r.num_hashed, n // self.block_size)
 

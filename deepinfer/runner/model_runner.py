@@ -40,6 +40,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from deepinfer.frozen_init import fast_init
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.parallel.context import ContextShare, forward_with_share
@@ -58,12 +59,16 @@ from deepinfer.sched.plan import StepPlan
 from deepinfer.structured.backend import StepMasks, words_of
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class SeqSamples:
     seq_id: str
     token_ids: tuple[int, ...]  # the emitted tokens (with drafts: the accepted ones plus the target's next)
     logprobs: tuple[TokenLogprobs | None, ...]
     drafts: tuple[int, ...] = ()  # the MTP layer's drafts for the tokens after these
+
+
+_NO_LOGPROBS = (None,)  # SeqSamples.logprobs of one token drawn without logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,11 @@ class StepHandle:
             packed, layout = self._spec
             emitted, drafted = layout.unpack(packed.tolist())
             drafts = dict(zip(d.proposers, drafted))
+        elif self._logprobs is None and len(d.counts) == len(self._tokens):
+            # One draw per sequence and no logprobs (a plain decode step): one object per sequence, no slicing
+            # (this builder runs for every sequence of every step).
+            return tuple(SeqSamples(seq_id, (token,), _NO_LOGPROBS)
+                         for seq_id, token in zip(d.seq_ids, self._tokens.tolist()))
         else:
             tokens = self._tokens.tolist()
             emitted, drafts, row = [], {}, 0
@@ -175,16 +185,28 @@ class ModelRunner:
                 forward_with_share(self.model, self.storage, share)
             return StepHandle()
         batch, work = self.batch, plan.work
-        slots = np.fromiter((batch.slot_of[w.seq_id] for w in work), dtype=np.int64, count=len(work))
-        first = np.fromiter((w.first_pos for w in work), dtype=np.int64, count=len(work))
-        lens = np.fromiter((w.num_tokens for w in work), dtype=np.int64, count=len(work))
+        slot_of = batch.slot_of
+        # The work items' numbers in one pass: slot, first position, inputs, draws, drafts, replay boundary.
+        cols = np.array([(slot_of[w.seq_id], w.first_pos, len(w.token_ids) + w.num_placeholders, w.num_samples,
+                          w.num_drafts, w.emit_from) for w in work], dtype=np.int64).reshape(len(work), 6)
+        slots, first, lens = cols[:, 0].copy(), cols[:, 1].copy(), cols[:, 2].copy()
+        draws, drafted, replays = cols[:, 3], cols[:, 4], cols[:, 5]
         starts = np.cumsum(lens) - lens
         ids = np.fromiter(chain.from_iterable(w.token_ids + (-1,) * w.num_placeholders for w in work),
                           dtype=np.int64, count=int(lens.sum()))
         placeholders = self._placeholders(work, slots, starts)
         shift = StepShift.of(work, slots.tolist(), batch)  # a verify step in flight (async speculation)
         draw_rows, draw_slots, draw_pos, last_rows, counts, history = [], [], [], [], [], []
-        for w, slot, start in zip(work, slots.tolist(), starts.tolist()):
+        n = len(work)
+        if int(lens.max()) == 1 and int(draws.min()) == 1 and not drafted.any():
+            # A decode step (one input and one draw per sequence, no drafts): what the loop below builds, at
+            # once. Row i is sequence i's; its token goes to the position after its input.
+            draw_rows, draw_slots, draw_pos = list(range(n)), slots.tolist(), (first + 1).tolist()
+            last_rows, counts, history = list(range(n)), [1] * n, [()] * n
+            work_rows = ()
+        else:
+            work_rows = zip(work, slots.tolist(), starts.tolist())
+        for w, slot, start in work_rows:
             k = w.num_samples
             if k:
                 if k > 1 and batch.sampling[slot].has_penalty and (w.num_drafts != k - 1 or w.num_placeholders > 1):
@@ -208,7 +230,7 @@ class ModelRunner:
         # Every sequence draws at each of its q inputs (decode; with speculation, a full verify step).
         graph_ok = (self.graphs is not None and share is None and not jobs
                     and self.graphs.fits_slots(len(work), len(ids))
-                    and all(w.num_tokens == q == w.num_samples and not w.emit_from for w in work))
+                    and bool((lens == q).all() and (draws == q).all() and not replays.any()))
         streams = index = input_ids = None
         if graph_ok:
             logits = self.graphs.run_slots(ids, slots, first, batch.tables, placeholders, shift)
@@ -216,7 +238,7 @@ class ModelRunner:
                 g = self.graphs.bucket(len(work))
                 streams, index, input_ids = g.streams[: len(ids)], g.index, g.ids[: len(ids)]
         else:
-            emit_from = [w.emit_from for w in work]
+            emit_from = replays.tolist()
             if share is None:
                 # Whose outputs before the last row nobody reads (V4.1's decoder replay may skip them).
                 last_only = tuple(w.num_samples <= 1 and w.prompt_logprobs is None for w in work)

@@ -96,6 +96,11 @@ def draw(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32, got {logits.dtype}")
     penalized = apply_penalties_and_masks(logits, t.penalties, t.masked)
+    if t.num_rows and len(t.random_rows) == t.num_rows:
+        # Every row draws (random_rows is then 0..B-1): selecting them is the identity and no greedy token
+        # survives, so the greedy argmax, the row gathers and the final index_copy are skipped (a dozen
+        # launches per step); ``process_random`` reads only ``t``'s drawing inputs and writes none of them.
+        return _draw_gumbel(process_random(penalized, t), t.seeds, t.positions, t.salts)
     # Greedy: argmax returns the first maximum, i.e. the lowest token id on ties (documented by torch).
     tokens = torch.argmax(penalized, dim=-1)
     if t.random_rows:

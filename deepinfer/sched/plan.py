@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepinfer.frozen_init import fast_init
 from deepinfer.sampling import SamplingParams
 
 
@@ -71,6 +72,7 @@ class JoinedSeq:
     output_ids: tuple[int, ...]  # tokens generated before joining (a resumed sequence): penalty counts
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class TableEdit:
     seq_id: str
@@ -90,6 +92,7 @@ class PromptLogprobJob:
     num_logprobs: int
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class SeqWork:
     seq_id: str

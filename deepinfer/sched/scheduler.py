@@ -137,13 +137,18 @@ class Scheduler:
         work: list[SeqWork] = []
         joined: list[JoinedSeq] = []
         preempted: list[Sequence] = []
+        # Without an MTP chain writing past the step a sequence's extent is its token count, and a decode
+        # step's blocks usually cover it already: both checked inline (once per running sequence per step).
+        plain = self.speculative is None or not self.speculative.writes_past_step
+        can_allocate = self.cache.can_allocate
         for seq, wanted in self._running_order():
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(wanted, budget)
-            if self._make_room(seq, self._extent(seq, n), planned, preempted):
+            extent = n if plain else self._extent(seq, n)
+            if can_allocate(seq.seq_id, extent) or self._make_room(seq, extent, planned, preempted):
                 work.append(self._take(seq, n))
                 planned.append(seq)
                 budget -= n
@@ -377,11 +382,12 @@ class Scheduler:
     def commit(self, schedule: Schedule) -> None:
         """The planned tokens are computed (or queued on the device, which computes them in order): advance
         each sequence, settle its cache length, and count the tokens it draws as pending until applied."""
+        prefix, commit = self.prefix, self.cache.commit
         for seq, w in zip(schedule.seqs, schedule.plan.work):
             seq.num_computed += w.num_tokens
             seq.num_pending += w.num_samples
             if w.num_samples:
                 seq.pending_drafts = w.num_proposals
             # Name the full blocks whose tokens are final (drafts and in-flight draws are not in token_ids).
-            hashes = () if self.prefix is None else self._chain(seq, min(seq.num_computed, seq.num_tokens))
-            self.cache.commit(seq.seq_id, seq.num_computed, hashes)
+            hashes = () if prefix is None else self._chain(seq, min(seq.num_computed, len(seq.token_ids)))
+            commit(seq.seq_id, seq.num_computed, hashes)

@@ -129,8 +129,13 @@ class EventStream(StreamingResponse):
                 await aclose()
 
 
+# One encoder for every event: ``json.dumps`` with non-default options builds a new JSONEncoder per call
+# (about a fifth of the cost of encoding a one-token chunk). Same options, same bytes.
+_EVENT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_EVENT_JSON.encode(obj)}\n\n"
 
 
 def _salted(prompt: dict, cache_salt: str | None) -> dict:

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.engine.sequence import RequestState
+from deepinfer.frozen_init import fast_init
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class SampleDelta:
     index: int
@@ -32,6 +34,7 @@ class SampleDelta:
     delta_token_ids: tuple[int, ...]
 
 
+@fast_init  # built per sequence per step: deepinfer/frozen_init.py
 @dataclass(frozen=True, slots=True)
 class OutputDelta:
     request_id: str
@@ -51,34 +54,37 @@ class DeltaBuilder:
     counters the same way (``delta_text`` / ``delta_token_ids`` are what is new, as there)."""
 
     def __init__(self) -> None:
-        # request id -> [prompt logprobs sent, per sample [chars, output tokens, logprobs] sent]
-        self._sent: dict[str, tuple[list[int], list[list[int]]]] = {}
+        # request id -> [prompt logprobs sent, per sample logprobs sent]; what each sample's text and tokens
+        # sent is the sequence's own streaming counters (``emitted_text`` / ``emitted_tokens``).
+        self._sent: dict[str, list] = {}
 
     def build(self, req: RequestState) -> OutputDelta:
         rid = req.request_id
         state = self._sent.get(rid)
         first = state is None
         if first:
-            state = self._sent[rid] = ([0], [[0, 0, 0] for _ in req.seqs])
+            state = self._sent[rid] = [0, [0] * len(req.seqs)]
+        with_lp = req.params.logprobs is not None
         samples = []
-        for s, sent in zip(req.seqs, state[1]):
-            chars, ids, lps = sent
-            text, n_out = s.text, len(s.token_ids) - s.num_prompt
-            new_text = text[chars:]
-            new_ids = tuple(s.token_ids[s.num_prompt + ids:])
-            with_lp = s.params.logprobs is not None
-            samples.append(SampleDelta(s.index, new_text, new_ids, tuple(s.logprobs[lps:]) if with_lp else None,
-                                       s.finish_reason, s.stop_reason, s.cumulative_logprob if with_lp else None,
+        for k, s in enumerate(req.seqs):
+            text, ids, start = s.text, s.token_ids, s.num_prompt + s.emitted_tokens
+            new_text = text[s.emitted_text:]
+            new_ids = tuple(ids[start:])
+            if with_lp:
+                lps, state[1][k] = tuple(s.logprobs[state[1][k]:]), len(s.logprobs)
+                cum = s.cumulative_logprob
+            else:
+                lps = cum = None
+            samples.append(SampleDelta(s.index, new_text, new_ids, lps, s.finish_reason, s.stop_reason, cum,
                                        new_text, new_ids))
-            sent[0], sent[1], sent[2] = len(text), n_out, len(s.logprobs)
-            s.emitted_text, s.emitted_tokens = len(text), n_out
+            s.emitted_text, s.emitted_tokens = len(text), len(ids) - s.num_prompt
         plp = req.prompt_logprobs
-        new_plp = None if plp is None else tuple(plp[state[0][0]:])
+        new_plp = None if plp is None else tuple(plp[state[0]:])
         finished = req.finished
         if finished:
             del self._sent[rid]
         elif plp is not None:
-            state[0][0] = len(plp)
+            state[0] = len(plp)
         return OutputDelta(rid, tuple(samples), finished, req.num_cached_tokens or 0, new_plp,
                            req.prompt if first else None, tuple(req.prompt_token_ids) if first else None)
 
@@ -89,7 +95,7 @@ class _Request:
     prompt_token_ids: tuple[int, ...]
     prompt_logprobs: list | None
     texts: list[str]
-    token_ids: list[list[int]]
+    token_ids: list[tuple[int, ...]]  # tuples, grown by concatenation: the output's own tuple, one copy a step
     logprobs: list[list | None]
 
 
@@ -103,7 +109,7 @@ class OutputAssembler:
         r = self._requests.get(d.request_id)
         if r is None:
             assert d.prompt_token_ids is not None, f"{d.request_id}: the first delta carries the prompt"
-            r = _Request(d.prompt, d.prompt_token_ids, None, [""] * len(d.samples), [[] for _ in d.samples],
+            r = _Request(d.prompt, d.prompt_token_ids, None, [""] * len(d.samples), [()] * len(d.samples),
                          [None] * len(d.samples))
             if not d.finished:
                 self._requests[d.request_id] = r
@@ -115,17 +121,18 @@ class OutputAssembler:
         outputs = []
         for k, s in enumerate(d.samples):
             r.texts[k] += s.text
-            r.token_ids[k].extend(s.token_ids)
+            r.token_ids[k] += s.token_ids
             if s.logprobs is not None:
                 r.logprobs[k] = r.logprobs[k] or []
                 r.logprobs[k].extend(s.logprobs)
             outputs.append(CompletionOutput(
-                s.index, r.texts[k], tuple(r.token_ids[k]), s.finish_reason, s.stop_reason,
+                s.index, r.texts[k], r.token_ids[k], s.finish_reason, s.stop_reason,
                 None if s.logprobs is None else tuple(r.logprobs[k]), s.cumulative_logprob))
         return RequestOutput(
             d.request_id, r.prompt, r.prompt_token_ids, tuple(outputs), d.finished,
             None if d.prompt_logprobs is None else tuple(r.prompt_logprobs),
-            tuple(s.delta_text for s in d.samples), tuple(s.delta_token_ids for s in d.samples), d.num_cached_tokens)
+            tuple([s.delta_text for s in d.samples]), tuple([s.delta_token_ids for s in d.samples]),
+            d.num_cached_tokens)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -119,6 +119,19 @@ def test_tail_pools_release_blocks_as_the_sequence_grows():
     assert frees(m)[HISTORY] == 32 - cdiv(n, BS)
 
 
+def test_a_request_rolled_back_to_zero_releases_as_a_new_one():
+    """commit skips the release check until the next block can leave (``release_from``); a truncation that
+    moves the released prefix back must not leave the old threshold behind."""
+    m = manager(csa_only(), n=32)
+    step(m, "a", 300)  # blocks 0 and 1 of the state pool released
+    m.truncate("a", 0)
+    for k in (100, 36, 1):  # the first test's growth: the state pool's block 0 leaves at n = 136
+        step(m, "a", k)
+        step(m, "b", k)
+        assert m.block_tables("a")[STATE].count(-1) == m.block_tables("b")[STATE].count(-1), k
+    assert m.block_tables("a")[STATE][0] == -1
+
+
 def test_spec_slack_keeps_rollback_rows_resident():
     lay = csa_only()
     strict, slack = manager(lay, slack=0), manager(lay, slack=4)

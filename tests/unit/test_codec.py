@@ -45,6 +45,35 @@ def test_any_dataclass_keeps_every_field() -> None:
     assert (back.a, back.b, back.c) == (1, [torch.float16], "set later")
 
 
+@dataclass(frozen=True, slots=True)
+class _Base:
+    a: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Derived(_Base):  # a slot of the base class, one of its own
+    b: tuple = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _One:
+    x: object
+
+
+@dataclass(frozen=True)
+class _Empty:
+    pass
+
+
+def test_every_shape_of_dataclass_round_trips() -> None:
+    """The per-class field getters and setters: inherited slots, one field, no field, no slots."""
+    for obj in (_Derived(1, (2, 3)), _One(_Derived(4)), _Empty(), _Plain(5)):
+        back = codec.rebuild_dataclass(*codec._Pickler.reducer_override(None, obj)[1])
+        assert back == obj and type(back) is type(obj)
+    with pytest.raises(pickle.UnpicklingError, match="_Derived has 2 fields, got 1"):
+        codec.rebuild_dataclass(_Derived, (1,))
+
+
 def test_decoding_refuses_foreign_types() -> None:
     class Evil:
         def __reduce__(self):

@@ -114,3 +114,34 @@ def test_table_edits_mirror_the_cache_manager() -> None:
                 want = np.full(len(row), -1)
                 want[: len(tables[pool])] = tables[pool]
                 assert row.tolist() == want.tolist(), (step, sid, pool)
+
+
+def test_sampler_inputs_reused_across_steps_follow_positions_and_slot_changes() -> None:
+    """A step with the same slots as the step before reuses its inputs with new positions (no penalty row
+    here, one with min_tokens, whose mask ends at step 4 while the inputs are reused): every step equals the
+    reference rows', and a slot that changed hands (left, then taken by a sequence with other settings) is
+    not served the old inputs."""
+    params = [SamplingParams(temperature=0.7, top_k=5, seed=1),
+              SamplingParams(temperature=0.9, min_tokens=4, stop_token_ids=[5], seed=2),
+              SamplingParams(temperature=1.3, top_p=0.8, seed=3, logprobs=2)]
+    batch = InputBatch(num_slots=4, max_blocks=2, vocab_size=VOCAB, device="cpu")
+    batch.apply(StepPlan(joined=tuple(JoinedSeq(f"s{i}", SeqSampling.of(p, 10 + i, EOS), 4, (), ())
+                                      for i, p in enumerate(params))))
+    slots = [batch.slot_of[f"s{i}"] for i in range(len(params))]
+    for step in range(6):
+        if step == 3:  # s0 leaves; a greedy sequence takes its slot (the same slot list as before)
+            batch.apply(StepPlan(left=("s0",)))
+            params[0] = SamplingParams(temperature=0)
+            batch.apply(StepPlan(joined=(JoinedSeq("g", SeqSampling.of(params[0], 10, EOS), 4, (), ()),)))
+            assert batch.slot_of["g"] == slots[0]
+        positions = [4 + step] * len(params)
+        rows = [SamplingRow.build(p, seed=10 + i, prompt_token_ids=[7] * 4, output_token_ids=[8] * step,
+                                  eos_token_ids=EOS) for i, p in enumerate(params)]
+        want, got = from_rows(rows, VOCAB, torch.float32, "cpu"), batch.sampling_tensors(slots, positions)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "positions", "salts", "random_idx"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
+        assert (got.random_rows, got.use_truncation, got.use_top_p, got.num_logprobs) == \
+            (want.random_rows, want.use_truncation, want.use_top_p, want.num_logprobs), step
+        assert (got.masked is None) == (want.masked is None), step
+        if want.masked is not None:
+            assert all(torch.equal(a, b) for a, b in zip(got.masked, want.masked)), step

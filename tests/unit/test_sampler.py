@@ -315,3 +315,20 @@ def test_input_validation() -> None:
         SamplingRow(seed=0, position=2**32)
     with pytest.raises(ValueError, match="outside"):
         sample(torch.zeros(1, 4), [row(SamplingParams(min_tokens=1, stop_token_ids=[9]))])
+
+
+def test_a_batch_that_draws_on_every_row_equals_the_general_path() -> None:
+    """``draw``'s shortcut when no row is greedy (no argmax, no row selection) against the general path,
+    reached by adding a greedy row: the drawing rows' tokens are the same (rows are independent)."""
+    gen = torch.Generator().manual_seed(3)
+    drawing = [row(SamplingParams(temperature=0.8, seed=11), position=9),
+               row(SamplingParams(temperature=1.3, top_k=7, top_p=0.9, seed=12), position=4),
+               row(SamplingParams(temperature=1.0, min_p=0.05, seed=13, frequency_penalty=2.0),
+                   output=tuple(range(0, 50, 2)), position=20)]
+    greedy = row(SamplingParams(temperature=0))
+    for _ in range(5):
+        logits = torch.randn(len(drawing) + 1, 50, generator=gen) * 4
+        alone = sample(logits[: len(drawing)], drawing).token_ids
+        with_greedy = sample(logits, [*drawing, greedy]).token_ids
+        assert torch.equal(alone, with_greedy[: len(drawing)])
+        assert with_greedy[-1] == logits[-1].argmax()
