@@ -134,6 +134,8 @@ class InputBatch:
         last, key = self._last_inputs, tuple(slots)
         if last is not None and last[0] == self._epoch and last[1] == key:
             pos = to_device(positions, torch.int64, dev)
+            if shift is not None:
+                pos = pos + shift
             masked = self._min_tokens_masks([self.sampling[s] for s in slots], slots, positions) if last[2] else None
             return dataclasses.replace(last[3], positions=pos, masked=masked)
         rows = [self.sampling[s] for s in slots]
