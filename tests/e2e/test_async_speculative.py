@@ -26,6 +26,7 @@ import torch
 from deepinfer import LLMEngine, SamplingParams
 from deepinfer.assets import demo_model_dir
 from deepinfer.testing.make_checkpoint import PRESETS, write_random_checkpoint
+from tests.e2e.test_speculative import _drain
 
 MAX_TOKENS = 12
 
@@ -65,29 +66,6 @@ class _Watch:
             return first
 
         engine.runner.submit, engine._apply_first = counted_submit, counted_apply_first
-
-
-def _drain(engine: LLMEngine, prompts, params, stagger: int = 1, abort_at: dict[int, str] | None = None) -> dict:
-    """Submit prompt i at step i * stagger (``params``: one for all, or a list), abort ``abort_at[step]``;
-    return the final outputs by request id. The cache is checked after every step and must end empty."""
-    done, step, pending = {}, 0, list(enumerate(prompts))
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] * stagger <= step:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), {"prompt_token_ids": p} if isinstance(p, list) else p,
-                               params[i] if isinstance(params, list) else params)
-        if abort_at and step in abort_at:
-            engine.abort_request(abort_at[step])
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.cache.check_integrity()
-        step += 1
-        assert step < 1000, "the engine did not finish"
-    engine.step()  # an async engine may hold one more step's (ignored) results
-    assert engine.cache.num_requests == 0
-    engine.cache.check_integrity()
-    return done
 
 
 def _tokens(done: dict) -> dict:

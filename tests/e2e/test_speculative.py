@@ -43,15 +43,18 @@ def _prompts(vocab: int, lengths=(3, 121, 118, 40)) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def _drain(engine: LLMEngine, prompts, params, stagger: int = 1, on_step=None) -> dict:
-    """Submit prompt i at step i * stagger (``params``: one for all, or a list); return the final outputs by
-    request id."""
+def _drain(engine: LLMEngine, prompts, params, stagger: int = 1, on_step=None,
+           abort_at: dict[int, str] | None = None) -> dict:
+    """Submit prompt i at step i * stagger (``params``: one for all, or a list), abort ``abort_at[step]``;
+    return the final outputs by request id. The cache is checked after every step and must end empty."""
     done, step, pending = {}, 0, list(enumerate(prompts))
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] * stagger <= step:
             i, p = pending.pop(0)
             engine.add_request(str(i), {"prompt_token_ids": p} if isinstance(p, list) else p,
                                params[i] if isinstance(params, list) else params)
+        if abort_at and step in abort_at:
+            engine.abort_request(abort_at[step])
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
@@ -59,6 +62,10 @@ def _drain(engine: LLMEngine, prompts, params, stagger: int = 1, on_step=None) -
         if on_step is not None:
             on_step(engine)
         step += 1
+        assert step < 1000, "the engine did not finish"
+    engine.step()  # an async engine may hold one more step's (ignored) results
+    assert engine.cache.num_requests == 0
+    engine.cache.check_integrity()
     return done
 
 
