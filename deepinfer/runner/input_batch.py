@@ -133,17 +133,13 @@ class InputBatch:
         dev = self.device
         last, key = self._last_inputs, tuple(slots)
         if last is not None and last[0] == self._epoch and last[1] == key:
-            pos = to_device(positions, torch.int64, dev)
-            if shift is not None:
-                pos = pos + shift
             masked = self._min_tokens_masks([self.sampling[s] for s in slots], slots, positions) if last[2] else None
-            return dataclasses.replace(last[3], positions=pos, masked=masked)
+            return _shifted(dataclasses.replace(last[3], positions=to_device(positions, torch.int64, dev),
+                                                masked=masked), shift)
         rows = [self.sampling[s] for s in slots]
         # Slots and positions travel in one copy: [slots | positions].
         both = to_device([*slots, *positions], torch.int64, dev)
         idx, pos = both[: len(slots)], both[len(slots) :]
-        if shift is not None:
-            pos = pos + shift
         f, i = self._f[idx], self._i[idx]
         drawing = [b for b, r in enumerate(rows) if r.temperature >= GREEDY_TEMPERATURE_EPS]
         draw_rows = [rows[b] for b in drawing]
@@ -162,7 +158,7 @@ class InputBatch:
         )
         reusable = t.penalties.repetition is None and t.penalties.presence is None  # penalty counts move each step
         self._last_inputs = (self._epoch, key, any(r.min_tokens_masked for r in rows), t) if reusable else None
-        return t
+        return _shifted(t, shift)
 
     def draft_params(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(temperature float64, seed int64) of the slots ``idx`` (a device tensor): the draft pick's inputs,
@@ -237,3 +233,9 @@ class InputBatch:
         if self.drafts is None:
             return self.last_tokens[slots]
         return torch.where(cols == 0, self.last_tokens[slots], self.drafts[slots, (cols - 1).clamp(min=0)])
+
+
+def _shifted(t: SamplingTensors, shift: torch.Tensor | None) -> SamplingTensors:
+    """``t`` with its draw positions moved by ``shift`` (built or reused inputs alike; the reused ones are
+    kept unshifted)."""
+    return t if shift is None else dataclasses.replace(t, positions=t.positions + shift)
