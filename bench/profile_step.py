@@ -1,6 +1,6 @@
 """Where a step's GPU time goes: per-kernel device time of one eager batched step (torch.profiler).
 
-    python bench/profile_step.py [--layers 4] [--batch 1] [--context 1024] [--prefill 0]
+    python bench/profile_step.py [--layers 4] [--batch 1] [--context 1024] [--prefill 0] [--verify 0]
 
 Eager, not graph replay: the kernels are the ones a captured graph replays, and the profiler attributes
 each one. Prints the top kernels by total device time per layer, grouped by name, and the sum.
@@ -25,6 +25,8 @@ def main() -> None:
     a.add_argument("--batch", type=int, default=1)
     a.add_argument("--context", type=int, default=1024)
     a.add_argument("--prefill", type=int, default=0, help="profile a prefill chunk of this many tokens instead")
+    a.add_argument("--verify", type=int, default=0, help="profile a verify step of this many drafts instead: "
+                   "each sequence runs 1 + VERIFY new tokens, logits at every one (speculative decoding)")
     a.add_argument("--top", type=int, default=30)
     a.add_argument("--trace", type=int, default=0, help="also list the step's first N kernels in launch order "
                    "(which op each kernel belongs to)")
@@ -37,13 +39,16 @@ def main() -> None:
         new = {sids[0]: [3 + i % 1000 for i in range(args.prefill)]}
     else:
         cache, sids = random_cache(model, args.batch, args.context, "cuda")
-        new = {sid: [tok] for sid, tok in zip(sids, decode_tokens(len(sids), model.cfg.vocab_size))}
+        new = {sid: [tok] + [(tok + 1 + i) % model.cfg.vocab_size for i in range(args.verify)]
+               for sid, tok in zip(sids, decode_tokens(len(sids), model.cfg.vocab_size))}
+
+    logit_rows = 1 if args.prefill else args.batch * (1 + args.verify)  # a verify step's logits: every token
 
     def step():
         for sid in sids:
             cache.truncate(sid, 0 if args.prefill else args.context)
         ids, fb = cache.plan(new)
-        model.logits(model(ids.cuda(), fb, cache.storage)[-args.batch:])
+        model.logits(model(ids.cuda(), fb, cache.storage)[-logit_rows:])
 
     step()
     torch.cuda.synchronize()
@@ -76,7 +81,8 @@ def main() -> None:
             t, n = rows.get(name, (0.0, 0))
             rows[name] = (t + e.device_time, n + 1)
     total = sum(t for t, _ in rows.values())
-    what = f"prefill {args.prefill}" if args.prefill else f"decode batch {args.batch} ctx {args.context}"
+    what = f"prefill {args.prefill}" if args.prefill else \
+        f"{'verify ' + str(args.verify) + ' drafts,' if args.verify else 'decode'} batch {args.batch} ctx {args.context}"
     print(f"== {what}: {total / args.layers:.1f} us device time per layer, {sum(n for _, n in rows.values()) / args.layers:.0f} kernels per layer")
     for name, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{t / args.layers:9.1f} us  {n / args.layers:5.1f}x  {name}")

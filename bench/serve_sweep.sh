@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `deepinfer serve` on the bundled demo model under `deepinfer bench serve`: random prompts of INPUTS tokens,
-# 128 output tokens, at each CONCURRENCY, once per engine mode in MODES (default: "thread process": the engine
-# in a thread of the server, --no-engine-process, and in its own process, the default) and scheduling loop
+# 128 output tokens, at each CONCURRENCY (16 prompts at 1, else 8 rounds of it within 256..1024 prompts), once
+# per engine mode in MODES (default: "thread process": the engine in a thread of the server,
+# --no-engine-process, and in its own process, the default) and scheduling loop
 # in LOOPS (default: async, then sync), each server warmed up first. One JSON per run under
 # $OUT/serve; `python bench/serve_report.py $OUT/serve` writes bench/results/serve_demo.md from them.
 set -uo pipefail
@@ -34,7 +35,9 @@ for loop in $LOOPS; do
   done
   for in_len in $INPUTS; do
     for c in $CONCURRENCY; do
-      n=$(( 2 * c > 16 ? 2 * c : 16 ))
+      # Enough prompts for the steady state: two rounds of the concurrency measured mostly the opening burst
+      # (all prompts arriving at once, one big prefill) and moved by up to 30% between identical servers.
+      n=$(( c == 1 ? 16 : (8 * c < 256 ? 256 : (8 * c > 1024 ? 1024 : 8 * c)) ))
       python3 -m deepinfer.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --dataset-name random \
         --random-input-len "$in_len" --random-output-len 128 --random-range-ratio 0 --num-prompts "$n" \
         --max-concurrency "$c" --ignore-eos --seed 0 --disable-tqdm --save-result --result-dir "$OUT/serve" \
