@@ -257,20 +257,25 @@ class Scheduler:
             return 0
         return known + seq.num_pending - seq.num_computed + len(self._drafts(seq)) + self._pending_drafts(seq)
 
+    # Drafts are verified and proposed up to the output limit and past it: a sequence near its limit keeps
+    # the k drafts of every other one, so each sequence of a verify step has k + 1 inputs and the step replays
+    # a CUDA graph (a step with a shorter sequence runs eagerly, several times slower). Tokens past the limit
+    # are drawn and dropped (``append_token`` ends the sequence at its max_output-th); the ones before it are
+    # the same, since a position's draw reads only the positions before it.
+
     def _drafts(self, seq: Sequence) -> tuple[int, ...]:
-        """The drafts a decoding sequence verifies this step: none past its output limit (the last token
-        drawn must be at most its max_output-th)."""
+        """The drafts a decoding sequence verifies this step (all it has)."""
         if not seq.drafts or seq.num_pending or seq.num_computed != seq.num_tokens - 1:
             return ()
-        return seq.drafts[: max(0, seq.max_output - seq.num_output - 1)]
+        return seq.drafts
 
     def _pending_drafts(self, seq: Sequence) -> int:
         """The drafts a sequence whose verify step is in flight verifies this step: those the step proposes,
-        still on the device (none past its output limit, counted at the step's full acceptance)."""
+        still on the device."""
         if (self.speculative is None or not seq.num_pending
                 or seq.num_computed != seq.num_tokens + seq.num_pending - 1):
             return 0
-        return max(0, min(seq.pending_drafts, seq.max_output - seq.num_output - seq.num_pending - 1))
+        return seq.pending_drafts
 
     def _proposals(self, seq: Sequence, n: int, draws: int) -> int:
         """Drafts the MTP layer proposes after a step of ``n`` inputs that draws ``draws`` tokens."""
@@ -279,11 +284,10 @@ class Scheduler:
             return 0
         want = draft_length(seq.draft_acceptance, spec.num_speculative_tokens) if spec.length_by_rate else \
             spec.num_speculative_tokens
-        # Useless past the output limit (the next step keeps at most max_output - num_output - 2 drafts,
-        # counting the tokens in flight as emitted); and the chain writes MTP rows up to position
-        # first + n + proposals - 2, inside the model length.
+        # The chain writes MTP rows up to position first + n + proposals - 2, inside the model length (past the
+        # output limit they are proposed all the same: see above).
         room = self.config.max_model_len - (seq.num_computed + n) + 1
-        return max(0, min(want, seq.max_output - seq.num_output - seq.num_pending - 2, room))
+        return max(0, min(want, room))
 
     def _extent(self, seq: Sequence, n: int) -> int:
         """Positions to allocate for a step of ``n`` inputs: those plus the MTP chain's rows past them."""

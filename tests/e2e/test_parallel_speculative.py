@@ -201,10 +201,12 @@ def test_speculative_refused_with_context_parallel() -> None:
         EngineConfig.create(args)
 
 
-def test_mtp_passes_counts_the_drafters_passes() -> None:
+def test_mtp_passes_counts_the_drafters_passes(monkeypatch) -> None:
     """``mtp_passes(plan)`` (what the ranks pad to) is the number of MTP-layer passes a step really runs, on
     every step of a speculative run with prefill chunks, mixed draft lengths and preemption: a ran-more or
-    ran-fewer pass would leave an expert-parallel rank waiting in a collective."""
+    ran-fewer pass would leave an expert-parallel rank waiting in a collective. (Draft lengths per request
+    from their acceptance, DEEPINFER_ENABLE_MTP_VARLEN=1, give the mixed chains.)"""
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     engine = LLMEngine.from_engine_args(**ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     calls, seen = [0], []
     engine.model.mtp[0].ffn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))

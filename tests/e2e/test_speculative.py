@@ -220,3 +220,23 @@ def test_variable_draft_length_follows_acceptance(tiny_dir, tiny_reference, monk
     st = engine.spec_stats
     # The random MTP layer is nearly always wrong: fewer than k = 4 drafts per verify step on average.
     assert st.num_drafts > 0 and st.num_draft_tokens < 3 * st.num_drafts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_decode_steps_keep_k_drafts_up_to_the_output_limit(tiny_dir, tiny_reference, k) -> None:
+    """With a fixed draft length every decoding sequence of a step verifies k drafts, up to its very last step
+    (a step whose sequences differ in input count runs eagerly on a GPU instead of replaying a CUDA graph);
+    the drafts past the output limit are drawn and dropped: the tokens stay the plain engine's."""
+    prompts, params, ref = tiny_reference
+    engine = _engine(tiny_dir, k, max_num_batched_tokens=512)
+    shapes, submit = [], engine.runner.submit
+
+    def record(plan, *a, **kw):
+        shapes.extend((w.seq_id, len(w.token_ids) + w.num_placeholders, w.num_drafts) for w in plan.work
+                      if w.num_samples and len(w.token_ids) + w.num_placeholders == w.num_samples)  # not prefill
+        return submit(plan, *a, **kw)
+
+    engine.runner.submit = record
+    assert _tokens(_drain(engine, prompts, params)) == ref  # its own drafts (planted ones end with the reference)
+    assert len(shapes) >= len(prompts) * 3
+    assert all(n == k + 1 and d == k for _, n, d in shapes), shapes
