@@ -250,19 +250,22 @@ class PagedV41(nn.Module):
         if att.kv_source:
             self._publish_entries(att, key, x, step)
         idx, out = step.index, []
-        for run, sh in zip(step.runs, shared):
+        # Window keys: positions (first - W, end), of which each query sees (t - W, t]; none below window_from.
+        # Every sequence's rows are read at once (one gather, one dequantization of packed rows), then split.
+        spans = [torch.arange(max(run.window_from, run.first - att.window + 1), run.end, device=x.device)
+                 for run in step.runs]
+        kp, seq = torch.cat(spans), torch.cat([torch.full_like(s, run.seq) for s, run in zip(spans, step.runs)])
+        window = load_rows(step.storage, key, "window_kv",
+                           _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window"))
+        # The sequences' entries after the step, for this layer and the ones reusing it.
+        sources = self._entries(key, att.ratio, step) if att.kv_source else None
+        for r, (run, sh, kp, keys) in enumerate(zip(step.runs, shared, spans, window.split([len(s) for s in spans]))):
             rows = slice(run.lo, run.hi)
             t = step.positions[rows]
-            # Window keys: positions (first - W, end), of which each query sees (t - W, t]; none below window_from.
-            kp = torch.arange(max(run.window_from, run.first - att.window + 1), run.end, device=x.device)
-            seq = torch.full_like(kp, run.seq)
-            keys = load_rows(step.storage, key, "window_kv",
-                             _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window"))
             allowed = (kp <= t.unsqueeze(1)) & (kp > t.unsqueeze(1) - att.window)
             if att.ratio:
-                if att.kv_source:  # this sequence's entries after the step, for this layer and the ones reusing it
-                    sh.source, sh.ratio, sh.topk, sh.candidates = self._entries(key, att.ratio, run, step), \
-                        att.ratio, None, None
+                if sources is not None:
+                    sh.source, sh.ratio, sh.topk, sh.candidates = sources[r], att.ratio, None, None
                 ctx = StepContext(t, run.first, {}, None, step.cache_qdq)
                 keys, allowed = att.add_entries(x[rows], qr[rows], ang[rows], ctx, sh, keys, allowed)
             out.append(att._attend(q[rows], keys, allowed))
@@ -302,15 +305,18 @@ class PagedV41(nn.Module):
         store_rows(step.storage, key, "index_keys", where, att.indexer.keys(latent, ang, step.round_rows))
 
     @staticmethod
-    def _entries(key: str, ratio: int, run: _Run, step: _Step) -> LayerCache:
-        """The sequence's compressed entries and index keys of source ``key`` after the step (its first
-        ``end // ratio``), as the plain model's per-sequence cache holds them."""
+    def _entries(key: str, ratio: int, step: _Step) -> list[LayerCache]:
+        """Per run: its sequence's compressed entries and index keys of source ``key`` after the step (its first
+        ``end // ratio``), as the plain model's per-sequence cache holds them (read for all runs at once)."""
         idx = step.index
-        entry = torch.arange(run.end // ratio, device=idx.positions.device)
-        rows = _resident(lookup(idx.history_table, torch.full_like(entry, run.seq), entry, idx.block_size // ratio),
-                         entry >= 0, f"{key} entries")
-        return LayerCache(entries=load_rows(step.storage, key, "entries", rows),
-                          index_keys=load_rows(step.storage, key, "index_keys", rows))
+        counts = [run.end // ratio for run in step.runs]
+        entry = torch.cat([torch.arange(n, device=idx.positions.device) for n in counts])
+        seq = torch.cat([torch.full((n,), run.seq, dtype=torch.long, device=entry.device)
+                         for n, run in zip(counts, step.runs)])
+        rows = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
+        entries = load_rows(step.storage, key, "entries", rows).split(counts)
+        keys = load_rows(step.storage, key, "index_keys", rows).split(counts)
+        return [LayerCache(entries=e, index_keys=k) for e, k in zip(entries, keys)]
 
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
