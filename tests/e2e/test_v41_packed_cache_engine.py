@@ -6,9 +6,9 @@ whose layout keeps those rows unpacked in the activation dtype, rounded by the m
 before packing: ``build_v41_layout(packed=False)`` patched into the engine's cache sizing): the tokens and
 every returned logprob must be the same bits, greedy and seeded sampling, with requests arriving over several
 steps, prefill chunked by a small step budget, a device cache small enough to preempt and to push cached
-prefix blocks to the host tier, prefix hits (from the device and from the host tier) and DSpark speculation
-(k = 3) whose drafts are partly replaced by the continuation of the plain model so that some are accepted
-and others rolled back.
+prefix blocks to the host tier, prefix hits (from the device and from the host tier; exact, and with the
+encoder-side replay of ``v41_prefix_replay="v41"``) and DSpark speculation (k = 3) whose drafts are partly
+replaced by the continuation of the plain model so that some are accepted and others rolled back.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def tiny(tmp_path_factory, one_thread):
     return path, {i: plain.greedy(torch.tensor(p), MAX_TOKENS + K) for i, p in enumerate(_prompts())}
 
 
-def _engine(path, packed: bool) -> LLMEngine:
-    args = dict(model=str(path), device="cpu", dtype="float32", kv_cache_dtype="auto", block_size=128,
+def _engine(path, packed: bool, prefix_replay: str) -> LLMEngine:
+    args = dict(v41_prefix_replay=prefix_replay, model=str(path), device="cpu", dtype="float32", kv_cache_dtype="auto", block_size=128,
                 max_num_seqs=8, max_num_batched_tokens=29, max_model_len=512, num_cache_blocks=2,
                 kv_host_cache_gb=0.01, load_progress=False,
                 speculative_config={"method": "dspark", "num_speculative_tokens": K})
@@ -81,8 +81,8 @@ def _plant(engine: LLMEngine, continuations: dict[int, list[int]], seed: int) ->
     engine.step = planted
 
 
-def _run(path, continuations, packed: bool) -> tuple[dict, LLMEngine]:
-    engine = _engine(path, packed)
+def _run(path, continuations, packed: bool, prefix_replay: str) -> tuple[dict, LLMEngine]:
+    engine = _engine(path, packed, prefix_replay)
     _plant(engine, continuations, seed=1)
     prompts = _prompts()
     out: dict = {}
@@ -102,10 +102,11 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
 
 
-def test_packed_storage_equals_unpacked_bitwise(tiny) -> None:
+@pytest.mark.parametrize("prefix_replay", ["exact", "v41"])  # hits keep the window tails / recompute them
+def test_packed_storage_equals_unpacked_bitwise(tiny, prefix_replay) -> None:
     path, continuations = tiny
-    want, unpacked = _run(path, continuations, packed=False)
-    got, packed = _run(path, continuations, packed=True)
+    want, unpacked = _run(path, continuations, False, prefix_replay)
+    got, packed = _run(path, continuations, True, prefix_replay)
     assert sorted(got) == sorted(want) and len(want) == len(_prompts())
     for rid, (tokens, logprobs) in want.items():  # float equality of every logprob: the same bits (none is NaN)
         assert got[rid] == (tokens, logprobs), rid
