@@ -229,6 +229,8 @@ def describe_v41(cfg: V41Config, d: Deployment, device_bytes: int, specs: Specs 
                              "routed experts, one UE8M0 byte per scale; the rest in its module dtype")
     out["weights_dequantized_gib"] = _gib(w.dequantized)
     out["cache_bytes_per_token"] = bytes_per_token(layout)
+    out["cache_format"] = ("kv_cache_dtype auto: window KV and DSpark context FP8 e4m3 + UE8M0 per 32, compressed KV "
+                           "NVFP4, index keys MXFP4 (packed), compressor state fp32")
     out["cache_positions_kept_per_sequence"] = {WINDOW: layout.tail(WINDOW) + 1, STATE: layout.tail(STATE) + 1}
     if cfg.num_nextn_predict_layers > 0:
         out["dspark"] = _dspark_dict(cfg, d, device_bytes, specs)

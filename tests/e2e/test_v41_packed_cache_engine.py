@@ -48,9 +48,9 @@ def tiny(tmp_path_factory, one_thread):
 
 
 def _engine(path, packed: bool, prefix_replay: str) -> LLMEngine:
-    args = dict(v41_prefix_replay=prefix_replay, model=str(path), device="cpu", dtype="float32", kv_cache_dtype="auto", block_size=128,
+    args = dict(model=str(path), device="cpu", dtype="float32", kv_cache_dtype="auto", block_size=128,
                 max_num_seqs=8, max_num_batched_tokens=29, max_model_len=512, num_cache_blocks=2,
-                kv_host_cache_gb=0.01, load_progress=False,
+                kv_host_cache_gb=0.01, load_progress=False, v41_prefix_replay=prefix_replay,
                 speculative_config={"method": "dspark", "num_speculative_tokens": K})
     with pytest.MonkeyPatch.context() as mp:
         if not packed:  # the rows in the activation dtype, rounded by the model: the storage before packing

@@ -108,6 +108,11 @@ def test_packed_pools_bytes_per_block_follow_the_formula(cfg, dspark) -> None:
         HISTORY: sum(bs // r * (_fp4(d, 16) + _fp4(di, 32)) for r in sources),
         STATE: sum(bs * 2 * d * 4 for r in sources if r == 2),  # fp32 value and gate, unpacked
     }
+    formats = {(s.key.split(".")[0], t.name): t.dtype for s in layout.layers for t in s.tensors}
+    assert formats == {("layers", "window_kv"): FP8_UE8M0_32.name, ("layers", "entries"): E2M1_E4M3_16.name,
+                       ("layers", "index_keys"): E2M1_UE8M0_32.name, ("layers", "compressor_state"): "float32",
+                       ("engram", "token_ids"): "float32", **({("mtp", "window_kv"): FP8_UE8M0_32.name} if dspark
+                                                             else {})}
     for dtype_bytes in (2, 4):  # packed rows do not depend on the activation dtype; the token ids and state neither
         assert {p: layout.bytes_per_block(p, dtype_bytes) for p in POOLS} == want
     unpacked = build_v41_layout(cfg, bs, dspark=dspark)
