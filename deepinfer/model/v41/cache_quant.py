@@ -10,8 +10,9 @@ pattern (exponent + 1 when any mantissa bit is set), never through a logarithm, 
 ``qdq`` keeps the rounding in the activation dtype (the plain model, unpacked cache rows); ``quantize`` gives
 the same rounding as packed bytes (``kv/spec.py`` PackedFormat: codes then scales, uint8) and ``dequantize``
 reads them back. The contract: ``dequantize(quantize(x, f), f, C, x.dtype) == qdq(x, f)`` bit for bit, so the
-engine's packed cache changes no logit. Both run the same fp32 operations as ``qdq`` on the same codes and
-scales (no kernel of their own), so they are device-agnostic.
+engine's packed cache changes no logit: ``quantize`` computes ``qdq``'s codes and scales with its operations,
+``dequantize`` turns bytes back into those fp32 values (256-entry tables built by the same conversions) and
+takes ``qdq``'s product. Plain torch ops, so both run on any device.
 """
 
 from __future__ import annotations
