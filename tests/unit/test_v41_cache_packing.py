@@ -144,3 +144,18 @@ def test_block_copy_and_tier_payload_of_packed_rows(cfg) -> None:
                 n, t, out = layout.rows_per_block(spec), t.view(torch.uint8), dst.get(key, name).view(torch.uint8)
                 assert torch.equal(t[0:n], t[n:2 * n]) and torch.equal(out[2 * n:3 * n], t[n:2 * n]), (key, name)
                 assert (src.get(key, name).dtype == torch.uint8) == (spec.packed is not None), (key, name)
+
+
+def test_packed_storage_needs_the_models_rounding(cfg) -> None:
+    """Packed rows hold the released formats' roundings: a model loaded without them (``cache_qdq=False``,
+    ``kv_cache_dtype`` float32's) is refused on such a storage, naming it."""
+    from deepinfer.model.batch import ForwardBatch
+    from deepinfer.model.step_index import build_step_index
+    from deepinfer.model.v41.dummy import load_dummy_v41
+    from deepinfer.model.v41.paged import PagedV41
+
+    model = PagedV41(load_dummy_v41(cfg, torch.float32, tokenizer=tiny_tokenizer(512), cache_qdq=False))
+    storage = KVStorage(build_v41_layout(cfg, 128, packed=True), {p: 1 for p in POOLS}, torch.float32)
+    index = build_step_index(ForwardBatch(()), storage, cfg.sliding_window, num_tokens=2, num_seqs=1, max_len=128)
+    with pytest.raises(ValueError, match=r"^storage: packed cache rows .*\(cache_qdq=False\)"):
+        model(torch.zeros(2, dtype=torch.long), None, storage, index)
