@@ -68,8 +68,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         'V4.1: "dspark", k 1..5)')
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="cache numerics: auto = the model's released cache formats (V4.1: FP8 window KV, MXFP4 "
-                        "index keys, NVFP4 compressed KV; V4: the activation dtype), bfloat16/float32 = no cache "
-                        "quantization (must equal --dtype)")
+                        "index keys, NVFP4 compressed KV, stored packed; V4: the activation dtype), bfloat16/float32 "
+                        "= no cache quantization (must equal --dtype)")
     g.add_argument("--v41-decoder-replay", default="off", choices=list(DECODER_REPLAY_MODES),
                    help="DeepSeek-V4.1: decoder layers of long prefill chunks on the last rows only; v41 = the "
                         "released model's (not bit-identical), exact = with the dependency halo (with prefix "

@@ -26,8 +26,9 @@ LOAD_FORMATS = ("auto", "dummy")  # how the weights are obtained (EngineArgs.loa
 # the window KV rounded to FP8, indexer queries and keys to MXFP4 and compressed KV to NVFP4 as its reference
 # does; for DeepSeek-V4 what deepinfer has always done, rows kept in the activation dtype, unrounded (V4's own
 # FP8 cache rounding is not implemented). "bfloat16" / "float32": no cache quantization, rows in that dtype,
-# which must be the activation dtype (``dtype``). Rounded rows are stored dequantized in the activation dtype
-# too (exactly: every FP8/FP4 value with its scale fits); packed FP8/FP4 storage waits for the GPU kernels.
+# which must be the activation dtype (``dtype``). V4.1's rounded rows are stored packed in those formats
+# (``kv/spec_v41.py``: 528 B per 512-channel window row instead of 1024 B in bf16, 288 B per NVFP4 entry, 68 B
+# per MXFP4 index key) and dequantized as they are read, the same values as the rounding bit for bit.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -9,8 +9,9 @@ The same questions as V4's plan (``memory_plan.py``), answered from V4.1's own p
     the Engram tables are shown on their own lines; the DSpark drafter (``mtp.*``) is planned separately,
     since the engine builds it only with ``speculative_config`` method ``dspark``;
   * cache: the engine's V4.1 cache specs (``kv/spec_v41.py``) split a budget as the engine does
-    (``blocks_for_budget``); bytes per token per pool are the layout's, stored in the activation dtype (the
-    engine keeps the released cache formats' roundings but not their packed bytes);
+    (``blocks_for_budget``); bytes per token per pool are the layout's under the default ``kv_cache_dtype``
+    ("auto"): window KV and DSpark context rows packed as FP8 (528 B for 512 channels), compressed entries as
+    NVFP4 (288 B), index keys as MXFP4 (68 B), the compressor state in fp32;
   * activations: V4's estimate (V4.1 has the same streams, heads and MoE fields) plus the Engram lookup of the
     widest layer.
 
@@ -42,7 +43,7 @@ from deepinfer.model.v41.names import storage_format
 _ROUTED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.")
 _ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
 _DRAFTER = "mtp."
-# The activation dtype of the plan: what the cache is stored in and what a bf16 model holds its floats in.
+# The activation dtype of the plan: what a bf16 model holds its floats in (and unpacked cache rows).
 PLAN_DTYPE = torch.bfloat16
 _LARGEST_DEVICE_GIB = 1 << 16  # where the search for the smallest device that fits gives up
 
@@ -99,7 +100,8 @@ def engram_activation_bytes(cfg: V41Config, d: Deployment) -> int:
 
 
 def cache_layout(cfg: V41Config, d: Deployment, dspark: bool) -> CacheLayout:
-    return build_v41_layout(cfg, d.block_size, dspark=dspark)
+    """The engine's layout under ``kv_cache_dtype="auto"``: the rounded rows packed."""
+    return build_v41_layout(cfg, d.block_size, dspark=dspark, packed=True)
 
 
 def bytes_per_token(layout: CacheLayout) -> dict[str, float]:
@@ -227,6 +229,8 @@ def describe_v41(cfg: V41Config, d: Deployment, device_bytes: int, specs: Specs 
                              "routed experts, one UE8M0 byte per scale; the rest in its module dtype")
     out["weights_dequantized_gib"] = _gib(w.dequantized)
     out["cache_bytes_per_token"] = bytes_per_token(layout)
+    out["cache_format"] = ("kv_cache_dtype auto: window KV and DSpark context FP8 e4m3 + UE8M0 per 32, compressed KV "
+                           "NVFP4, index keys MXFP4 (packed), compressor state fp32")
     out["cache_positions_kept_per_sequence"] = {WINDOW: layout.tail(WINDOW) + 1, STATE: layout.tail(STATE) + 1}
     if cfg.num_nextn_predict_layers > 0:
         out["dspark"] = _dspark_dict(cfg, d, device_bytes, specs)

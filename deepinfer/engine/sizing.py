@@ -112,10 +112,11 @@ def _num_blocks(config: EngineConfig, layout, dtype_bytes: int, model=None) -> d
 
 def cache_layout(config: EngineConfig) -> CacheLayout:
     """The cache specs of the engine's model: V4's (the MTP layer's window rows live in the window pool beside
-    the target's, with speculative decoding only) or V4.1's (``kv/spec_v41.py``)."""
+    the target's, with speculative decoding only) or V4.1's (``kv/spec_v41.py``; its rounded rows packed in the
+    released FP8/FP4 formats under ``kv_cache_dtype="auto"``)."""
     if isinstance(config.model, V41Config):
         return build_v41_layout(config.model, config.cache.block_size, dspark=config.speculative is not None,
-                                prefix_replay=config.v41_prefix_replay)
+                                prefix_replay=config.v41_prefix_replay, packed=config.cache.released_formats)
     return build_layout(config.model, config.cache.block_size, include_mtp=config.speculative is not None)
 
 
@@ -151,6 +152,8 @@ def build_prefix_hasher(config: EngineConfig) -> BlockHasher | None:
     cache_dtype = str(config.dtype).removeprefix("torch.")
     if isinstance(config.model, V41Config):  # V4.1 rows are rounded to the released formats under "auto"
         cache_dtype += f"/kv_cache_dtype={config.cache.kv_cache_dtype}"
+        if config.cache.released_formats:  # and stored packed: a block's bytes are not the unpacked rows'
+            cache_dtype += "/packed"
         if config.speculative is not None:  # window blocks then hold the DSpark context rows too
             cache_dtype += "/dspark"
         if config.v41_prefix_replay != "exact":  # rows computed after a replayed hit differ from a cold run's

@@ -13,6 +13,11 @@ any chunking of the prompt writes the same rows. Three lifetimes live in three p
 
 Every pool is paged by one logical block of ``block_size`` positions (a multiple of 128, so prefix-cache
 boundaries fall on closed HCA windows); a block of a pool holds ``block_size // stride`` rows per tensor.
+
+A tensor's ``dtype`` says how its rows are stored: in the model's activation dtype, in float32, or packed in
+a block-scaled FP8/FP4 format (``PackedFormat``: uint8 rows of codes then scales, DeepSeek-V4.1's released
+cache formats). The storage only allocates and moves such rows; the model quantizes what it writes and
+dequantizes what it reads (``model/v41/cache_quant.py``).
 """
 
 from __future__ import annotations
@@ -31,12 +36,49 @@ FLOAT32 = "float32"
 
 
 @dataclass(frozen=True, slots=True)
+class PackedFormat:
+    """A block-scaled format of cache rows: ``code_bits`` per channel, one ``scale_bytes`` scale per ``block``
+    channels. A row is one uint8 vector, every code first (4-bit codes two per byte, the even channel in the
+    low nibble, as the FP4 expert weights), then every scale: one row per position keeps a block copy, a
+    tier payload or a gather a plain row operation, and the codes' offset the same in every row."""
+
+    name: str
+    code_bits: int
+    block: int
+    scale_bytes: int = 1
+
+    def code_bytes(self, width: int) -> int:
+        return -(-width * self.code_bits // 8)
+
+    def row_bytes(self, width: int) -> int:
+        """Bytes of one row of ``width`` channels (a partial last block still has its scale)."""
+        return self.code_bytes(width) + -(-width // self.block) * self.scale_bytes
+
+
+FP8_UE8M0_32 = PackedFormat("fp8_e4m3+ue8m0/32", 8, 32)  # e4m3 codes, a power-of-two (exponent byte) scale
+E2M1_UE8M0_32 = PackedFormat("e2m1+ue8m0/32", 4, 32)  # MXFP4
+E2M1_E4M3_16 = PackedFormat("e2m1+e4m3/16", 4, 16)  # NVFP4 without a global scale
+PACKED_FORMATS = {f.name: f for f in (FP8_UE8M0_32, E2M1_UE8M0_32, E2M1_E4M3_16)}
+
+
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     name: str
     pool: str
     stride: int  # positions per row: 1 for per-token rows, m for compressed entries
-    width: int  # elements per row
-    dtype: str  # MODEL_DTYPE or FLOAT32
+    width: int  # elements (channels) per row
+    dtype: str  # MODEL_DTYPE, FLOAT32 or a PACKED_FORMATS name
+
+    @property
+    def packed(self) -> PackedFormat | None:
+        """The packed format of the rows (uint8), None when they hold plain values."""
+        return PACKED_FORMATS.get(self.dtype)
+
+    def row_bytes(self, model_dtype_bytes: int) -> int:
+        """Bytes of one stored row."""
+        if self.dtype in PACKED_FORMATS:
+            return PACKED_FORMATS[self.dtype].row_bytes(self.width)
+        return self.width * (4 if self.dtype == FLOAT32 else model_dtype_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +120,7 @@ class CacheLayout:
         for spec in self.layers:
             for t in spec.tensors:
                 if t.pool == pool:
-                    elem = 4 if t.dtype == FLOAT32 else model_dtype_bytes
-                    total += self.rows_per_block(t) * t.width * elem
+                    total += self.rows_per_block(t) * t.row_bytes(model_dtype_bytes)
         return total
 
     def tail(self, pool: str) -> int:

@@ -28,6 +28,12 @@ chunking writes the same rows and rolling back is "set n". What each layer store
     the rest, and a prefix hit finds them in the kept window tail, exact like the layers' rows (or, with
     ``prefix_replay``, recomputes them with the replayed window).
 
+With ``packed`` (the engine's ``kv_cache_dtype="auto"``) the rows that the reference rounds are stored in its
+released formats (spec §4.1, ``kv/spec.py`` PackedFormat): window KV and DSpark context rows as FP8 e4m3 with a
+UE8M0 scale per 32 channels (528 B for 512), compressed entries as NVFP4 (288 B), index keys as MXFP4 (68 B
+for 128). Without it they are kept in the activation dtype (rounded or not, as the model's ``cache_qdq``
+says). The compressor state stays fp32 and the Engram token ids float32 either way.
+
 With ``prefix_replay`` (``v41_prefix_replay="v41"``) the layout says so (``CacheLayout.prefix_replay``, the
 sliding window): a hit at H keeps the history blocks only and recomputes [H - W, H) (``kv/prefix_hits.py``,
 ``model/v41/paged.py``), so no window or state block of a boundary needs to stay cached.
@@ -42,20 +48,29 @@ from __future__ import annotations
 from deepinfer.config.model import SWA
 from deepinfer.config.v41 import V41Config
 from deepinfer.config.v41_engine import check_prefix_replay
-from deepinfer.kv.spec import FLOAT32, HISTORY, MODEL_DTYPE, STATE, WINDOW, CacheLayout, LayerCacheSpec, TensorSpec
+from deepinfer.kv.spec import (E2M1_E4M3_16, E2M1_UE8M0_32, FLOAT32, FP8_UE8M0_32, HISTORY, MODEL_DTYPE, STATE,
+                               WINDOW, CacheLayout, LayerCacheSpec, TensorSpec)
 
 CSA2 = "CSA2"  # a V4.1 layer that attends compressed entries too (of its own or of its KV source)
 ENGRAM_KEY = "engram"  # the layout entry holding the token ids Engram's lookback reads
 EXACT_FLOAT32_IDS = 1 << 24  # token ids below this are exact in float32
 
 
-def _layer_spec(cfg: V41Config, layer: int) -> LayerCacheSpec:
+def _formats(packed: bool) -> tuple[str, str, str]:
+    """The dtypes of window KV (and DSpark context), compressed entries and index keys."""
+    if packed:
+        return FP8_UE8M0_32.name, E2M1_E4M3_16.name, E2M1_UE8M0_32.name
+    return MODEL_DTYPE, MODEL_DTYPE, MODEL_DTYPE
+
+
+def _layer_spec(cfg: V41Config, layer: int, packed: bool) -> LayerCacheSpec:
     role = cfg.role(layer)
-    tensors = [TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, MODEL_DTYPE)]
+    window, entries, keys = _formats(packed)
+    tensors = [TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, window)]
     state_tail = 0
     if role.kv_source:
-        tensors += [TensorSpec("entries", HISTORY, role.ratio, cfg.head_dim, MODEL_DTYPE),
-                    TensorSpec("index_keys", HISTORY, role.ratio, cfg.index_head_dim, MODEL_DTYPE)]
+        tensors += [TensorSpec("entries", HISTORY, role.ratio, cfg.head_dim, entries),
+                    TensorSpec("index_keys", HISTORY, role.ratio, cfg.index_head_dim, keys)]
         if role.ratio > 1:
             # [value | gate] projections of one position, fp32 as the reference pools them.
             tensors.append(TensorSpec("compressor_state", STATE, 1, 2 * cfg.head_dim, FLOAT32))
@@ -70,13 +85,14 @@ def dspark_key(stage: int) -> str:
 
 
 def build_v41_layout(cfg: V41Config, block_size: int = 256, dspark: bool = False,
-                     prefix_replay: str = "exact") -> CacheLayout:
+                     prefix_replay: str = "exact", packed: bool = False) -> CacheLayout:
     """The engine's cache layout of a V4.1 backbone; ``dspark``: with the DSpark drafter's context rows;
-    ``prefix_replay``: how prefix hits are taken (``config/v41_engine.py`` PREFIX_REPLAY_MODES)."""
+    ``prefix_replay``: how prefix hits are taken (``config/v41_engine.py`` PREFIX_REPLAY_MODES); ``packed``:
+    the rounded rows in the released FP8/FP4 formats (the model must round them: ``cache_qdq``)."""
     replay = cfg.sliding_window if check_prefix_replay(prefix_replay) == "v41" else 0
     if block_size <= 0 or block_size % 128:
         raise ValueError(f"block_size: must be a positive multiple of 128, got {block_size}")
-    specs = [_layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)]
+    specs = [_layer_spec(cfg, i, packed) for i in range(cfg.num_hidden_layers)]
     if cfg.active_engram_layers:
         if cfg.vocab_size > EXACT_FLOAT32_IDS:
             raise ValueError(f"vocab_size: {cfg.vocab_size} ids do not fit the float32 token-id cache of Engram "
@@ -85,7 +101,7 @@ def build_v41_layout(cfg: V41Config, block_size: int = 256, dspark: bool = False
         specs.append(LayerCacheSpec(ENGRAM_KEY, SWA, 0, (TensorSpec("token_ids", HISTORY if replay else WINDOW, 1, 1,
                                                                     FLOAT32),), lookback, 0))
     if dspark:
-        context = TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, MODEL_DTYPE)
+        context = TensorSpec("window_kv", WINDOW, 1, cfg.head_dim, _formats(packed)[0])
         specs += [LayerCacheSpec(dspark_key(s), SWA, 0, (context,), cfg.sliding_window, 0)
                   for s in range(cfg.num_nextn_predict_layers)]
     return CacheLayout(block_size, tuple(specs), replay)

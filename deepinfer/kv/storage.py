@@ -10,7 +10,8 @@ from deepinfer.kv.spec import FLOAT32, POOLS, CacheLayout, TensorSpec
 
 
 class KVStorage:
-    """One flat tensor [(num_blocks(pool) + 1) * rows_per_block, width] per (layer, cache tensor).
+    """One flat tensor [(num_blocks(pool) + 1) * rows_per_block, width] per (layer, cache tensor); a packed
+    tensor (``TensorSpec.packed``) is uint8 [..., row bytes] instead, its codes and scales in one row.
 
     The extra block past the last real one is never handed out: padding tokens of a fixed-shape (CUDA
     graph) step write their rows there (``spare_row``) so that they can never touch a sequence's rows.
@@ -30,14 +31,24 @@ class KVStorage:
         self.num_blocks = dict(num_blocks)
         self.model_dtype = model_dtype
         self.tensors: dict[tuple[str, str], torch.Tensor] = {}
+        self.specs: dict[tuple[str, str], TensorSpec] = {}
         for spec in layout.layers:
             for t in spec.tensors:
+                self.specs[(spec.key, t.name)] = t
                 rows = (self.num_blocks[t.pool] + 1) * layout.rows_per_block(t)
-                dtype = torch.float32 if t.dtype == FLOAT32 else model_dtype
-                self.tensors[(spec.key, t.name)] = torch.zeros(rows, t.width, dtype=dtype, device=device)
+                if t.packed is not None:
+                    dtype, width = torch.uint8, t.packed.row_bytes(t.width)
+                else:
+                    dtype, width = (torch.float32 if t.dtype == FLOAT32 else model_dtype), t.width
+                self.tensors[(spec.key, t.name)] = torch.zeros(rows, width, dtype=dtype, device=device)
+        # Whether some tensor keeps packed bytes: its writer hands unrounded values (``model/v41/cache_rows.py``).
+        self.packed = any(t.packed is not None for t in self.specs.values())
 
     def get(self, layer_key: str, name: str) -> torch.Tensor:
         return self.tensors[(layer_key, name)]
+
+    def spec(self, layer_key: str, name: str) -> TensorSpec:
+        return self.specs[(layer_key, name)]
 
     def copy_block(self, pool: str, src: int, dst: int) -> None:
         """Copy block ``src`` of ``pool`` onto block ``dst``, every tensor of every layer (a prefix hit's

@@ -35,6 +35,7 @@ import torch
 from deepinfer.kv.spec_v41 import dspark_key
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.step_index import StepIndex
+from deepinfer.model.v41.cache_rows import load_rows
 from deepinfer.model.v41.paged import PagedV41
 from deepinfer.model.v41.speculative import verify_length
 from deepinfer.ops.ref.step_rows import lookup
@@ -95,7 +96,7 @@ class DSparkDrafter:
         rows = lookup(index.window_table, torch.full_like(pos, seq), pos, index.block_size)
         if bool((rows < 0).any()):
             raise IndexError("dspark context: a needed cache block was released or is missing")
-        return [self.storage.get(dspark_key(s), "window_kv")[rows] for s in range(len(self.model.model.mtp))]
+        return [load_rows(self.storage, dspark_key(s), "window_kv", rows) for s in range(len(self.model.model.mtp))]
 
     def _noise(self, slot: int, p: int) -> dict:
         """The target's seeded-draw noise at the block's drafted positions p + 2 .. (sampled rows only)."""

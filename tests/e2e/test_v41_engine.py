@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepinfer import LLMEngine, SamplingParams
-from deepinfer.model.v41.cache_quant import qdq
+from deepinfer.model.v41.cache_quant import PACKED, dequantize, qdq
 from deepinfer.testing.staggered import Arrivals, drain
 from deepinfer.model.v41.loader import load_v41_model
 from tests.e2e.v41_tiny import write_tiny_v41
@@ -114,11 +114,16 @@ _ROUNDING = {"window_kv": "fp8", "entries": "nvfp4", "index_keys": "mxfp4"}
 
 
 def _rounded(engine: LLMEngine) -> dict[str, bool]:
-    """Per cache tensor kind: whether every stored row is a fixed point of its released format's rounding."""
+    """Per cache tensor kind: whether every stored row is a fixed point of its released format's rounding
+    (packed rows: stored as that format's bytes, then read back)."""
     out: dict[str, bool] = {}
-    for (_, name), t in engine.storage.tensors.items():
+    for (key, name), t in engine.storage.tensors.items():
         if name in _ROUNDING:
-            out[name] = out.get(name, True) and torch.equal(qdq(t, _ROUNDING[name]), t)
+            fmt, spec = _ROUNDING[name], engine.storage.spec(key, name)
+            if spec.packed is not None:
+                assert spec.packed == PACKED[fmt] and t.dtype == torch.uint8, (key, name)
+                t = dequantize(t, fmt, spec.width, torch.float32)
+            out[name] = out.get(name, True) and torch.equal(qdq(t, fmt), t)
     return out
 
 

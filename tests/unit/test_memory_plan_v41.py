@@ -147,8 +147,9 @@ def test_one_device_plan_of_the_tiny_model(tiny_dir, capsys) -> None:
 
 def test_v41_flash_shapes(capsys) -> None:
     """The shapes directory plans the published V4.1-Flash: routed experts and Engram tables in their formats
-    (spec §1.2 / §7.1), 3200 B of bf16 history per token (spec §4.2), the drafter's 3 x 512 context values; it
-    does not fit one H200, and the smallest device that holds it is named."""
+    (spec §1.2 / §7.1), the packed cache of ``kv_cache_dtype="auto"``: 890 B of history per token (spec §4.2;
+    3200 B as bf16 rows), 40 window rows of 528 B (FP8 + 16 UE8M0 scales) and a 4 B Engram token id, the
+    drafter's 3 context rows of 528 B; it does not fit one H200, and the smallest device that holds it is named."""
     flash = shapes_dir("v41-flash")
     cfg = V41Config.from_model_dir(flash)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.quant.weight_block_size) == (
@@ -163,9 +164,15 @@ def test_v41_flash_shapes(capsys) -> None:
     assert gib["of_which_routed_experts"] == round((experts // 2 + experts // 32) / GIB, 2)  # FP4 + UE8M0 / 32
     assert gib["of_which_engram_tables"] == round((engram + engram // 32) / GIB, 2)  # FP8 + UE8M0 / 32
     assert info["parameters"]["engram_tables"] == engram
-    assert plan["cache_bytes_per_token"]["history"] == 3200
+    nvfp4, mxfp4, fp8 = 256 + 32, 64 + 4, 512 + 16  # spec §4.1's records of 512 / 128 / 512 channels
+    assert plan["cache_bytes_per_token"]["history"] == 3 * (nvfp4 + mxfp4) / 2 + (nvfp4 + mxfp4) == 890
+    assert plan["cache_bytes_per_token"]["window"] == 40 * fp8 + 4
+    assert info["cache_auto"] == {"history_bytes_per_token": 890, "window_bytes_per_token": 40 * fp8 + 4,
+                                  "state_bytes_per_token": 3 * 2 * 512 * 4}
+    assert info["cache_bf16"]["history_bytes_per_token"] == 3200  # kv_cache_dtype="bfloat16": unpacked rows
+    assert info["cache_bf16"]["window_bytes_per_token"] == 40 * 512 * 2 + 4
     assert plan["cache_positions_kept_per_sequence"]["window"] == 128
-    assert plan["dspark"]["cache_bytes_per_token"] == {"window": 3 * 512 * 2}
+    assert plan["dspark"]["cache_bytes_per_token"] == {"window": 3 * fp8}
     assert not plan["fits"] and "exceed" in plan["reason"] and "device of at least" in plan["suggestion"]
     assert captured.err.startswith("error: does not fit") and captured.err.count("\n") == 1
     need = int(plan["suggestion"].split("--device-memory-gib ")[1].split(")")[0])

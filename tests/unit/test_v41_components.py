@@ -1,6 +1,7 @@
 """V4.1 pieces checked bit for bit against the oracle's own functions (tests/oracle/v41.py): the cache
-quantizers (FP8 window KV, MXFP4 indexer q/k, NVFP4 compressed KV), Engram's compressed-token map and hash
-rows, and the whole model with the cache quantizers on against the oracle with them on."""
+quantizers (FP8 window KV, MXFP4 indexer q/k, NVFP4 compressed KV; rounded in place and as packed rows read
+back), Engram's compressed-token map and hash rows, and the whole model with the cache quantizers on against
+the oracle with them on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer.config.v41 import V41Config
-from deepinfer.model.v41.cache_quant import qdq
+from deepinfer.model.v41.cache_quant import dequantize, qdq, quantize
 from deepinfer.model.v41.engram import EngramHasher, compressed_token_map, hash_plan
 from tests.oracle.v41 import ORACLE, REASON, _quiet_env, checkpoint_config, tiny_text_config, tiny_tokenizer
 
@@ -39,6 +40,10 @@ def test_cache_quantizers_bit_exact(fmt, dtype):
         ours, theirs = qdq(x, fmt), quantize_cache(x, format=fmt, block_size=block)
         assert ours.dtype == dtype
         assert torch.equal(ours.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           theirs.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        # The engine's packed cache rows read back as the oracle's rounding too.
+        packed = dequantize(quantize(x, fmt), fmt, x.shape[-1], dtype)
+        assert torch.equal(packed.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                            theirs.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 

@@ -35,7 +35,10 @@ reads the token ids from the history pool, where that layout keeps them.
 
 This is the CPU reference path of the engine (one sequence loop per compressed layer); GPU kernels for it
 are future work. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
-``cache_qdq``: values are rounded as the reference does and stored in the activation dtype.
+``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows
+in the released formats: the step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and
+reads them back dequantized (``load_rows``), the same values as ``qdq``'s bit for bit. An unpacked layout
+keeps them in the activation dtype, rounded by the step itself when ``cache_qdq`` (``_Step.round_rows``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from deepinfer.model.v41 import mhc
 from deepinfer.model.v41.attention import Attention
 from deepinfer.model.v41.cache import LayerCache
 from deepinfer.model.v41.cache_quant import qdq
+from deepinfer.model.v41.cache_rows import load_rows, store_rows
 from deepinfer.model.v41.context import SharedKV, StepContext
 from deepinfer.model.v41.invariant import token_steps
 from deepinfer.model.v41.model import DeepseekV41
@@ -90,6 +94,11 @@ class _Step:
     # [T] or None: per token, the encoder-side replay's boundary H (positions before it are in cached history
     # blocks: no entry, index key or token id is written for them), 0 outside a replay
     emit_from: torch.Tensor | None = None
+
+    @property
+    def round_rows(self) -> bool:
+        """Whether the step rounds the cache rows it stores itself: a packed storage rounds them as it packs."""
+        return self.cache_qdq and not self.storage.packed
 
     def narrowed(self, kept: list[int]) -> tuple["_Step", torch.Tensor]:
         """The step of each run's last ``kept[r]`` tokens, their window bounded at the first of them when the
@@ -171,9 +180,9 @@ class PagedV41(nn.Module):
 
             streams, pre = block.run(streams, pre, attend, rows, image_mask, taps if i in self._taps else None)
         if m.mtp is not None:
-            context = m.mtp.context_rows(torch.stack(taps, dim=1), step.angles["main"], step.cache_qdq)
+            context = m.mtp.context_rows(torch.stack(taps, dim=1), step.angles["main"], step.round_rows)
             for s, rows in enumerate(context):
-                storage.get(dspark_key(s), "window_kv")[step.window_rows] = rows
+                store_rows(storage, dspark_key(s), "window_kv", step.window_rows, rows)
         hidden = mhc.collapse(streams, pre)
         if sel is None:
             return hidden
@@ -196,6 +205,9 @@ class PagedV41(nn.Module):
         ends = index.seq_end.tolist()
         emit = [0] * len(ends) if index.emit_from is None else index.emit_from.tolist()
         replay = storage.layout.prefix_replay
+        if storage.packed and not self.model.cache_qdq:
+            raise ValueError("storage: packed cache rows (kv_cache_dtype 'auto') hold the released formats' "
+                             "roundings; the model was loaded without them (cache_qdq=False)")
         if any(emit) and not replay:
             raise ValueError("index: emit_from (a bounded replay) without the encoder-side replay's cache layout; "
                              "V4.1's exact prefix hits replay nothing")
@@ -233,24 +245,27 @@ class PagedV41(nn.Module):
     def _attention(self, att: Attention, key: str, x: torch.Tensor, step: _Step, shared: list[SharedKV]
                    ) -> torch.Tensor:
         ang = step.angles[att.table]
-        q, qr, kv = att.project(x, ang, step.cache_qdq)
-        window = step.storage.get(key, "window_kv")
-        window[step.window_rows] = kv
+        q, qr, kv = att.project(x, ang, step.round_rows)
+        store_rows(step.storage, key, "window_kv", step.window_rows, kv)
         if att.kv_source:
             self._publish_entries(att, key, x, step)
         idx, out = step.index, []
-        for run, sh in zip(step.runs, shared):
+        # Window keys: positions (first - W, end), of which each query sees (t - W, t]; none below window_from.
+        # Every sequence's rows are read at once (one gather, one dequantization of packed rows), then split.
+        spans = [torch.arange(max(run.window_from, run.first - att.window + 1), run.end, device=x.device)
+                 for run in step.runs]
+        kp, seq = torch.cat(spans), torch.cat([torch.full_like(s, run.seq) for s, run in zip(spans, step.runs)])
+        window = load_rows(step.storage, key, "window_kv",
+                           _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window"))
+        # The sequences' entries after the step, for this layer and the ones reusing it.
+        sources = self._entries(key, att.ratio, step) if att.kv_source else None
+        for r, (run, sh, kp, keys) in enumerate(zip(step.runs, shared, spans, window.split([len(s) for s in spans]))):
             rows = slice(run.lo, run.hi)
             t = step.positions[rows]
-            # Window keys: positions (first - W, end), of which each query sees (t - W, t]; none below window_from.
-            kp = torch.arange(max(run.window_from, run.first - att.window + 1), run.end, device=x.device)
-            seq = torch.full_like(kp, run.seq)
-            keys = window[_resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window")]
             allowed = (kp <= t.unsqueeze(1)) & (kp > t.unsqueeze(1) - att.window)
             if att.ratio:
-                if att.kv_source:  # this sequence's entries after the step, for this layer and the ones reusing it
-                    sh.source, sh.ratio, sh.topk, sh.candidates = self._entries(key, att.ratio, run, step), \
-                        att.ratio, None, None
+                if sources is not None:
+                    sh.source, sh.ratio, sh.topk, sh.candidates = sources[r], att.ratio, None, None
                 ctx = StepContext(t, run.first, {}, None, step.cache_qdq)
                 keys, allowed = att.add_entries(x[rows], qr[rows], ang[rows], ctx, sh, keys, allowed)
             out.append(att._attend(q[rows], keys, allowed))
@@ -286,19 +301,22 @@ class PagedV41(nn.Module):
         ang = angles(att.rope, entry * ratio)
         entries = apply_rope(latent, ang)
         where = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
-        step.storage.get(key, "entries")[where] = qdq(entries, "nvfp4") if step.cache_qdq else entries
-        step.storage.get(key, "index_keys")[where] = att.indexer.keys(latent, ang, step.cache_qdq)
+        store_rows(step.storage, key, "entries", where, qdq(entries, "nvfp4") if step.round_rows else entries)
+        store_rows(step.storage, key, "index_keys", where, att.indexer.keys(latent, ang, step.round_rows))
 
     @staticmethod
-    def _entries(key: str, ratio: int, run: _Run, step: _Step) -> LayerCache:
-        """The sequence's compressed entries and index keys of source ``key`` after the step (its first
-        ``end // ratio``), as the plain model's per-sequence cache holds them."""
+    def _entries(key: str, ratio: int, step: _Step) -> list[LayerCache]:
+        """Per run: its sequence's compressed entries and index keys of source ``key`` after the step (its first
+        ``end // ratio``), as the plain model's per-sequence cache holds them (read for all runs at once)."""
         idx = step.index
-        entry = torch.arange(run.end // ratio, device=idx.positions.device)
-        rows = _resident(lookup(idx.history_table, torch.full_like(entry, run.seq), entry, idx.block_size // ratio),
-                         entry >= 0, f"{key} entries")
-        return LayerCache(entries=step.storage.get(key, "entries")[rows],
-                          index_keys=step.storage.get(key, "index_keys")[rows])
+        counts = [run.end // ratio for run in step.runs]
+        entry = torch.cat([torch.arange(n, device=idx.positions.device) for n in counts])
+        seq = torch.cat([torch.full((n,), run.seq, dtype=torch.long, device=entry.device)
+                         for n, run in zip(counts, step.runs)])
+        rows = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
+        entries = load_rows(step.storage, key, "entries", rows).split(counts)
+        keys = load_rows(step.storage, key, "index_keys", rows).split(counts)
+        return [LayerCache(entries=e, index_keys=k) for e, k in zip(entries, keys)]
 
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,

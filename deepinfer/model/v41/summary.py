@@ -2,7 +2,8 @@
 alone (a meta-device model; no weights are read).
 
 The per-device memory plan is ``engine/memory_plan_v41.py``'s; the cache figures here are the engine's pools
-as the CPU path allocates them (bf16).
+as it allocates them at activation dtype bf16: ``cache_auto`` under ``kv_cache_dtype="auto"`` (the rounded rows
+packed in the released FP8/FP4 formats), ``cache_bf16`` under ``kv_cache_dtype="bfloat16"`` (unpacked rows).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from deepinfer.model.summary import Specs
 
 CACHE_FORMATS = {
     "auto": "window KV FP8 e4m3 (scale per 32), indexer q/k MXFP4, compressed KV NVFP4, each rounded as the "
-            "reference does and stored in the activation dtype",
+            "reference does; the cached rows stored packed in those formats",
     "bfloat16/float32": "no cache quantization (the activation dtype)",
 }
 
@@ -65,10 +66,10 @@ def summarize_v41(model_dir: str | Path, block_size: int = 256, specs: Specs | N
 
     cfg = V41Config.from_model_dir(model_dir)
     specs = specs if specs is not None else v41_parameter_specs(cfg)
-    layout = build_v41_layout(cfg, block_size)
     plan = [_role(cfg, i) for i in range(cfg.num_hidden_layers)]
     bf16 = 2
-    per_token = {p: layout.bytes_per_block(p, bf16) / block_size for p in POOLS}
+    per_token = {packed: {p: build_v41_layout(cfg, block_size, packed=packed).bytes_per_block(p, bf16) / block_size
+                          for p in POOLS} for packed in (True, False)}
     return {
         "model_dir": str(model_dir),
         "model_type": cfg.model_type,
@@ -85,11 +86,11 @@ def summarize_v41(model_dir: str | Path, block_size: int = 256, specs: Specs | N
         "dspark_stages": cfg.num_nextn_predict_layers,
         "vision": cfg.vision_enabled,
         "parameters": _parameters(cfg, specs),
-        "cache_bf16": {
-            "history_bytes_per_token": per_token[HISTORY],  # grows with every sequence's length
-            "window_bytes_per_token": per_token["window"],  # only the last sliding_window positions are kept
-            "state_bytes_per_token": per_token["state"],  # ratio-2 pair inputs: one position kept
-        },
+        **{key: {
+            "history_bytes_per_token": per_token[packed][HISTORY],  # grows with every sequence's length
+            "window_bytes_per_token": per_token[packed]["window"],  # only the last sliding_window positions are kept
+            "state_bytes_per_token": per_token[packed]["state"],  # ratio-2 pair inputs: one position kept
+        } for key, packed in (("cache_auto", True), ("cache_bf16", False))},
         "kv_cache_dtype": CACHE_FORMATS,
         "engine": "CPU reference step (model/v41/paged.py) with DSpark drafts, decoder-side bounded replay and "
                   "encoder-side replay of prefix hits; not yet: GPU kernels, several devices",
