@@ -1,6 +1,8 @@
-"""Engine loop benchmark on the bundled demo model: the synchronous loop against async scheduling.
+"""Engine loop benchmark: the synchronous loop against async scheduling, on the bundled demo model or on
+dummy layers of a model's shapes.
 
     python bench/engine_loop.py [--device cuda] [--batches 1 64 256] [--tokens 128] [--profile-batch 64]
+                                [--model deepinfer/assets/shapes/v4-flash --layers 12]
 
 For each batch size B and each loop (sync, async) in one process: B greedy requests with short prompts,
 each generating --tokens tokens (ignore_eos), timed after the first (prefill) step, the faster of
@@ -8,7 +10,9 @@ each generating --tokens tokens (ignore_eos), timed after the first (prefill) st
 wall time; on the GPU also the time the host spent blocked waiting for a step's results (``wait``) and the
 rest (``host``: scheduling, inputs, launches, detokenization, stop checks, outputs); on the CPU the model
 forward and the rest. ``--profile-batch B`` adds a profiler trace of B-sequence async decode: the share of
-the steady-state span in which no kernel runs (GPU idle). Writes ``engine_loop_{device}.{json,md}``.
+the steady-state span in which no kernel runs (GPU idle). ``--model`` (a config.json directory): its first
+``--layers`` layers with random weights in the native formats (``load_format="dummy"``), the demo tokenizer.
+Writes ``engine_loop_{device}[_{model}{layers}].{json,md}``.
 """
 
 from __future__ import annotations
@@ -46,11 +50,17 @@ class Clock:
         setattr(obj, name, timed)
 
 
-def _engine(device: str, batch: int, async_scheduling: bool) -> LLMEngine:
-    return LLMEngine.from_engine_args(device=device, load_progress=False, block_size=128, max_num_seqs=max(batch, 1),
-                                      max_num_batched_tokens=8192, max_model_len=4096,
+def _engine(a: argparse.Namespace, batch: int, async_scheduling: bool) -> LLMEngine:
+    shapes = {}
+    if a.model:
+        from deepinfer.assets import demo_model_dir
+
+        shapes = dict(model=a.model, load_format="dummy", tokenizer=str(demo_model_dir()),
+                      hf_overrides={"num_hidden_layers": a.layers})
+    return LLMEngine.from_engine_args(device=a.device, load_progress=False, block_size=128 if not a.model else 256,
+                                      max_num_seqs=max(batch, 1), max_num_batched_tokens=8192, max_model_len=4096,
                                       async_scheduling=async_scheduling,
-                                      **({"cache_memory_gb": 4.0} if device == "cuda" else {}))
+                                      **({"cache_memory_gb": 4.0} if a.device == "cuda" else {}), **shapes)
 
 
 def _submit(engine: LLMEngine, batch: int, tokens: int) -> None:
@@ -131,23 +141,28 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--profile-batch", type=int, default=None)
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is reported")
+    p.add_argument("--model", default=None, help="a config.json directory: dummy layers of its shapes")
+    p.add_argument("--layers", type=int, default=4, help="with --model: how many of its layers")
     p.add_argument("--commit", default=None, help="commit to record (a copied checkout may carry stale git metadata)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = p.parse_args()
     StepHandle.result = _Wait.timed
-    rows = []
+    rows, idle = [], None
     for b in a.batches:
         for mode in (False, True):
-            engine = _engine(a.device, b, mode)
+            engine = _engine(a, b, mode)
             run(engine, min(b, 4), 8)  # warm-up: Triton compiles, first allocations
             # The better of two runs: a step is a few ms of host work, and one stray pause (the garbage
             # collector, the OS) moves a single run's mean by several percent.
             best = max((run(engine, b, a.tokens) for _ in range(a.repeats)), key=lambda r: r["tokens_per_s"])
             rows.append({"loop": "async" if mode else "sync", **best})
             print(rows[-1], flush=True)
+            if mode and b == a.profile_batch:  # the profile reuses this engine (built and warm)
+                idle = gpu_idle(engine, b, a.tokens)
             del engine
             gc.collect()
-    idle = gpu_idle(_engine(a.device, a.profile_batch, True), a.profile_batch, a.tokens) if a.profile_batch else None
+    if a.profile_batch and idle is None:
+        idle = gpu_idle(_engine(a, a.profile_batch, True), a.profile_batch, a.tokens)
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip()
     dev = torch.cuda.get_device_name() if a.device == "cuda" else (platform.processor() or platform.machine())
@@ -155,11 +170,14 @@ def main() -> None:
             "tokens": a.tokens}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"engine_loop_{a.device}.json").write_text(json.dumps({"meta": meta, "rows": rows, "idle": idle}, indent=2))
+    name = f"engine_loop_{a.device}" + (f"_{Path(a.model).name}{a.layers}" if a.model else "")
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "idle": idle}, indent=2))
     wait = "wait" if a.device == "cuda" else "model"
-    lines = [f"# Engine loop, sync vs async scheduling (demo model, {a.device})\n", f"{meta}\n",
+    what = f"{Path(a.model).name}-shaped dummy layers x {a.layers}" if a.model else "demo model"
+    lines = [f"# Engine loop, sync vs async scheduling ({what}, {a.device})\n", f"{meta}\n",
              f"`python bench/engine_loop.py --device {a.device} --batches {' '.join(map(str, a.batches))} "
-             f"--tokens {a.tokens}" + (f" --profile-batch {a.profile_batch}`\n" if a.profile_batch else "`\n"),
+             f"--tokens {a.tokens}" + (f" --model {a.model} --layers {a.layers}" if a.model else "")
+             + (f" --profile-batch {a.profile_batch}`\n" if a.profile_batch else "`\n"),
              f"| batch | loop | tok/s | async / sync | step ms | {wait} ms | host ms |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         base = next(x for x in rows if x["batch"] == r["batch"] and x["loop"] == "sync")
@@ -169,7 +187,7 @@ def main() -> None:
         lines.append(f"\nGPU idle in async decode at batch {idle['batch']}: {idle['idle_share']:.1%} of "
                      f"{idle['span_ms']:.1f} ms (kernels busy {idle['busy_ms']:.1f} ms).")
     text = "\n".join(lines) + "\n"
-    (out / f"engine_loop_{a.device}.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     print(text)
 
 
