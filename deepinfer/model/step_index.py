@@ -96,7 +96,13 @@ class StepIndex:
 
     def to(self, device: torch.device | str) -> "StepIndex":
         """The index on ``device``: one copy when its tensors are views of one buffer (``build_step_index``
-        makes them so), else one per tensor."""
+        makes them so), else one per tensor; the index itself when it is there already (the CPU runner's
+        every step: re-viewing its buffer would cost a dozen tensor calls and give the same tensors)."""
+        if self.token_seq.device == torch.device(device) and (self.emit_from is None or
+                                                             self.emit_from.device == self.token_seq.device):
+            tensors = [self.positions, self.window_table, self.state_table, self.history_table, self.seq_end]
+            if all(t.device == self.token_seq.device for t in tensors):
+                return self
         tensors = {n: getattr(self, n) for n in self._tensors()}
         filled = {n: t for n, t in tensors.items() if t.numel()}  # empty ones need no data (nor valid offsets)
         moved = {n: t.to(device, non_blocking=True) for n, t in tensors.items() if n not in filled}
