@@ -72,6 +72,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stop = tuple(stop)
+        self.has_stops = bool(self._stop)  # without stop strings a step never stops: ``step_token`` serves it
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
         # Decoding window state: ids = prompt tail + output ids; text of ids[prefix:read] is cached.
@@ -130,6 +131,19 @@ class IncrementalDetokenizer:
             if self._check_stop():
                 return DetokenizerUpdate(self._release(len(self._text)), True, self._stop_reason, i + 1)
         return DetokenizerUpdate(self._release(len(self._text) - self._holdback()), False, None, len(new_token_ids))
+
+    def step_token(self, token_id: int) -> str:
+        """``step((token_id,)).text_delta`` for a detokenizer without stop strings (``has_stops`` False),
+        which never stops and holds nothing back: what ``step`` gives, without building the update (the
+        engine's path for every token of such a sequence)."""
+        if self._finished or self.has_stops:
+            raise RuntimeError("IncrementalDetokenizer.step_token() called after finish() or with stop strings")
+        self._num_output += 1
+        delta = self._decode_next(token_id)
+        if delta:  # everything decoded is released at once (as ``step``'s path without stop strings does)
+            self._text += delta
+            self._scanned = self._released = len(self._text)
+        return delta
 
     def finish(self) -> DetokenizerUpdate:
         """End of the sequence: flush pending bytes and held-back text. Call once."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from deepinfer.engine.sequence import RequestState
+from deepinfer.engine.sequence import RequestState, Status
 from deepinfer.frozen_init import fast_init
 
 
@@ -65,6 +65,8 @@ class DeltaBuilder:
         if first:
             state = self._sent[rid] = [0, [0] * len(req.seqs)]
         with_lp = req.params.logprobs is not None
+        if len(req.seqs) == 1 and not with_lp and req.prompt_logprobs is None:
+            return self._build_plain(req, first)
         samples = []
         for k, s in enumerate(req.seqs):
             text, ids, start = s.text, s.token_ids, s.num_prompt + s.emitted_tokens
@@ -87,6 +89,23 @@ class DeltaBuilder:
             state[0] = len(plp)
         return OutputDelta(rid, tuple(samples), finished, req.num_cached_tokens or 0, new_plp,
                            req.prompt if first else None, tuple(req.prompt_token_ids) if first else None)
+
+
+    def _build_plain(self, req: RequestState, first: bool) -> OutputDelta:
+        """``build`` of a request with one sample and no logprobs (the common case), what the loop above
+        gives for it without the per-sample bookkeeping: it runs for every request of every step."""
+        s = req.seqs[0]
+        text, ids, num_prompt = s.text, s.token_ids, s.num_prompt
+        new_text = text[s.emitted_text:]
+        new_ids = tuple(ids[num_prompt + s.emitted_tokens:])
+        s.emitted_text, s.emitted_tokens = len(text), len(ids) - num_prompt
+        finished = s.status is Status.FINISHED
+        if finished:
+            del self._sent[req.request_id]
+        return OutputDelta(req.request_id, (SampleDelta(s.index, new_text, new_ids, None, s.finish_reason,
+                                                        s.stop_reason, None, new_text, new_ids),),
+                           finished, req.num_cached_tokens or 0, None, req.prompt if first else None,
+                           tuple(req.prompt_token_ids) if first else None)
 
 
 @dataclass

@@ -117,6 +117,27 @@ def test_random_token_soup_matches_full_decode(tok: Tokenizer) -> None:
         assert joined(updates, final) == _reference(tok.decode(ids, skip_special_tokens=skip), stops)
 
 
+def test_step_token_equals_step_without_stop_strings(tok: Tokenizer) -> None:
+    # The engine's per-token path (no update object) against step((token,)): the same deltas, the same text,
+    # the same flush at finish, for random soups with split characters and special tokens.
+    rng = random.Random(1)
+    vocab = tok.get_vocab_size()
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        skip = rng.random() < 0.5
+        a, b = IncrementalDetokenizer(tok, prompt, skip), IncrementalDetokenizer(tok, prompt, skip)
+        assert not a.has_stops
+        for t in ids:
+            assert a.step_token(t) == b.step((t,)).text_delta
+            assert a.output_text == b.output_text and a.num_output_tokens == b.num_output_tokens
+        assert a.finish() == b.finish()
+    with pytest.raises(RuntimeError):
+        IncrementalDetokenizer(tok, [], True, ("a",)).step_token(5)
+    with pytest.raises(RuntimeError):
+        a.step_token(5)  # after finish()
+
+
 def test_prompt_ending_inside_a_character(tok: Tokenizer) -> None:
     smile = byte_ids(tok, "🙂")
     detok = IncrementalDetokenizer(tok, [*tok.encode("x").ids, *smile[:2]], True, ())

@@ -23,9 +23,13 @@ def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
         engine.add_request("seeded", "class A:", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8,
                                                                 stop=["\n"]))
         engine.add_request("aborted", "import os", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        # One sample, no logprobs (the builder's plain path): ended by its length, and by a stop string.
+        engine.add_request("short", "x = ", SamplingParams(temperature=1.0, seed=5, max_tokens=5, ignore_eos=True))
+        engine.add_request("stopped", "for i in", SamplingParams(temperature=1.0, seed=7, max_tokens=40, stop=["e"]))
         return engine
 
     plain, core = start(), start()
+    finals = {}
     builder = DeltaBuilder()
     core.build_output = builder.build
     assembler = OutputAssembler()
@@ -43,10 +47,13 @@ def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
         assert received.stats == message.stats
         for out, delta in zip(outputs, received.outputs):
             assert assembler.assemble(delta) == out
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].finish_reason
             # Only what is new travels: the prompt once, each sample's tokens since the previous message.
             assert (delta.prompt_token_ids is None) == (out.request_id in seen)
             assert [len(s.token_ids) for s in delta.samples] == [len(d) for d in out.delta_token_ids]
             seen[out.request_id] = seen.get(out.request_id, 0) + 1
-    assert set(seen) == {"greedy", "seeded", "aborted"} and seen["greedy"] > 2  # prompt logprobs came in chunks
+    assert set(seen) == {"greedy", "seeded", "aborted", "short", "stopped"} and seen["greedy"] > 2  # prompt logprobs came in chunks
+    assert finals["short"] == "length" and finals["stopped"] == "stop" and finals["aborted"] == "abort"
     assert not core.has_unfinished_requests() and steps > 4
     assert not builder._sent and not assembler._requests
