@@ -214,13 +214,16 @@ class LLMEngine:
             current, self._inflight = self._inflight, current
         if current is not None:
             touched |= self._apply(*current)
-        for rid in [r for r in self.requests if r in touched]:  # arrival order
-            req = self.requests[rid]
+        build, remove = self.build_output, self.scheduler.remove
+        for rid, req in [item for item in self.requests.items() if item[0] in touched]:  # arrival order
+            done = True  # req.finished, read in the same pass
             for seq in req.seqs:
-                if seq.finished:
-                    self.scheduler.remove(seq)
-            outputs.append(self.build_output(req))
-            if req.finished:
+                if seq.status is FINISHED:
+                    remove(seq)
+                else:
+                    done = False
+            outputs.append(build(req))
+            if done:
                 del self.requests[rid]
         return outputs
 

@@ -302,6 +302,19 @@ class Scheduler:
 
     def _running_order(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens it wants): decodes first, then unfinished prefills."""
+        if self.speculative is None:
+            # ``_wanted`` inline (no drafts without speculation): this runs for every running sequence every step.
+            decodes, prefills = [], []
+            for s in self.running:
+                known, pending = len(s.token_ids), s.num_pending
+                if pending and known - s.num_prompt + pending >= s.max_output:
+                    continue  # its in-flight tokens reach its limit: it wants nothing
+                n = known + pending - s.num_computed
+                if n == 1:
+                    decodes.append((s, 1))
+                elif n:
+                    prefills.append((s, n))
+            return decodes + prefills
         wanted = [(s, self._wanted(s), s.num_tokens + s.num_pending - s.num_computed == 1) for s in self.running]
         return [(s, n) for s, n, decode in wanted if decode and n] + [(s, n) for s, n, decode in wanted
                                                                        if not decode and n]
@@ -318,8 +331,8 @@ class Scheduler:
         if self.speculative is None:
             self.cache.allocate(seq.seq_id, n)
             samples = 1 if first + n == known + seq.num_pending else 0
-            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n),
-                           emit_from=emit_from)
+            job = None if seq.request.params.prompt_logprobs is None else self._prompt_job(seq, first, n)
+            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, job, emit_from=emit_from)
         if seq.num_pending:  # its step in flight drew every input: the last emitted token, then the drafts
             drafts, num_drafts = (), min(self._pending_drafts(seq), n - 1)
         else:
@@ -383,11 +396,18 @@ class Scheduler:
         """The planned tokens are computed (or queued on the device, which computes them in order): advance
         each sequence, settle its cache length, and count the tokens it draws as pending until applied."""
         prefix, commit = self.prefix, self.cache.commit
+        block_size = prefix.block_size if prefix is not None else 0
         for seq, w in zip(schedule.seqs, schedule.plan.work):
             seq.num_computed += w.num_tokens
             seq.num_pending += w.num_samples
             if w.num_samples:
                 seq.pending_drafts = w.num_proposals
             # Name the full blocks whose tokens are final (drafts and in-flight draws are not in token_ids).
-            hashes = () if prefix is None else self._chain(seq, min(seq.num_computed, len(seq.token_ids)))
+            if prefix is None:
+                hashes = ()
+            else:
+                hashes = seq.block_hashes
+                if min(seq.num_computed, len(seq.token_ids)) // block_size != len(hashes):
+                    # (Equal, the usual decode step: ``_chain`` would return the chain as it is.)
+                    hashes = self._chain(seq, min(seq.num_computed, len(seq.token_ids)))
             commit(seq.seq_id, seq.num_computed, hashes)
