@@ -135,6 +135,12 @@ class Tokenizer:
         # detokenizer decodes each new token alone once (its next window's prefix text); an id's text never
         # changes, and the vocabulary bounds the entries.
         self._single: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        # decode(a + b) == decode(a) + decode(b) whenever neither text holds U+FFFD. A byte-level decoder maps
+        # each token to its bytes and decodes their concatenation once, invalid UTF-8 becoming U+FFFD; two texts
+        # without one come from valid byte strings, whose concatenation decodes to the texts joined. (Skipped
+        # special tokens and unknown ids add no bytes either way.) The incremental detokenizer then needs one
+        # single-id decode per token instead of decoding its window (tests/unit/test_detokenizer.py).
+        self.decodes_by_concatenation: bool = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
 
     def _required_id(self, token: str, what: str) -> int:
         idx = self.backend.token_to_id(token)

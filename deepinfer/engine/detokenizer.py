@@ -70,6 +70,8 @@ class IncrementalDetokenizer:
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError(f"stop must contain only non-empty strings, got {stop!r}")
         self._tokenizer = tokenizer
+        # The tokenizer's decode joins the texts of token runs without U+FFFD (``Tokenizer.decodes_by_concatenation``).
+        self._concat = getattr(tokenizer, "decodes_by_concatenation", False) is True
         self._skip_special = skip_special_tokens
         self._stop = tuple(stop)
         self.has_stops = bool(self._stop)  # without stop strings a step never stops: ``step_token`` serves it
@@ -163,6 +165,18 @@ class IncrementalDetokenizer:
 
     def _decode_next(self, token_id: int) -> str:
         self._ids.append(token_id)
+        if self._concat and self._read == len(self._ids) - 1:  # no ids pending before this one
+            tail = self._decode([token_id])  # a single id: the tokenizer caches it
+            if REPLACEMENT_CHAR not in tail and REPLACEMENT_CHAR not in self._prefix_text:
+                # The window is ids[prefix:read] + [token_id]; its text is the prefix text + tail: what the
+                # general path below finds, without decoding the window (no U+FFFD at its end, the same
+                # offsets moved).
+                if not tail:
+                    return ""
+                self._prefix, self._read = self._read, len(self._ids)
+                self._prefix_text = tail if self._read - self._prefix == 1 else \
+                    self._decode(self._ids[self._prefix : self._read])
+                return tail
         new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             # Nothing visible yet (special token skipped) or a split UTF-8 character: wait for more ids.

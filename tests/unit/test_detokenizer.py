@@ -138,6 +138,35 @@ def test_step_token_equals_step_without_stop_strings(tok: Tokenizer) -> None:
         a.step_token(5)  # after finish()
 
 
+def test_concatenating_decoder_path_equals_window_decoding() -> None:
+    # The demo tokenizer decodes by concatenation (byte-level): the detokenizer then decodes each token alone.
+    # Against the same tokenizer with that path off: the same deltas, step for step, and the same flush, for
+    # soups rich in split characters (single ids that decode to U+FFFD), special ids, skipped or not.
+    from deepinfer.tokenizer import Tokenizer as EngineTokenizer
+
+    fast, slow = EngineTokenizer(), EngineTokenizer()
+    slow.decodes_by_concatenation = False
+    assert fast.decodes_by_concatenation
+    vocab = fast.vocab_size
+    partial = [i for i in range(vocab) if "\ufffd" in fast.decode([i])]
+    assert len(partial) > 50
+    rng = random.Random(2)
+    for _ in range(300):
+        pick = lambda: rng.choice([rng.randrange(vocab), rng.choice(partial), rng.randrange(17)])  # noqa: E731
+        ids = [pick() for _ in range(rng.randrange(1, 30))]
+        prompt = [pick() for _ in range(rng.randrange(0, 8))]
+        skip, stops = rng.random() < 0.5, rng.choice([(), (), ("e",), ("\ufffd",)])
+        a, b = IncrementalDetokenizer(fast, prompt, skip, stops), IncrementalDetokenizer(slow, prompt, skip, stops)
+        for t in ids:
+            assert a.step((t,)) == b.step((t,))
+        assert a.finish() == b.finish()
+        # The property itself, on runs without U+FFFD.
+        x, y = ids[: len(ids) // 2], ids[len(ids) // 2 :]
+        tx, ty = fast.decode(x, skip_special_tokens=skip), fast.decode(y, skip_special_tokens=skip)
+        if "\ufffd" not in tx + ty:
+            assert fast.backend.decode(x + y, skip_special_tokens=skip) == tx + ty
+
+
 def test_prompt_ending_inside_a_character(tok: Tokenizer) -> None:
     smile = byte_ids(tok, "🙂")
     detok = IncrementalDetokenizer(tok, [*tok.encode("x").ids, *smile[:2]], True, ())
