@@ -16,7 +16,7 @@ from typing import Any
 
 from deepinfer.server.commands import EngineRequest
 from deepinfer.server.engine_stats import EngineStats
-from deepinfer.server.output_wire import OutputDelta
+from deepinfer.server.output_wire import OutputDelta, PlainDelta
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ class CoreFailed:
 class StepOutputs:
     """One engine step's outputs, batched, and the engine's counters after it."""
 
-    outputs: tuple[OutputDelta, ...]
+    outputs: tuple[OutputDelta | PlainDelta, ...]
     stats: EngineStats
 
 
