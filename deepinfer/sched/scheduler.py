@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from deepinfer.config.engine import SchedulerConfig
 from deepinfer.config.speculative import SpeculativeConfig
 from deepinfer.engine.sequence import Sequence, Status
+from deepinfer.frozen_init import fast_init
 from deepinfer.kv.manager import CacheManager, PrefixHit
 from deepinfer.kv.offload import TierLink
 from deepinfer.kv.prefix_hash import BlockHasher
@@ -64,6 +65,7 @@ from deepinfer.sched.evictions import PlanEvictions
 from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
 
+@fast_init  # deepinfer/frozen_init.py (one a step)
 @dataclass(frozen=True, slots=True)
 class Schedule:
     plan: StepPlan
@@ -332,7 +334,8 @@ class Scheduler:
             self.cache.allocate(seq.seq_id, n)
             samples = 1 if first + n == known + seq.num_pending else 0
             job = None if seq.request.params.prompt_logprobs is None else self._prompt_job(seq, first, n)
-            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, job, emit_from=emit_from)
+            # Every field in order (no keyword): built for every running sequence of every step.
+            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, job, (), 0, 0, -1, emit_from)
         if seq.num_pending:  # its step in flight drew every input: the last emitted token, then the drafts
             drafts, num_drafts = (), min(self._pending_drafts(seq), n - 1)
         else:
@@ -398,7 +401,7 @@ class Scheduler:
         prefix, commit = self.prefix, self.cache.commit
         block_size = prefix.block_size if prefix is not None else 0
         for seq, w in zip(schedule.seqs, schedule.plan.work):
-            seq.num_computed += w.num_tokens
+            seq.num_computed += len(w.token_ids) + w.num_placeholders  # w.num_tokens, inline
             seq.num_pending += w.num_samples
             if w.num_samples:
                 seq.pending_drafts = w.num_proposals

@@ -13,7 +13,8 @@ again was a third of the per-token host work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, fields
 
 from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.engine.sequence import RequestState, Status
@@ -67,6 +68,10 @@ class PlainDelta:
         return OutputDelta(self.request_id, (SampleDelta(0, self.text, self.token_ids, None, self.finish_reason,
                                                          self.stop_reason, None, self.text, self.token_ids),),
                            self.finished, self.num_cached_tokens, None)
+
+
+# A PlainDelta's field values as a plain tuple (``PlainDelta(*values)`` rebuilds it): its wire form.
+plain_fields = operator.attrgetter(*(f.name for f in fields(PlainDelta)))
 
 
 class DeltaBuilder:
