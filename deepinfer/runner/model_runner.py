@@ -198,7 +198,8 @@ class ModelRunner:
         shift = StepShift.of(work, slots.tolist(), batch)  # a verify step in flight (async speculation)
         draw_rows, draw_slots, draw_pos, last_rows, counts, history = [], [], [], [], [], []
         n = len(work)
-        if int(lens.max()) == 1 and int(draws.min()) == 1 and not drafted.any():
+        plain_decode = int(lens.max()) == 1 and int(draws.min()) == 1 and not drafted.any()
+        if plain_decode:
             # A decode step (one input and one draw per sequence, no drafts): what the loop below builds, at
             # once. Row i is sequence i's; its token goes to the position after its input.
             draw_rows, draw_slots, draw_pos = list(range(n)), slots.tolist(), (first + 1).tolist()
@@ -270,7 +271,9 @@ class ModelRunner:
                              draw_slots, v.shift)
             else:
                 handle_args["tokens"] = _to_host(tokens)
-                batch.record([draw_slots[i] for i in last_rows], tokens, last_rows, None, draw_slots)
+                # A decode step's last rows are all of them: its drawing slots are the rows' (one list, one copy).
+                last_slots = draw_slots if plain_decode else [draw_slots[i] for i in last_rows]
+                batch.record(last_slots, tokens, last_rows, None, draw_slots)
         if self.drafter is not None:
             drafts = self.drafter.propose(streams, input_ids, index, work, starts.tolist(), slots.tolist(),
                                           draw_rows, tokens, v.kept if v is not None else None, graphed=graph_ok,
@@ -385,10 +388,9 @@ class ModelRunner:
         per sequence, whether only its last row's output is read (``StepIndex.last_row_only``); ``shift``:
         moves the index's positions on the device (a verify step in flight)."""
         index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
-                                 pin_memory=self.device.type == "cuda").to(self.device)
+                                 pin_memory=self.device.type == "cuda", last_row_only=last_row_only).to(self.device)
         if shift is not None:
             shift.apply(index)
-        index = dataclasses.replace(index, last_row_only=last_row_only)
         if any(emit_from):
             index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
         input_ids = to_device(ids, torch.int64, self.device)
