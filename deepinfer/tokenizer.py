@@ -169,6 +169,11 @@ class Tokenizer:
             return text
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def single_decodes(self, skip_special_tokens: bool = True) -> dict[int, str]:
+        """The cache of single-id decodes for that setting (filled by ``decode``; callers only read it): the
+        incremental detokenizer looks a token up there before calling ``decode``."""
+        return self._single[1 if skip_special_tokens else 0]
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

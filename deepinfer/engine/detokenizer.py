@@ -72,6 +72,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         # The tokenizer's decode joins the texts of token runs without U+FFFD (``Tokenizer.decodes_by_concatenation``).
         self._concat = getattr(tokenizer, "decodes_by_concatenation", False) is True
+        self._singles: dict[int, str] = tokenizer.single_decodes(skip_special_tokens) if self._concat else {}
         self._skip_special = skip_special_tokens
         self._stop = tuple(stop)
         self.has_stops = bool(self._stop)  # without stop strings a step never stops: ``step_token`` serves it
@@ -166,7 +167,9 @@ class IncrementalDetokenizer:
     def _decode_next(self, token_id: int) -> str:
         self._ids.append(token_id)
         if self._concat and self._read == len(self._ids) - 1:  # no ids pending before this one
-            tail = self._decode([token_id])  # a single id: the tokenizer caches it
+            tail = self._singles.get(token_id)  # the tokenizer's cache, read without a call per token
+            if tail is None:
+                tail = self._decode([token_id])  # (which fills it)
             if REPLACEMENT_CHAR not in tail and REPLACEMENT_CHAR not in self._prefix_text:
                 # The window is ids[prefix:read] + [token_id]; its text is the prefix text + tail: what the
                 # general path below finds, without decoding the window (no U+FFFD at its end, the same
