@@ -142,7 +142,7 @@ class Scheduler:
         # Without an MTP chain writing past the step a sequence's extent is its token count, and a decode
         # step's blocks usually cover it already: both checked inline (once per running sequence per step).
         plain = self.speculative is None or not self.speculative.writes_past_step
-        can_allocate = self.cache.can_allocate
+        covers, can_allocate = self.cache.covers, self.cache.can_allocate
         for seq, wanted in self._running_order():
             if budget == 0:
                 break
@@ -150,8 +150,10 @@ class Scheduler:
                 continue
             n = min(wanted, budget)
             extent = n if plain else self._extent(seq, n)
-            if can_allocate(seq.seq_id, extent) or self._make_room(seq, extent, planned, preempted):
-                work.append(self._take(seq, n))
+            # Covered (the usual decode step): nothing to check, and nothing for ``_take`` to allocate.
+            covered = covers(seq.seq_id, extent)
+            if covered or can_allocate(seq.seq_id, extent) or self._make_room(seq, extent, planned, preempted):
+                work.append(self._take(seq, n, covered))
                 planned.append(seq)
                 budget -= n
         evicted = PlanEvictions(self.cache, self.tiers)
@@ -326,12 +328,15 @@ class Scheduler:
         prompt = tuple(seq.token_ids[: seq.num_prompt]) if sampling.repetition_penalty != 1.0 else ()
         return JoinedSeq(seq.seq_id, sampling, seq.num_prompt, prompt, tuple(seq.output_ids))
 
-    def _take(self, seq: Sequence, n: int) -> SeqWork:
+    def _take(self, seq: Sequence, n: int, covered: bool = False) -> SeqWork:
+        """The sequence's work item for ``n`` new tokens, with its blocks allocated (``covered``: the caller found
+        them allocated already: the allocation is ``_extent(seq, n)`` positions)."""
         first, known = seq.num_computed, seq.num_tokens
         tokens = tuple(seq.token_ids[first : min(first + n, known)])
         emit_from = seq.emit_from if first < seq.emit_from else 0
         if self.speculative is None:
-            self.cache.allocate(seq.seq_id, n)
+            if not covered:
+                self.cache.allocate(seq.seq_id, n)
             samples = 1 if first + n == known + seq.num_pending else 0
             job = None if seq.request.params.prompt_logprobs is None else self._prompt_job(seq, first, n)
             # Every field in order (no keyword): built for every running sequence of every step.
@@ -344,7 +349,8 @@ class Scheduler:
         samples = self._num_draws(seq, n)
         proposals = self._proposals(seq, n, samples)
         chain = max(0, proposals - 1) if self.speculative.writes_past_step else 0  # the MTP chain's rows
-        self.cache.allocate(seq.seq_id, n + chain)
+        if not covered:
+            self.cache.allocate(seq.seq_id, n + chain)  # n + chain == _extent(seq, n)
         nxt = -1 if samples else seq.token_ids[first + n]
         return SeqWork(seq.seq_id, first, tokens + drafts, n - len(tokens) - len(drafts), samples,
                        self._prompt_job(seq, first, n), num_drafts=num_drafts, num_proposals=proposals,
