@@ -262,6 +262,22 @@ class LLMEngine:
             if req.request_id in self.requests:
                 req.prompt_logprobs.extend(self._position_logprobs(chunk.values))
         advance = []  # (sequence, token): a single accepted token each, fed to the grammars in one call below
+        if result.plain is not None:  # a plain decode step: what the loop below does for one token, no drafts
+            for seq_id, token in zip(*result.plain):
+                seq, w = planned[seq_id]
+                seq.num_pending -= w.num_samples
+                if seq.status is FINISHED:  # a stop found after this step was planned (async): its draw is dropped
+                    continue
+                if speculative and w.num_samples:
+                    seq.draft_acceptance = update_rate(seq.draft_acceptance, 0, 0)
+                seq.drafts = ()
+                append_token(seq, token, None, eos, decode_one)
+                touched.add(seq.request.request_id)
+                if seq.grammar is not None and not seq.finished:
+                    if seq.grammar_after is None:
+                        advance.append((seq, token))
+                    elif token == seq.grammar_after:
+                        seq.grammar_after = None
         for s in result.sampled:
             seq, w = planned[s.seq_id]
             seq.num_pending -= w.num_samples

@@ -82,6 +82,14 @@ class PromptLogprobChunk:
 class StepResult:
     sampled: tuple[SeqSamples, ...] = ()
     prompt_logprobs: tuple[PromptLogprobChunk, ...] = ()
+    # A plain decode step's draws (one per drawing sequence, no logprobs, no drafts) as (seq ids, tokens), with
+    # ``sampled`` left empty: no object per sequence and step. ``samples()`` reads either form.
+    plain: tuple[tuple[str, ...], list[int]] | None = None
+
+    def samples(self) -> tuple[SeqSamples, ...]:
+        if self.plain is None:
+            return self.sampled
+        return tuple(SeqSamples(seq_id, (token,), _NO_LOGPROBS) for seq_id, token in zip(*self.plain))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +117,13 @@ class StepHandle:
         if self._result is None:
             if self._done is not None:
                 self._done.synchronize()
-            self._result = StepResult(self._sampled(), self._prompt_chunks())
+            d = self._draws
+            if (d is not None and d.seq_ids and self._spec is None and self._logprobs is None
+                    and len(d.counts) == len(self._tokens)):
+                # One draw per sequence and no logprobs (a plain decode step): the tokens as they are.
+                self._result = StepResult((), self._prompt_chunks(), (d.seq_ids, self._tokens.tolist()))
+            else:
+                self._result = StepResult(self._sampled(), self._prompt_chunks())
         return self._result
 
     def _sampled(self) -> tuple[SeqSamples, ...]:
@@ -120,11 +134,6 @@ class StepHandle:
             packed, layout = self._spec
             emitted, drafted = layout.unpack(packed.tolist())
             drafts = dict(zip(d.proposers, drafted))
-        elif self._logprobs is None and len(d.counts) == len(self._tokens):
-            # One draw per sequence and no logprobs (a plain decode step): one object per sequence, no slicing
-            # (this builder runs for every sequence of every step).
-            return tuple(SeqSamples(seq_id, (token,), _NO_LOGPROBS)
-                         for seq_id, token in zip(d.seq_ids, self._tokens.tolist()))
         else:
             tokens = self._tokens.tolist()
             emitted, drafts, row = [], {}, 0
