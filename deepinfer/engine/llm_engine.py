@@ -186,7 +186,9 @@ class LLMEngine:
                 for seq in self.requests[rid].seqs if rid in self.requests else ():
                     if seq.finished:
                         self.scheduler.remove(seq)
-        if self._inflight is not None and any(s.grammar is not None for s in self.scheduler.running):
+        # No structured request yet (no grammar backend): no sequence has a grammar, none is looked for.
+        constrained = self.intake.grammars is not None
+        if self._inflight is not None and constrained and any(s.grammar is not None for s in self.scheduler.running):
             # A grammar's next mask needs the token in flight: that step is applied once this one's forward is
             # launched, just before the masks are computed (the device runs the forward meanwhile).
             late, self._inflight = self._inflight, None
@@ -352,8 +354,9 @@ class _StepGrammar:
     def __init__(self, engine: LLMEngine, schedule: Schedule, late) -> None:
         self.engine, self.schedule, self.late = engine, schedule, late
         self.touched: set[str] = set()
-        self.needed = late is not None or any(seq.grammar is not None and w.num_samples
-                                              for seq, w in zip(schedule.seqs, schedule.plan.work))
+        # (No grammar backend: no structured request yet, so no sequence has a grammar to look for.)
+        self.needed = late is not None or (engine.intake.grammars is not None and any(
+            seq.grammar is not None and w.num_samples for seq, w in zip(schedule.seqs, schedule.plan.work)))
 
     def masks(self):
         self._apply_late()

@@ -44,6 +44,9 @@ def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
             core.abort_request("aborted")
         assert [o.request_id for o in outputs] == [d.request_id for d in deltas]
         message = StepOutputs(tuple(deltas), snapshot(core))
+        # Requests, not sequences ("seeded" has two samples).
+        assert message.stats.running == len({s.request.request_id for s in core.scheduler.running})
+        assert message.stats.waiting == len({s.request.request_id for s in core.scheduler.waiting})
         received = decode(encode(message, MESSAGES), MESSAGES)
         assert received.stats == message.stats
         for out, delta in zip(outputs, received.outputs):
@@ -64,3 +67,13 @@ def test_core_deltas_built_from_sequences_rebuild_the_engine_outputs() -> None:
     assert finals["short"] == "length" and finals["stopped"] == "stop" and finals["aborted"] == "abort"
     assert not core.has_unfinished_requests() and steps > 4
     assert not builder._sent and not assembler._requests
+
+
+def test_stats_count_requests_not_samples() -> None:
+    engine = LLMEngine.from_engine_args(device="cpu", block_size=128, load_progress=False, num_cache_blocks=16)
+    engine.add_request("three", "x", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True))
+    engine.add_request("one", "y", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for _ in range(2):
+        engine.step()
+    assert len(engine.scheduler.running) == 4
+    assert snapshot(engine).running == 2 and snapshot(engine).waiting == 0
