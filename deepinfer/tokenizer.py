@@ -131,6 +131,16 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # Single-id decodes, per skip_special_tokens value (index 0: False, 1: True). The incremental
+        # detokenizer decodes each new token alone once (its next window's prefix text); an id's text never
+        # changes, and the vocabulary bounds the entries.
+        self._single: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        # decode(a + b) == decode(a) + decode(b) whenever neither text holds U+FFFD. A byte-level decoder maps
+        # each token to its bytes and decodes their concatenation once, invalid UTF-8 becoming U+FFFD; two texts
+        # without one come from valid byte strings, whose concatenation decodes to the texts joined. (Skipped
+        # special tokens and unknown ids add no bytes either way.) The incremental detokenizer then needs one
+        # single-id decode per token instead of decoding its window (tests/unit/test_detokenizer.py).
+        self.decodes_by_concatenation: bool = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)
 
     def _required_id(self, token: str, what: str) -> int:
         idx = self.backend.token_to_id(token)
@@ -149,7 +159,20 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         # A list goes as it is (the detokenizer decodes a list slice twice per token: no third copy).
-        return self.backend.decode(ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens)
+        if type(ids) is not list:
+            ids = list(ids)
+        if len(ids) == 1 and type(ids[0]) is int:
+            single = self._single[1 if skip_special_tokens else 0]
+            text = single.get(ids[0])
+            if text is None:
+                text = single[ids[0]] = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            return text
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def single_decodes(self, skip_special_tokens: bool = True) -> dict[int, str]:
+        """The cache of single-id decodes for that setting (filled by ``decode``; callers only read it): the
+        incremental detokenizer looks a token up there before calling ``decode``."""
+        return self._single[1 if skip_special_tokens else 0]
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -70,8 +70,12 @@ class IncrementalDetokenizer:
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError(f"stop must contain only non-empty strings, got {stop!r}")
         self._tokenizer = tokenizer
+        # The tokenizer's decode joins the texts of token runs without U+FFFD (``Tokenizer.decodes_by_concatenation``).
+        self._concat = getattr(tokenizer, "decodes_by_concatenation", False) is True
+        self._singles: dict[int, str] = tokenizer.single_decodes(skip_special_tokens) if self._concat else {}
         self._skip_special = skip_special_tokens
         self._stop = tuple(stop)
+        self.has_stops = bool(self._stop)  # without stop strings a step never stops: ``step_token`` serves it
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
         # Decoding window state: ids = prompt tail + output ids; text of ids[prefix:read] is cached.
@@ -131,6 +135,30 @@ class IncrementalDetokenizer:
                 return DetokenizerUpdate(self._release(len(self._text)), True, self._stop_reason, i + 1)
         return DetokenizerUpdate(self._release(len(self._text) - self._holdback()), False, None, len(new_token_ids))
 
+    def step_token(self, token_id: int) -> str:
+        """``step((token_id,)).text_delta`` for a detokenizer without stop strings (``has_stops`` False),
+        which never stops and holds nothing back: what ``step`` gives, without building the update (the
+        engine's path for every token of such a sequence)."""
+        if self._finished or self.has_stops:
+            raise RuntimeError("IncrementalDetokenizer.step_token() called after finish() or with stop strings")
+        self._num_output += 1
+        ids = self._ids
+        if self._concat and self._read == len(ids):
+            # ``_decode_next``'s first path, inline (one call less per token): a cached token after a clean window.
+            tail = self._singles.get(token_id)
+            if tail is not None and REPLACEMENT_CHAR not in tail and REPLACEMENT_CHAR not in self._prefix_text:
+                ids.append(token_id)
+                if tail:
+                    self._prefix, self._read, self._prefix_text = self._read, len(ids), tail
+                    self._text += tail
+                    self._scanned = self._released = len(self._text)
+                return tail
+        delta = self._decode_next(token_id)
+        if delta:  # everything decoded is released at once (as ``step``'s path without stop strings does)
+            self._text += delta
+            self._scanned = self._released = len(self._text)
+        return delta
+
     def finish(self) -> DetokenizerUpdate:
         """End of the sequence: flush pending bytes and held-back text. Call once."""
         if self._finished:
@@ -149,6 +177,20 @@ class IncrementalDetokenizer:
 
     def _decode_next(self, token_id: int) -> str:
         self._ids.append(token_id)
+        if self._concat and self._read == len(self._ids) - 1:  # no ids pending before this one
+            tail = self._singles.get(token_id)  # the tokenizer's cache, read without a call per token
+            if tail is None:
+                tail = self._decode([token_id])  # (which fills it)
+            if REPLACEMENT_CHAR not in tail and REPLACEMENT_CHAR not in self._prefix_text:
+                # The window is ids[prefix:read] + [token_id]; its text is the prefix text + tail: what the
+                # general path below finds, without decoding the window (no U+FFFD at its end, the same
+                # offsets moved).
+                if not tail:
+                    return ""
+                self._prefix, self._read = self._read, len(self._ids)
+                self._prefix_text = tail if self._read - self._prefix == 1 else \
+                    self._decode(self._ids[self._prefix : self._read])
+                return tail
         new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             # Nothing visible yet (special token skipped) or a split UTF-8 character: wait for more ids.

@@ -186,7 +186,9 @@ class LLMEngine:
                 for seq in self.requests[rid].seqs if rid in self.requests else ():
                     if seq.finished:
                         self.scheduler.remove(seq)
-        if self._inflight is not None and any(s.grammar is not None for s in self.scheduler.running):
+        # No structured request yet (no grammar backend): no sequence has a grammar, none is looked for.
+        constrained = self.intake.grammars is not None
+        if self._inflight is not None and constrained and any(s.grammar is not None for s in self.scheduler.running):
             # A grammar's next mask needs the token in flight: that step is applied once this one's forward is
             # launched, just before the masks are computed (the device runs the forward meanwhile).
             late, self._inflight = self._inflight, None
@@ -214,13 +216,16 @@ class LLMEngine:
             current, self._inflight = self._inflight, current
         if current is not None:
             touched |= self._apply(*current)
-        for rid in [r for r in self.requests if r in touched]:  # arrival order
-            req = self.requests[rid]
+        build, remove = self.build_output, self.scheduler.remove
+        for rid, req in [item for item in self.requests.items() if item[0] in touched]:  # arrival order
+            done = True  # req.finished, read in the same pass
             for seq in req.seqs:
-                if seq.finished:
-                    self.scheduler.remove(seq)
-            outputs.append(self.build_output(req))
-            if req.finished:
+                if seq.status is FINISHED:
+                    remove(seq)
+                else:
+                    done = False
+            outputs.append(build(req))
+            if done:
                 del self.requests[rid]
         return outputs
 
@@ -259,6 +264,22 @@ class LLMEngine:
             if req.request_id in self.requests:
                 req.prompt_logprobs.extend(self._position_logprobs(chunk.values))
         advance = []  # (sequence, token): a single accepted token each, fed to the grammars in one call below
+        if result.plain is not None:  # a plain decode step: what the loop below does for one token, no drafts
+            for seq_id, token in zip(*result.plain):
+                seq, w = planned[seq_id]
+                seq.num_pending -= w.num_samples
+                if seq.status is FINISHED:  # a stop found after this step was planned (async): its draw is dropped
+                    continue
+                if speculative and w.num_samples:
+                    seq.draft_acceptance = update_rate(seq.draft_acceptance, 0, 0)
+                seq.drafts = ()
+                append_token(seq, token, None, eos, decode_one)
+                touched.add(seq.request.request_id)
+                if seq.grammar is not None and not seq.finished:
+                    if seq.grammar_after is None:
+                        advance.append((seq, token))
+                    elif token == seq.grammar_after:
+                        seq.grammar_after = None
         for s in result.sampled:
             seq, w = planned[s.seq_id]
             seq.num_pending -= w.num_samples
@@ -333,8 +354,9 @@ class _StepGrammar:
     def __init__(self, engine: LLMEngine, schedule: Schedule, late) -> None:
         self.engine, self.schedule, self.late = engine, schedule, late
         self.touched: set[str] = set()
-        self.needed = late is not None or any(seq.grammar is not None and w.num_samples
-                                              for seq, w in zip(schedule.seqs, schedule.plan.work))
+        # (No grammar backend: no structured request yet, so no sequence has a grammar to look for.)
+        self.needed = late is not None or (engine.intake.grammars is not None and any(
+            seq.grammar is not None and w.num_samples for seq, w in zip(schedule.seqs, schedule.plan.work)))
 
     def masks(self):
         self._apply_late()

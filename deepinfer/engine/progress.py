@@ -34,12 +34,19 @@ def append_token(seq: Sequence, token: int, lp: TokenLogprobs | None, eos_id: in
             seq.text += seq.detok.step((token,)).text_delta
         finish(seq, "stop", token)
         return
-    update = seq.detok.step((token,))
-    if update.text_delta:
-        seq.text += update.text_delta
-    if update.stopped:
-        finish(seq, "stop", update.stop_reason)
-    elif len(ids) - seq.num_prompt >= seq.max_output:  # seq.num_output, inline: once per token
+    detok = seq.detok
+    if detok.has_stops:
+        update = detok.step((token,))
+        if update.text_delta:
+            seq.text += update.text_delta
+        if update.stopped:
+            finish(seq, "stop", update.stop_reason)
+            return
+    else:  # no stop string can end it: the text delta alone (no update object per token)
+        delta = detok.step_token(token)
+        if delta:
+            seq.text += delta
+    if len(ids) - seq.num_prompt >= seq.max_output:  # seq.num_output, inline: once per token
         finish(seq, "length", None)
 
 

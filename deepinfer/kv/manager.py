@@ -157,14 +157,14 @@ class CacheManager:
         need = max(0, self.blocks_for_count(n + num_new_tokens) - have)
         return {p: need for p in POOLS}
 
-    def _covered(self, req_id: Hashable, num_new_tokens: int) -> bool:
-        """The request's blocks already cover its next ``num_new_tokens`` positions (the common decode step:
-        checked before building ``blocks_needed``'s per-pool dict)."""
+    def covers(self, req_id: Hashable, num_new_tokens: int) -> bool:
+        """The request's blocks already cover its next ``num_new_tokens`` positions: ``allocate`` takes nothing
+        (the common decode step: checked before building ``blocks_needed``'s per-pool dict)."""
         r = self._reqs.get(req_id)
         return r is not None and 0 <= num_new_tokens and r.length + num_new_tokens <= len(r.tables[HISTORY]) * self.block_size
 
     def can_allocate(self, req_id: Hashable, num_new_tokens: int) -> bool:
-        if self._covered(req_id, num_new_tokens):
+        if self.covers(req_id, num_new_tokens):
             return True
         need = self.blocks_needed(req_id, num_new_tokens)
         return all(need[p] <= self.pools[p].num_available for p in POOLS)
@@ -177,7 +177,7 @@ class CacheManager:
         changed (and an unknown request is not registered). Idempotent for the same range: blocks
         allocated earlier but not yet committed are reused.
         """
-        if self._covered(req_id, num_new_tokens):
+        if self.covers(req_id, num_new_tokens):
             return
         need = self.blocks_needed(req_id, num_new_tokens)
         for p in POOLS:

@@ -96,7 +96,13 @@ class StepIndex:
 
     def to(self, device: torch.device | str) -> "StepIndex":
         """The index on ``device``: one copy when its tensors are views of one buffer (``build_step_index``
-        makes them so), else one per tensor."""
+        makes them so), else one per tensor; the index itself when it is there already (the CPU runner's
+        every step: re-viewing its buffer would cost a dozen tensor calls and give the same tensors)."""
+        if self.token_seq.device == torch.device(device) and (self.emit_from is None or
+                                                             self.emit_from.device == self.token_seq.device):
+            tensors = [self.positions, self.window_table, self.state_table, self.history_table, self.seq_end]
+            if all(t.device == self.token_seq.device for t in tensors):
+                return self
         tensors = {n: getattr(self, n) for n in self._tensors()}
         filled = {n: t for n, t in tensors.items() if t.numel()}  # empty ones need no data (nor valid offsets)
         moved = {n: t.to(device, non_blocking=True) for n, t in tensors.items() if n not in filled}
@@ -386,7 +392,8 @@ def _write_slots(slots: np.ndarray, first: np.ndarray, lens: np.ndarray, tables:
                   lambda i, pool: tables.arrays[pool][slots[i]], buffer, pin_memory)
 
 
-def _index(out: torch.Tensor, flat_layout: FlatLayout, span: int, storage, window: int) -> StepIndex:
+def _index(out: torch.Tensor, flat_layout: FlatLayout, span: int, storage, window: int,
+           last_row_only: tuple[bool, ...] | None = None) -> StepIndex:
     return StepIndex(
         **flat_layout.tensors(out),
         span=span,
@@ -395,6 +402,7 @@ def _index(out: torch.Tensor, flat_layout: FlatLayout, span: int, storage, windo
         kinds=_facts(storage.layout)[0],
         spare_window=storage.spare_row(WINDOW),
         spare_state=storage.spare_row(STATE),
+        last_row_only=last_row_only,
     )
 
 
@@ -408,10 +416,12 @@ def build_step_index(batch: ForwardBatch, storage, window: int, *, num_tokens: i
 
 
 def build_slot_index(slots: np.ndarray, first: np.ndarray, lens: np.ndarray, tables: SlotTables, storage,
-                     window: int, pin_memory: bool = False) -> StepIndex:
+                     window: int, pin_memory: bool = False,
+                     last_row_only: tuple[bool, ...] | None = None) -> StepIndex:
     """``build_step_index`` for runs kept in batch slots: run i is slot ``slots[i]``, its new tokens at
     positions ``first[i]`` .. ``first[i] + lens[i] - 1``. ``pin_memory``: build it in pinned memory, so that
-    its copy to the GPU does not wait for the queued steps."""
+    its copy to the GPU does not wait for the queued steps. ``last_row_only``: the index's field of that name
+    (set here rather than by a replace of the whole index afterwards)."""
     out, flat_layout, span = _write_slots(slots, first, lens, tables, storage.layout, window, None, None, None,
                                           pin_memory=pin_memory)
-    return _index(out, flat_layout, span, storage, window)
+    return _index(out, flat_layout, span, storage, window, last_row_only)

@@ -208,10 +208,11 @@ class InputBatch:
         speculation, per slot): accepted - verified drafts of this step."""
         if not slots:
             return
-        if row_slots is None:  # one row per slot
-            row_slots = slots
-        both = to_device([*slots, *row_slots], torch.int64, self.device)
-        idx, rows = both[: len(slots)], both[len(slots) :]
+        if row_slots is None or row_slots is slots:  # one row per slot: one copy serves both
+            idx = rows = to_device(slots, torch.int64, self.device)
+        else:
+            both = to_device([*slots, *row_slots], torch.int64, self.device)
+            idx, rows = both[: len(slots)], both[len(slots) :]
         if not isinstance(last, torch.Tensor):
             last = to_device(last, torch.int64, self.device) if len(last) != len(tokens) else None
         self.last_tokens.index_copy_(0, idx, tokens if last is None else tokens[last])

@@ -82,6 +82,14 @@ class PromptLogprobChunk:
 class StepResult:
     sampled: tuple[SeqSamples, ...] = ()
     prompt_logprobs: tuple[PromptLogprobChunk, ...] = ()
+    # A plain decode step's draws (one per drawing sequence, no logprobs, no drafts) as (seq ids, tokens), with
+    # ``sampled`` left empty: no object per sequence and step. ``samples()`` reads either form.
+    plain: tuple[tuple[str, ...], list[int]] | None = None
+
+    def samples(self) -> tuple[SeqSamples, ...]:
+        if self.plain is None:
+            return self.sampled
+        return tuple(SeqSamples(seq_id, (token,), _NO_LOGPROBS) for seq_id, token in zip(*self.plain))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +117,13 @@ class StepHandle:
         if self._result is None:
             if self._done is not None:
                 self._done.synchronize()
-            self._result = StepResult(self._sampled(), self._prompt_chunks())
+            d = self._draws
+            if (d is not None and d.seq_ids and self._spec is None and self._logprobs is None
+                    and len(d.counts) == len(self._tokens)):
+                # One draw per sequence and no logprobs (a plain decode step): the tokens as they are.
+                self._result = StepResult((), self._prompt_chunks(), (d.seq_ids, self._tokens.tolist()))
+            else:
+                self._result = StepResult(self._sampled(), self._prompt_chunks())
         return self._result
 
     def _sampled(self) -> tuple[SeqSamples, ...]:
@@ -120,11 +134,6 @@ class StepHandle:
             packed, layout = self._spec
             emitted, drafted = layout.unpack(packed.tolist())
             drafts = dict(zip(d.proposers, drafted))
-        elif self._logprobs is None and len(d.counts) == len(self._tokens):
-            # One draw per sequence and no logprobs (a plain decode step): one object per sequence, no slicing
-            # (this builder runs for every sequence of every step).
-            return tuple(SeqSamples(seq_id, (token,), _NO_LOGPROBS)
-                         for seq_id, token in zip(d.seq_ids, self._tokens.tolist()))
         else:
             tokens = self._tokens.tolist()
             emitted, drafts, row = [], {}, 0
@@ -198,7 +207,8 @@ class ModelRunner:
         shift = StepShift.of(work, slots.tolist(), batch)  # a verify step in flight (async speculation)
         draw_rows, draw_slots, draw_pos, last_rows, counts, history = [], [], [], [], [], []
         n = len(work)
-        if int(lens.max()) == 1 and int(draws.min()) == 1 and not drafted.any():
+        plain_decode = int(lens.max()) == 1 and int(draws.min()) == 1 and not drafted.any()
+        if plain_decode:
             # A decode step (one input and one draw per sequence, no drafts): what the loop below builds, at
             # once. Row i is sequence i's; its token goes to the position after its input.
             draw_rows, draw_slots, draw_pos = list(range(n)), slots.tolist(), (first + 1).tolist()
@@ -270,7 +280,9 @@ class ModelRunner:
                              draw_slots, v.shift)
             else:
                 handle_args["tokens"] = _to_host(tokens)
-                batch.record([draw_slots[i] for i in last_rows], tokens, last_rows, None, draw_slots)
+                # A decode step's last rows are all of them: its drawing slots are the rows' (one list, one copy).
+                last_slots = draw_slots if plain_decode else [draw_slots[i] for i in last_rows]
+                batch.record(last_slots, tokens, last_rows, None, draw_slots)
         if self.drafter is not None:
             drafts = self.drafter.propose(streams, input_ids, index, work, starts.tolist(), slots.tolist(),
                                           draw_rows, tokens, v.kept if v is not None else None, graphed=graph_ok,
@@ -385,10 +397,9 @@ class ModelRunner:
         per sequence, whether only its last row's output is read (``StepIndex.last_row_only``); ``shift``:
         moves the index's positions on the device (a verify step in flight)."""
         index = build_slot_index(slots, first, lens, self.batch.tables, self.storage, self.window,
-                                 pin_memory=self.device.type == "cuda").to(self.device)
+                                 pin_memory=self.device.type == "cuda", last_row_only=last_row_only).to(self.device)
         if shift is not None:
             shift.apply(index)
-        index = dataclasses.replace(index, last_row_only=last_row_only)
         if any(emit_from):
             index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
         input_ids = to_device(ids, torch.int64, self.device)

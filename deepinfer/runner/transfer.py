@@ -13,13 +13,22 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float64: np.float64, torch.float32: np.float32,
+          torch.bool: np.bool_}
+
 
 def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
     """A 1-D tensor of ``values`` on ``device``, queued without a device sync (a plain tensor on the CPU)."""
     if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype) if not isinstance(values, np.ndarray) else \
-            torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        # A list through numpy: its conversion of Python numbers is ~3x faster than torch.tensor's (the same
+        # values; the CPU runner makes a few of these a step).
+        if isinstance(values, np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        as_numpy = _NUMPY.get(dtype)
+        if as_numpy is None:
+            return torch.tensor(values, dtype=dtype)
+        return torch.from_numpy(np.array(values, dtype=as_numpy))
     host = torch.empty(len(values), dtype=dtype, pin_memory=True)
     host.numpy()[:] = values
     return host.to(device, non_blocking=True)

@@ -118,6 +118,7 @@ class SeqWork:
         return len(self.token_ids) + self.num_placeholders
 
 
+@fast_init  # deepinfer/frozen_init.py (one a step)
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     work: tuple[SeqWork, ...] = ()

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from deepinfer.config.engine import SchedulerConfig
 from deepinfer.config.speculative import SpeculativeConfig
 from deepinfer.engine.sequence import Sequence, Status
+from deepinfer.frozen_init import fast_init
 from deepinfer.kv.manager import CacheManager, PrefixHit
 from deepinfer.kv.offload import TierLink
 from deepinfer.kv.prefix_hash import BlockHasher
@@ -64,6 +65,7 @@ from deepinfer.sched.evictions import PlanEvictions
 from deepinfer.sched.plan import JoinedSeq, PromptLogprobJob, SeqSampling, SeqWork, StepPlan, TableEdit
 
 
+@fast_init  # deepinfer/frozen_init.py (one a step)
 @dataclass(frozen=True, slots=True)
 class Schedule:
     plan: StepPlan
@@ -140,7 +142,7 @@ class Scheduler:
         # Without an MTP chain writing past the step a sequence's extent is its token count, and a decode
         # step's blocks usually cover it already: both checked inline (once per running sequence per step).
         plain = self.speculative is None or not self.speculative.writes_past_step
-        can_allocate = self.cache.can_allocate
+        covers, can_allocate = self.cache.covers, self.cache.can_allocate
         for seq, wanted in self._running_order():
             if budget == 0:
                 break
@@ -148,8 +150,10 @@ class Scheduler:
                 continue
             n = min(wanted, budget)
             extent = n if plain else self._extent(seq, n)
-            if can_allocate(seq.seq_id, extent) or self._make_room(seq, extent, planned, preempted):
-                work.append(self._take(seq, n))
+            # Covered (the usual decode step): nothing to check, and nothing for ``_take`` to allocate.
+            covered = covers(seq.seq_id, extent)
+            if covered or can_allocate(seq.seq_id, extent) or self._make_room(seq, extent, planned, preempted):
+                work.append(self._take(seq, n, covered))
                 planned.append(seq)
                 budget -= n
         evicted = PlanEvictions(self.cache, self.tiers)
@@ -306,6 +310,19 @@ class Scheduler:
 
     def _running_order(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens it wants): decodes first, then unfinished prefills."""
+        if self.speculative is None:
+            # ``_wanted`` inline (no drafts without speculation): this runs for every running sequence every step.
+            decodes, prefills = [], []
+            for s in self.running:
+                known, pending = len(s.token_ids), s.num_pending
+                if pending and known - s.num_prompt + pending >= s.max_output:
+                    continue  # its in-flight tokens reach its limit: it wants nothing
+                n = known + pending - s.num_computed
+                if n == 1:
+                    decodes.append((s, 1))
+                elif n:
+                    prefills.append((s, n))
+            return decodes + prefills
         wanted = [(s, self._wanted(s), s.num_tokens + s.num_pending - s.num_computed == 1) for s in self.running]
         return [(s, n) for s, n, decode in wanted if decode and n] + [(s, n) for s, n, decode in wanted
                                                                        if not decode and n]
@@ -315,15 +332,19 @@ class Scheduler:
         prompt = tuple(seq.token_ids[: seq.num_prompt]) if sampling.repetition_penalty != 1.0 else ()
         return JoinedSeq(seq.seq_id, sampling, seq.num_prompt, prompt, tuple(seq.output_ids))
 
-    def _take(self, seq: Sequence, n: int) -> SeqWork:
+    def _take(self, seq: Sequence, n: int, covered: bool = False) -> SeqWork:
+        """The sequence's work item for ``n`` new tokens, with its blocks allocated (``covered``: the caller found
+        them allocated already: the allocation is ``_extent(seq, n)`` positions)."""
         first, known = seq.num_computed, seq.num_tokens
         tokens = tuple(seq.token_ids[first : min(first + n, known)])
         emit_from = seq.emit_from if first < seq.emit_from else 0
         if self.speculative is None:
-            self.cache.allocate(seq.seq_id, n)
+            if not covered:
+                self.cache.allocate(seq.seq_id, n)
             samples = 1 if first + n == known + seq.num_pending else 0
-            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, self._prompt_job(seq, first, n),
-                           emit_from=emit_from)
+            job = None if seq.request.params.prompt_logprobs is None else self._prompt_job(seq, first, n)
+            # Every field in order (no keyword): built for every running sequence of every step.
+            return SeqWork(seq.seq_id, first, tokens, n - len(tokens), samples, job, (), 0, 0, -1, emit_from)
         if seq.num_pending:  # its step in flight drew every input: the last emitted token, then the drafts
             drafts, num_drafts = (), min(self._pending_drafts(seq), n - 1)
         else:
@@ -332,7 +353,8 @@ class Scheduler:
         samples = self._num_draws(seq, n)
         proposals = self._proposals(seq, n, samples)
         chain = max(0, proposals - 1) if self.speculative.writes_past_step else 0  # the MTP chain's rows
-        self.cache.allocate(seq.seq_id, n + chain)
+        if not covered:
+            self.cache.allocate(seq.seq_id, n + chain)  # n + chain == _extent(seq, n)
         nxt = -1 if samples else seq.token_ids[first + n]
         return SeqWork(seq.seq_id, first, tokens + drafts, n - len(tokens) - len(drafts), samples,
                        self._prompt_job(seq, first, n), num_drafts=num_drafts, num_proposals=proposals,
@@ -387,11 +409,18 @@ class Scheduler:
         """The planned tokens are computed (or queued on the device, which computes them in order): advance
         each sequence, settle its cache length, and count the tokens it draws as pending until applied."""
         prefix, commit = self.prefix, self.cache.commit
+        block_size = prefix.block_size if prefix is not None else 0
         for seq, w in zip(schedule.seqs, schedule.plan.work):
-            seq.num_computed += w.num_tokens
+            seq.num_computed += len(w.token_ids) + w.num_placeholders  # w.num_tokens, inline
             seq.num_pending += w.num_samples
             if w.num_samples:
                 seq.pending_drafts = w.num_proposals
             # Name the full blocks whose tokens are final (drafts and in-flight draws are not in token_ids).
-            hashes = () if prefix is None else self._chain(seq, min(seq.num_computed, len(seq.token_ids)))
+            if prefix is None:
+                hashes = ()
+            else:
+                hashes = seq.block_hashes
+                if min(seq.num_computed, len(seq.token_ids)) // block_size != len(hashes):
+                    # (Equal, the usual decode step: ``_chain`` would return the chain as it is.)
+                    hashes = self._chain(seq, min(seq.num_computed, len(seq.token_ids)))
             commit(seq.seq_id, seq.num_computed, hashes)

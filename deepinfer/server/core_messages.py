@@ -16,7 +16,7 @@ from typing import Any
 
 from deepinfer.server.commands import EngineRequest
 from deepinfer.server.engine_stats import EngineStats
-from deepinfer.server.output_wire import OutputDelta
+from deepinfer.server.output_wire import OutputDelta, PlainDelta, plain_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +89,19 @@ class CoreFailed:
 class StepOutputs:
     """One engine step's outputs, batched, and the engine's counters after it."""
 
-    outputs: tuple[OutputDelta, ...]
+    outputs: tuple[OutputDelta | PlainDelta, ...]
     stats: EngineStats
+
+    def __reduce__(self):
+        # PlainDeltas (most of a step's outputs) travel as tuples of their field values: pickle writes those in
+        # C, where an object costs the codec's reducer call on encoding and a rebuild on decoding.
+        outputs = tuple([plain_fields(d) if type(d) is PlainDelta else d for d in self.outputs])
+        return _step_outputs, (outputs, self.stats)
+
+
+def _step_outputs(outputs: tuple, stats: EngineStats) -> StepOutputs:
+    """A StepOutputs from its wire form (``StepOutputs.__reduce__``)."""
+    return StepOutputs(tuple([PlainDelta(*d) if type(d) is tuple else d for d in outputs]), stats)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from deepinfer.executor.codec import decode, encode
 from deepinfer.server.core_messages import (MESSAGES, Abort, Answer, CallEngine, CoreClosed, CoreDied, CoreFailed,
                                             CoreReady, Drain, RemoteError, Shutdown, StepOutputs, Submit)
 from deepinfer.server.engine_stats import EngineStats, snapshot
-from deepinfer.server.output_wire import DeltaBuilder, OutputDelta
+from deepinfer.server.output_wire import DeltaBuilder, OutputDelta, PlainDelta
 
 log = logging.getLogger("deepinfer.server")
 
@@ -146,7 +146,7 @@ class EngineCore:
             answer = Answer(message.call_id, error=RemoteError.of(e))
         return answer
 
-    def _send_step(self, outputs: list[OutputDelta]) -> None:
+    def _send_step(self, outputs: list[OutputDelta | PlainDelta]) -> None:
         deltas = []
         for out in outputs:
             if out.request_id not in self.known:

@@ -9,6 +9,7 @@ totals (``ServerMetrics.publish_*`` turn them into Prometheus increments).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,9 @@ class EngineStats:
     spec: SpecCounts | None = None  # None: no speculative decoding
 
 
+_request_of = operator.attrgetter("request")
+
+
 def snapshot(engine) -> EngineStats:
     """``engine``'s counters now (an ``LLMEngine``; the parallel one reports DP rank 0's scheduler, and every
     rank's cache tiers as their last step's results carried them: ``executor/rank_tiers.py``)."""
@@ -66,8 +70,9 @@ def snapshot(engine) -> EngineStats:
     if s is not None and s.num_speculative_tokens:
         spec = SpecCounts(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))
     return EngineStats(
-        running=len({s.request.request_id for s in sched.running}),
-        waiting=len({s.request.request_id for s in sched.waiting}),
+        # Distinct request objects (identity-hashed, one per live request id), gathered in C: read every step.
+        running=len(set(map(_request_of, sched.running))),
+        waiting=len(set(map(_request_of, sched.waiting))),
         cache_usage=dict(cache.usage()), prefix=prefix, tiers=tiers, spec=spec)
 
 

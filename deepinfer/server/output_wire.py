@@ -13,10 +13,11 @@ again was a third of the per-token host work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, fields
 
 from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from deepinfer.engine.sequence import RequestState
+from deepinfer.engine.sequence import RequestState, Status
 from deepinfer.frozen_init import fast_init
 
 
@@ -47,6 +48,32 @@ class OutputDelta:
     prompt_token_ids: tuple[int, ...] | None = None
 
 
+@fast_init  # built per request per step: deepinfer/frozen_init.py
+@dataclass(frozen=True, slots=True)
+class PlainDelta:
+    """``OutputDelta`` of a one-sample request without logprobs after its first message (the common case):
+    the sample's fields inline, one object to build, encode and decode per request and step instead of two.
+    Its ``OutputDelta``: index 0, no logprobs or prompt logprobs, the engine's deltas equal to what is
+    appended (``full``)."""
+
+    request_id: str
+    text: str  # appended to the text (and the engine's text delta)
+    token_ids: tuple[int, ...]  # appended to the token ids (and the engine's token-id delta)
+    finish_reason: str | None
+    stop_reason: str | int | None
+    finished: bool
+    num_cached_tokens: int
+
+    def full(self) -> OutputDelta:
+        return OutputDelta(self.request_id, (SampleDelta(0, self.text, self.token_ids, None, self.finish_reason,
+                                                         self.stop_reason, None, self.text, self.token_ids),),
+                           self.finished, self.num_cached_tokens, None)
+
+
+# A PlainDelta's field values as a plain tuple (``PlainDelta(*values)`` rebuilds it): its wire form.
+plain_fields = operator.attrgetter(*(f.name for f in fields(PlainDelta)))
+
+
 class DeltaBuilder:
     """The core side, from the engine's own request state: what each sample gained since the previous call
     for its request. Installed as the engine's output builder (``engine.build_output``), so it is called
@@ -65,6 +92,8 @@ class DeltaBuilder:
         if first:
             state = self._sent[rid] = [0, [0] * len(req.seqs)]
         with_lp = req.params.logprobs is not None
+        if len(req.seqs) == 1 and not with_lp and req.prompt_logprobs is None:
+            return self._build_plain(req, first)
         samples = []
         for k, s in enumerate(req.seqs):
             text, ids, start = s.text, s.token_ids, s.num_prompt + s.emitted_tokens
@@ -89,6 +118,27 @@ class DeltaBuilder:
                            req.prompt if first else None, tuple(req.prompt_token_ids) if first else None)
 
 
+    def _build_plain(self, req: RequestState, first: bool) -> OutputDelta | PlainDelta:
+        """``build`` of a request with one sample and no logprobs (the common case), what the loop above
+        gives for it without the per-sample bookkeeping: it runs for every request of every step. After the
+        first message (which carries the prompt) a ``PlainDelta``."""
+        s = req.seqs[0]
+        text, ids, num_prompt = s.text, s.token_ids, s.num_prompt
+        new_text = text[s.emitted_text:]
+        new_ids = tuple(ids[num_prompt + s.emitted_tokens:])
+        s.emitted_text, s.emitted_tokens = len(text), len(ids) - num_prompt
+        finished = s.status is Status.FINISHED
+        if finished:
+            del self._sent[req.request_id]
+        if not first and s.index == 0:
+            return PlainDelta(req.request_id, new_text, new_ids, s.finish_reason, s.stop_reason, finished,
+                              req.num_cached_tokens or 0)
+        return OutputDelta(req.request_id, (SampleDelta(s.index, new_text, new_ids, None, s.finish_reason,
+                                                        s.stop_reason, None, new_text, new_ids),),
+                           finished, req.num_cached_tokens or 0, None, req.prompt if first else None,
+                           tuple(req.prompt_token_ids) if first else None)
+
+
 @dataclass
 class _Request:
     prompt: str | None
@@ -105,7 +155,9 @@ class OutputAssembler:
     def __init__(self) -> None:
         self._requests: dict[str, _Request] = {}
 
-    def assemble(self, d: OutputDelta) -> RequestOutput:
+    def assemble(self, d: OutputDelta | PlainDelta) -> RequestOutput:
+        if type(d) is PlainDelta:
+            return self._assemble_plain(d)
         r = self._requests.get(d.request_id)
         if r is None:
             assert d.prompt_token_ids is not None, f"{d.request_id}: the first delta carries the prompt"
@@ -133,6 +185,16 @@ class OutputAssembler:
             None if d.prompt_logprobs is None else tuple(r.prompt_logprobs),
             tuple([s.delta_text for s in d.samples]), tuple([s.delta_token_ids for s in d.samples]),
             d.num_cached_tokens)
+
+    def _assemble_plain(self, d: PlainDelta) -> RequestOutput:
+        """``assemble(d.full())``, without building the full delta (the server's path for most messages)."""
+        rid = d.request_id
+        r = self._requests[rid] if not d.finished else self._requests.pop(rid)  # a first message came before
+        text = r.texts[0] = r.texts[0] + d.text
+        ids = r.token_ids[0] = r.token_ids[0] + d.token_ids
+        out = CompletionOutput(0, text, ids, d.finish_reason, d.stop_reason, None, None)
+        return RequestOutput(rid, r.prompt, r.prompt_token_ids, (out,), d.finished, None, (d.text,), (d.token_ids,),
+                             d.num_cached_tokens)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -161,7 +161,7 @@ def test_parallel_speculative_structured_equals_plain(structured_plain, parallel
         apply = engine._apply
 
         def observed(schedule, handle):
-            sampled = {s.seq_id: s for s in handle.result().sampled}
+            sampled = {s.seq_id: s for s in handle.result().samples()}
             for w in schedule.plan.work:
                 if w.grammar_masks and w.num_drafts:
                     verified.append((w.num_drafts, len(w.grammar_masks), len(sampled[w.seq_id].token_ids) - 1))

@@ -12,7 +12,7 @@ import torch
 from deepinfer.executor import codec
 from deepinfer.server.core_messages import MESSAGES, StepOutputs
 from deepinfer.server.engine_stats import EngineStats
-from deepinfer.server.output_wire import OutputDelta, SampleDelta
+from deepinfer.server.output_wire import OutputDelta, PlainDelta, SampleDelta
 
 
 def _step() -> StepOutputs:
@@ -29,6 +29,19 @@ def test_step_outputs_round_trip_equal_and_shared() -> None:
     assert back.outputs[0] is back.outputs[1]  # pickle's memo still shares repeated objects
     with pytest.raises(Exception):  # frozen stays frozen
         back.outputs[0].finished = True
+
+
+def test_plain_deltas_round_trip_in_order() -> None:
+    # PlainDeltas cross as tuples of their fields (StepOutputs.__reduce__), among full deltas, in order.
+    first = _step().outputs[0]
+    plain = [PlainDelta(f"r-{i}", "x" * i, tuple(range(i)), "length" if i == 2 else None, None, i == 2, i)
+             for i in range(3)]
+    msg = StepOutputs((plain[0], first, plain[1], plain[2]), _step().stats)
+    data = codec.encode(msg, MESSAGES)
+    back = codec.decode(data, MESSAGES)
+    assert back == msg and [type(d) for d in back.outputs] == [PlainDelta, OutputDelta, PlainDelta, PlainDelta]
+    assert b"PlainDelta" not in data  # no class reference: plain tuples
+    assert codec.decode(codec.encode(StepOutputs((), msg.stats), MESSAGES), MESSAGES).outputs == ()
 
 
 @dataclass

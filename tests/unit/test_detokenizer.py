@@ -117,6 +117,63 @@ def test_random_token_soup_matches_full_decode(tok: Tokenizer) -> None:
         assert joined(updates, final) == _reference(tok.decode(ids, skip_special_tokens=skip), stops)
 
 
+def test_step_token_equals_step_without_stop_strings(tok: Tokenizer) -> None:
+    # The engine's per-token path (no update object) against step((token,)): the same deltas, the same text,
+    # the same flush at finish, for random soups with split characters and special tokens.
+    rng = random.Random(1)
+    vocab = tok.get_vocab_size()
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        skip = rng.random() < 0.5
+        a, b = IncrementalDetokenizer(tok, prompt, skip), IncrementalDetokenizer(tok, prompt, skip)
+        assert not a.has_stops
+        for t in ids:
+            assert a.step_token(t) == b.step((t,)).text_delta
+            assert a.output_text == b.output_text and a.num_output_tokens == b.num_output_tokens
+        assert a.finish() == b.finish()
+    with pytest.raises(RuntimeError):
+        IncrementalDetokenizer(tok, [], True, ("a",)).step_token(5)
+    with pytest.raises(RuntimeError):
+        a.step_token(5)  # after finish()
+
+
+def test_concatenating_decoder_path_equals_window_decoding() -> None:
+    # The demo tokenizer decodes by concatenation (byte-level): the detokenizer then decodes each token alone.
+    # Against the same tokenizer with that path off: the same deltas, step for step, and the same flush, for
+    # soups rich in split characters (single ids that decode to U+FFFD), special ids, skipped or not.
+    from deepinfer.tokenizer import Tokenizer as EngineTokenizer
+
+    fast, slow = EngineTokenizer(), EngineTokenizer()
+    slow.decodes_by_concatenation = False
+    assert fast.decodes_by_concatenation
+    vocab = fast.vocab_size
+    partial = [i for i in range(vocab) if "\ufffd" in fast.decode([i])]
+    assert len(partial) > 50
+    rng = random.Random(2)
+    for _ in range(300):
+        pick = lambda: rng.choice([rng.randrange(vocab), rng.choice(partial), rng.randrange(17)])  # noqa: E731
+        ids = [pick() for _ in range(rng.randrange(1, 30))]
+        prompt = [pick() for _ in range(rng.randrange(0, 8))]
+        skip, stops = rng.random() < 0.5, rng.choice([(), (), ("e",), ("\ufffd",)])
+        a, b = IncrementalDetokenizer(fast, prompt, skip, stops), IncrementalDetokenizer(slow, prompt, skip, stops)
+        c = IncrementalDetokenizer(fast, prompt, skip) if not stops else None  # the engine's per-token path
+        for t in ids:
+            update = b.step((t,))
+            assert a.step((t,)) == update
+            if c is not None:
+                assert c.step_token(t) == update.text_delta
+        final = b.finish()
+        assert a.finish() == final
+        if c is not None:
+            assert c.finish() == final
+        # The property itself, on runs without U+FFFD.
+        x, y = ids[: len(ids) // 2], ids[len(ids) // 2 :]
+        tx, ty = fast.decode(x, skip_special_tokens=skip), fast.decode(y, skip_special_tokens=skip)
+        if "\ufffd" not in tx + ty:
+            assert fast.backend.decode(x + y, skip_special_tokens=skip) == tx + ty
+
+
 def test_prompt_ending_inside_a_character(tok: Tokenizer) -> None:
     smile = byte_ids(tok, "🙂")
     detok = IncrementalDetokenizer(tok, [*tok.encode("x").ids, *smile[:2]], True, ())

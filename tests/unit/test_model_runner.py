@@ -47,7 +47,7 @@ class Harness:
             self.cache.commit(w.seq_id, self.lengths[w.seq_id])
         edits = tuple(TableEdit(*e) for e in self.cache.drain_edits())
         result = self.runner.submit(StepPlan(tuple(work), joined, (), edits)).result()
-        return {s.seq_id: s for s in result.sampled}
+        return {s.seq_id: s for s in result.samples()}
 
 
 def _join(seq_id: str, params: SamplingParams, seed: int = 5) -> JoinedSeq:

@@ -35,6 +35,9 @@ class FakeCache:
         have = len(self.tables.get(rid, ()))
         return max(0, -(-(self.lengths.get(rid, 0) + n) // BS) - have)
 
+    def covers(self, rid: str, n: int) -> bool:
+        return rid in self.tables and self._need(rid, n) == 0
+
     def can_allocate(self, rid: str, n: int) -> bool:
         return self._need(rid, n) <= len(self.free_ids)
 

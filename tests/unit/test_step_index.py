@@ -209,6 +209,7 @@ def test_flat_index_matches_the_plain_build_on_random_batches() -> None:
         # One buffer, each tensor as aligned (512 bytes) as a separate allocation would be.
         assert len({getattr(got, n).untyped_storage().data_ptr() for n in want if n != "span"}) == 1
         assert all(getattr(got, n).storage_offset() % 64 == 0 for n in want if n != "span")
+        assert got.to("cpu") is got  # already there: nothing to copy or re-view
         for index in (got, got.to("cpu")):
             _assert_same(want, {n: getattr(index, n) for n in want if n != "span"})
         moved = got.to("meta")  # one copy of the shared buffer, re-viewed: same shapes and strides

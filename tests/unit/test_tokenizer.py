@@ -172,6 +172,18 @@ def test_decode_skips_special_tokens(tok):
     assert tok.decode([0, 1, 2]) == ""
 
 
+def test_single_id_decodes_match_the_backend(tok):
+    # Single ids are served from a cache after their first decode: the same text as the backend gives, per
+    # skip_special_tokens value, on the first and on later calls (special ids decode differently per value).
+    ids = [0, 1, 5, 6, *range(17, 4096, 37)]
+    for _ in range(2):
+        for skip in (True, False):
+            for i in ids:
+                assert tok.decode([i], skip_special_tokens=skip) == tok.backend.decode([i], skip_special_tokens=skip)
+    assert tok.decode((7,)) == tok.backend.decode([7])  # any iterable
+    assert tok.decode([5, 300]) == tok.backend.decode([5, 300])
+
+
 def test_code_compresses(tok):
     code = "def main():\n    for i in range(10):\n        print(i)\n    return None\n"
     assert len(code.encode()) / len(tok.encode(code)) > 2.5
