@@ -51,9 +51,9 @@ class EngineArgs:
     seed: int = 0
     load_progress: bool = True
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launches its kernels from Python)
-    # Plan and submit step N+1 before reading step N's tokens (the same tokens). None: on where it pays and
-    # is supported (``auto_async_scheduling``), else False / True as asked.
-    async_scheduling: bool | None = None
+    # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
+    # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
+    async_scheduling: bool = False
     # Prefix caching (kv/manager.py, kv/prefix_hits.py): hits at every block boundary whose window/state tails are retained.
     enable_prefix_caching: bool = True
     # The cache tiers below the device pools (sizes in GiB, like cache_memory_gb; kv/offload.py): evicted
@@ -228,10 +228,7 @@ class EngineConfig:
             seed=args.seed,
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
-            async_scheduling=(auto_async_scheduling(device, speculative, parallel,
-                                                    bool(args.kv_host_cache_gb or args.kv_cache_dir is not None))
-                              if args.async_scheduling is None else _check_bool("async_scheduling",
-                                                                                 args.async_scheduling)),
+            async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
             parallel=parallel,
             load_format=args.load_format,
             speculative=speculative,
@@ -292,19 +289,6 @@ def _resolve_dtype(name: str, device: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype: {name!r} is not supported; allowed: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-def auto_async_scheduling(device: str, speculative: SpeculativeConfig | None, parallel: ParallelConfig,
-                          tiers: bool) -> bool:
-    """``async_scheduling=None``: whether the engine overlaps planning with the device's step. On a CUDA device,
-    where the host's work per step (planning, inputs, applying tokens, outputs) runs while the device computes
-    the step before (the same tokens as the synchronous loop, tested); bench/results/serve_demo.md measures it
-    against the synchronous loop. Off on the CPU, where host and "device" are one thread and nothing overlaps;
-    off with speculation (it has not yet measured faster there: bench/results/spec_decode_cuda.md), with
-    context parallelism and with cache tiers on several ranks (not supported: an explicit True is refused)."""
-    if device != "cuda" or speculative is not None or parallel.context_parallel_size > 1:
-        return False
-    return parallel.is_single or not tiers
 
 
 def _check_bool(name: str, value: object) -> bool:
