@@ -36,7 +36,7 @@ for loop in $LOOPS; do
   for in_len in $INPUTS; do
     for c in $CONCURRENCY; do
       # Enough prompts for the steady state: two rounds of the concurrency measured mostly the opening burst
-      # (all prompts arriving at once, one big prefill) and moved by up to 30% between identical servers.
+      # (all prompts arriving at once, one big prefill).
       n=$(( c == 1 ? 16 : (8 * c < 256 ? 256 : (8 * c > 1024 ? 1024 : 8 * c)) ))
       python3 -m deepinfer.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --dataset-name random \
         --random-input-len "$in_len" --random-output-len 128 --random-range-ratio 0 --num-prompts "$n" \
