@@ -2,7 +2,7 @@
 dummy layers of a model's shapes.
 
     python bench/engine_loop.py [--device cuda] [--batches 1 64 256] [--tokens 128] [--profile-batch 64]
-                                [--model deepinfer/assets/shapes/v4-flash --layers 12]
+                                [--model deepinfer/assets/shapes/v4-flash --layers 12 --cache-gb 12]
 
 For each batch size B and each loop (sync, async) in one process: B greedy requests with short prompts,
 each generating --tokens tokens (ignore_eos), timed after the first (prefill) step, the faster of
@@ -60,7 +60,7 @@ def _engine(a: argparse.Namespace, batch: int, async_scheduling: bool) -> LLMEng
     return LLMEngine.from_engine_args(device=a.device, load_progress=False, block_size=128 if not a.model else 256,
                                       max_num_seqs=max(batch, 1), max_num_batched_tokens=8192, max_model_len=4096,
                                       async_scheduling=async_scheduling,
-                                      **({"cache_memory_gb": 4.0} if a.device == "cuda" else {}), **shapes)
+                                      **({"cache_memory_gb": a.cache_gb} if a.device == "cuda" else {}), **shapes)
 
 
 def _submit(engine: LLMEngine, batch: int, tokens: int) -> None:
@@ -143,6 +143,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is reported")
     p.add_argument("--model", default=None, help="a config.json directory: dummy layers of its shapes")
     p.add_argument("--layers", type=int, default=4, help="with --model: how many of its layers")
+    p.add_argument("--cache-gb", type=float, default=4.0, help="CUDA cache budget (V4-Flash-shaped layers at batch "
+                   "64 need ~8: their window and state pools alone take 5.7 GB for 12 layers)")
     p.add_argument("--commit", default=None, help="commit to record (a copied checkout may carry stale git metadata)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = p.parse_args()
