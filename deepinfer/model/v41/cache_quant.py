@@ -56,23 +56,31 @@ def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(x.new_tensor(_E2M1_LEVELS)[_e2m1_code(x)], x)
 
 
-def qdq(values: torch.Tensor, fmt: CacheFormat) -> torch.Tensor:
-    """[..., C] -> the same values after one quantize-dequantize round trip, in values' dtype. A partial last
-    group (tiny test configs) is zero-padded, which does not change its amax."""
+def _scaled_groups(values: torch.Tensor, fmt: CacheFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., C] -> (the groups divided by their scale and clamped to the format's range [..., G, block] fp32,
+    the fp32 scales [..., G, 1], the scales as stored [..., G, 1]: e4m3 for nvfp4, else the power-of-two fp32
+    value). A partial last group (tiny test configs) is zero-padded, which does not change its amax. One place
+    for ``qdq`` and ``quantize``, so the packed rows and the rounded ones can never disagree."""
     block = BLOCK[fmt]
-    channels = values.shape[-1]
-    groups = F.pad(values.float(), (0, -channels % block)).unflatten(-1, (-1, block))
+    groups = F.pad(values.float(), (0, -values.shape[-1] % block)).unflatten(-1, (-1, block))
     amax = groups.abs().amax(-1, keepdim=True)
     if fmt == "fp8":
-        scale = pow2_ceil(amax.clamp_min(1e-4) * (1 / 448))
-        rounded = (groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        scale = stored = pow2_ceil(amax.clamp_min(1e-4) * (1 / 448))
+        limit = 448.0
+    elif fmt == "nvfp4":
+        stored = (amax.clamp_min(6 * 2**-9) / 6).to(torch.float8_e4m3fn)
+        scale, limit = stored.float(), 6.0
     else:
-        if fmt == "nvfp4":
-            scale = (amax.clamp_min(6 * 2**-9) / 6).to(torch.float8_e4m3fn).float()
-        else:
-            scale = pow2_ceil(amax.clamp_min(6 * 2**-126) * (1 / 6))
-        rounded = _round_e2m1((groups / scale).clamp(-6, 6))
-    return (rounded * scale).flatten(-2)[..., :channels].to(values.dtype)
+        scale = stored = pow2_ceil(amax.clamp_min(6 * 2**-126) * (1 / 6))
+        limit = 6.0
+    return (groups / scale).clamp(-limit, limit), scale, stored
+
+
+def qdq(values: torch.Tensor, fmt: CacheFormat) -> torch.Tensor:
+    """[..., C] -> the same values after one quantize-dequantize round trip, in values' dtype."""
+    normalized, scale, _ = _scaled_groups(values, fmt)
+    rounded = normalized.to(torch.float8_e4m3fn).float() if fmt == "fp8" else _round_e2m1(normalized)
+    return (rounded * scale).flatten(-2)[..., :values.shape[-1]].to(values.dtype)
 
 
 def _exponent_byte(scale: torch.Tensor) -> torch.Tensor:
@@ -97,22 +105,13 @@ def quantize(values: torch.Tensor, fmt: CacheFormat) -> torch.Tensor:
     """[..., C] -> the packed rows [..., PACKED[fmt].row_bytes(C)] uint8: every channel's code (e4m3 bits, or
     sign | e2m1 magnitude nibbles two per byte, the even channel low), then every group's scale byte (UE8M0
     exponent, or e4m3 bits for nvfp4). Codes and scales are ``qdq``'s, computed the same way."""
-    block = BLOCK[fmt]
     channels = values.shape[-1]
-    groups = F.pad(values.float(), (0, -channels % block)).unflatten(-1, (-1, block))
-    amax = groups.abs().amax(-1, keepdim=True)
+    normalized, _, stored = _scaled_groups(values, fmt)
     if fmt == "fp8":
-        scale = pow2_ceil(amax.clamp_min(1e-4) * (1 / 448))
-        codes = (groups / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)
-        codes, scales = codes[..., :channels], _exponent_byte(scale)
+        codes = normalized.to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)[..., :channels]
+        scales = _exponent_byte(stored)
     else:
-        if fmt == "nvfp4":
-            e4m3 = (amax.clamp_min(6 * 2**-9) / 6).to(torch.float8_e4m3fn)
-            scale, scales = e4m3.float(), e4m3.view(torch.uint8)
-        else:
-            scale = pow2_ceil(amax.clamp_min(6 * 2**-126) * (1 / 6))
-            scales = _exponent_byte(scale)
-        normalized = (groups / scale).clamp(-6, 6)
+        scales = stored.view(torch.uint8) if fmt == "nvfp4" else _exponent_byte(stored)
         nibbles = (_e2m1_code(normalized) | (torch.signbit(normalized).long() << 3)).to(torch.uint8)
         nibbles = F.pad(nibbles.flatten(-2)[..., :channels], (0, channels % 2))  # an odd width's last byte
         codes = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
