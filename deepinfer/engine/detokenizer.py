@@ -142,17 +142,6 @@ class IncrementalDetokenizer:
         if self._finished or self.has_stops:
             raise RuntimeError("IncrementalDetokenizer.step_token() called after finish() or with stop strings")
         self._num_output += 1
-        ids = self._ids
-        if self._concat and self._read == len(ids):
-            # ``_decode_next``'s first path, inline (one call less per token): a cached token after a clean window.
-            tail = self._singles.get(token_id)
-            if tail is not None and REPLACEMENT_CHAR not in tail and REPLACEMENT_CHAR not in self._prefix_text:
-                ids.append(token_id)
-                if tail:
-                    self._prefix, self._read, self._prefix_text = self._read, len(ids), tail
-                    self._text += tail
-                    self._scanned = self._released = len(self._text)
-                return tail
         delta = self._decode_next(token_id)
         if delta:  # everything decoded is released at once (as ``step``'s path without stop strings does)
             self._text += delta
