@@ -30,7 +30,7 @@ from deepinfer.config.engine import EngineArgs, EngineConfig
 from deepinfer.engine.sequence import RequestState, Sequence, Status
 from deepinfer.engine.sizing import build_prefix_hasher, cache_layout, pool_blocks
 from deepinfer.kv.manager import CacheManager
-from deepinfer.kv.offload import TierLink
+from deepinfer.kv.offload import TierLink, move_blocks
 from deepinfer.kv.spec import WINDOW, CacheLayout
 from deepinfer.kv.storage import KVStorage
 from deepinfer.sampling import SamplingParams
@@ -90,12 +90,7 @@ class SchedOnly:
         s = self.scheduler.schedule()
         if s.unschedulable:
             raise RuntimeError(f"{len(s.unschedulable)} sequences fit in no cache of these pools")
-        if self.tiers is not None:
-            self.tiers.save(list(s.saves))
-        for pool, src, dst in s.copies:
-            self.storage.copy_block(pool, src, dst)
-        if self.tiers is not None:
-            self.tiers.load(list(s.loads))
+        move_blocks(self.storage, self.tiers, list(s.saves), s.copies, list(s.loads))
         self.scheduler.commit(s)
         done = []
         for seq, w in zip(s.seqs, s.plan.work):

@@ -41,7 +41,7 @@ from deepinfer.engine.sequence import RequestState, Status
 from deepinfer.engine.sizing import build_cache, build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.block_budget import cdiv
-from deepinfer.kv.offload import TierLink
+from deepinfer.kv.offload import TierLink, move_blocks
 from deepinfer.model.loader import load_model
 from deepinfer.model.device import use_op_table
 from deepinfer.ops.table import REF
@@ -196,16 +196,7 @@ class LLMEngine:
         for seq in schedule.unschedulable:
             finish(seq, "length")
         touched |= {seq.request.request_id for seq in schedule.unschedulable}
-        # Before the step overwrites evicted blocks and reads copied or loaded ones; in this order, since a
-        # block evicted by this plan may be a copy's source or a load's destination. On a device both only
-        # queue work: saves gather the blocks on the compute stream and copy them to host memory on a
-        # stream of their own (the host never waits for them here), loads are queued before the step.
-        if self.tiers is not None:
-            self.tiers.save(list(schedule.saves))
-        for pool, src, dst in schedule.copies:
-            self.storage.copy_block(pool, src, dst)
-        if self.tiers is not None:
-            self.tiers.load(list(schedule.loads))
+        move_blocks(self.storage, self.tiers, list(schedule.saves), schedule.copies, list(schedule.loads))
         grammar = _StepGrammar(self, schedule, late)
         # An empty plan still carries departures; grammar masks are computed once the forward is launched.
         handle = self.runner.submit(schedule.plan, grammar.masks if grammar.needed else None)

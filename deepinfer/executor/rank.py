@@ -22,6 +22,7 @@ from deepinfer.executor.messages import (CollectContextHistory, CollectExpertLoa
 from deepinfer.executor.rank_tiers import RankTiers
 from deepinfer.executor.tier_messages import TIER_ORDERS
 from deepinfer.kv.block_budget import cdiv
+from deepinfer.kv.offload import move_blocks
 from deepinfer.model.device import use_op_table
 from deepinfer.model.loader import load_model
 from deepinfer.model.parallel.context import ContextShare
@@ -92,12 +93,8 @@ class RankWorker:
             self.balancer.advance()
         plan = order.plans[self.pctx.dp_rank]
         tier_work = order.tiers[self.pctx.dp_rank] if order.tiers else None
-        if tier_work is not None:  # saves first: a block this plan evicts may be a copy's source
-            self.tiers.save(tier_work)
-        for pool, src, dst in order.copies[self.pctx.dp_rank] if order.copies else ():
-            self.storage.copy_block(pool, src, dst)
-        if tier_work is not None:
-            self.tiers.load(tier_work)
+        copies = order.copies[self.pctx.dp_rank] if order.copies else ()
+        move_blocks(self.storage, self.tiers if tier_work is not None else None, tier_work, copies, tier_work)
         if self.cp_history is not None:
             self.cp_history.retire(order.plans)
         share = self._share(order)

@@ -94,6 +94,21 @@ class CopyStream:
         return start.elapsed_time(end) / 1e3
 
 
+def move_blocks(storage: KVStorage, tiers, saves, copies, loads) -> None:
+    """A step's block moves, before the step overwrites evicted blocks and reads copied or loaded ones: the
+    tier saves (``tiers``: a ``TierLink`` or a rank's tiers, None without tiers), the private copies, then the
+    tier loads -- in this order, since a block evicted by the plan may be a copy's source or a load's
+    destination. On a device each only queues work: saves gather the blocks on the compute stream and copy
+    them to host memory on a stream of their own (the host never waits for them here), loads are queued
+    before the step."""
+    if tiers is not None:
+        tiers.save(saves)
+    for pool, src, dst in copies:
+        storage.copy_block(pool, src, dst)
+    if tiers is not None:
+        tiers.load(loads)
+
+
 class TierLink:
     def __init__(self, store: TieredStore, storage: KVStorage, replay: bool = False,
                  staging_bytes: int = MIN_STAGING_BYTES, copier: CopyStream | None = None) -> None:
