@@ -137,9 +137,13 @@ class InputBatch:
             return _shifted(dataclasses.replace(last[3], positions=to_device(positions, torch.int64, dev),
                                                 masked=masked), shift)
         rows = [self.sampling[s] for s in slots]
-        # Slots and positions travel in one copy: [slots | positions].
-        both = to_device([*slots, *positions], torch.int64, dev)
-        idx, pos = both[: len(slots)], both[len(slots) :]
+        # Slots and positions travel in one copy: [slots | pad | positions]. The pad keeps ``positions`` on a 16-byte
+        # boundary whatever the batch's parity: Triton specializes a kernel on its pointers' alignment, and an odd
+        # batch would otherwise compile a second variant of the draw kernel in the middle of serving.
+        n = len(slots)
+        pad = n % 2
+        both = to_device([*slots, *(0,) * pad, *positions], torch.int64, dev)
+        idx, pos = both[:n], both[n + pad :]
         f, i = self._f[idx], self._i[idx]
         drawing = [b for b, r in enumerate(rows) if r.temperature >= GREEDY_TEMPERATURE_EPS]
         draw_rows = [rows[b] for b in drawing]

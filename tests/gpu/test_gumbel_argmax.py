@@ -54,3 +54,30 @@ def test_one_allowed_token_is_drawn_wherever_it_lies(device: str) -> None:
     seeds = torch.arange(4, dtype=torch.int64, device=device)
     positions = torch.zeros(4, dtype=torch.int64, device=device)
     assert gumbel_argmax(scores, seeds, positions).tolist() == [0, 1999, 2048, 4999]
+
+
+def _variants(fn, device: str) -> int:
+    """Compiled variants of a Triton kernel on ``device`` (Triton >= 3.2 keeps them in ``device_caches``)."""
+    caches = getattr(fn, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no per-device kernel cache to count")
+    return len(caches[torch.device(device).index or 0][0])
+
+
+def test_unaligned_inputs_compile_no_second_variant(device: str) -> None:
+    """Rows' seeds and positions often arrive as slices of one packed copy; at an odd int64 offset their pointers
+    are not 16-byte aligned, which Triton would compile another kernel variant for (mid-serving, ~1 s)."""
+    if device != "cuda":
+        pytest.skip("counts compiled CUDA variants")
+    from deepinfer.ops.triton import gumbel_argmax as ga
+
+    rows, vocab = 4, 4097
+    scores, seeds, positions = _case(device, rows, vocab, 11, 1.0)
+    want = rng.gumbel_argmax(scores, seeds, positions)
+    assert torch.equal(ga.gumbel_argmax(scores, seeds, positions), want)
+    before = _variants(ga._slices, device)
+    packed = torch.cat([positions[:1], seeds, positions])  # seeds at byte 8, positions at byte 40: both unaligned
+    odd_seeds, odd_positions = packed[1 : 1 + rows], packed[1 + rows :]
+    assert odd_seeds.data_ptr() % 16 and odd_positions.data_ptr() % 16
+    assert torch.equal(ga.gumbel_argmax(scores, odd_seeds, odd_positions), want)
+    assert _variants(ga._slices, device) == before

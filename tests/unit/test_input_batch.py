@@ -145,3 +145,18 @@ def test_sampler_inputs_reused_across_steps_follow_positions_and_slot_changes() 
         assert (got.masked is None) == (want.masked is None), step
         if want.masked is not None:
             assert all(torch.equal(a, b) for a, b in zip(got.masked, want.masked)), step
+
+
+def test_draw_positions_start_on_a_16_byte_boundary_of_their_copy() -> None:
+    """Slots and positions share one host-to-device copy; the positions a draw kernel reads must start 16 bytes
+    into it at any batch parity (Triton compiles a kernel variant per pointer alignment)."""
+    batch = InputBatch(num_slots=8, max_blocks=2, vocab_size=VOCAB, device="cpu")
+    batch.apply(StepPlan(joined=tuple(JoinedSeq(f"s{i}", SeqSampling.of(PARAMS[1], 100 + i, EOS), 3, (), ())
+                                      for i in range(5))))
+    for n in (1, 2, 3, 5):
+        slots = [batch.slot_of[f"s{i}"] for i in range(n)]
+        positions = [10 + i for i in range(n)]
+        batch._last_inputs = None  # the gathering path, not the reused inputs of the last step
+        t = batch.sampling_tensors(slots, positions)
+        assert t.positions.tolist() == positions
+        assert (t.positions.data_ptr() - t.positions.untyped_storage().data_ptr()) % 16 == 0, n

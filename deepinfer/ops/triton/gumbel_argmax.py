@@ -98,6 +98,13 @@ def _reduce(best_ptr, index_ptr, out_ptr, num_slices, SLICES: tl.constexpr):
     tl.store(out_ptr + row, tl.min(tl.where(best == top, where, 2**31 - 1), axis=0).to(tl.int64))
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and starting on a 16-byte boundary (a copy only when it is not). Triton compiles one variant
+    of a kernel per alignment of its pointers: a slice at an odd int64 offset would compile another one while the
+    engine serves (about a second of a stalled step loop)."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: Salt = 0) -> torch.Tensor:
     """``sampling.rng.gumbel_argmax`` on the device: [B] int64 tokens, the reference's to the bit."""
     if scores.dim() != 2 or scores.shape[0] != seeds.shape[0]:
@@ -114,7 +121,7 @@ def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     num_slices = triton.cdiv(vocab, per_slice)
     best = torch.empty(rows, num_slices, dtype=torch.float64, device=scores.device)
     index = torch.empty(rows, num_slices, dtype=torch.int32, device=scores.device)
-    _slices[(rows, num_slices)](scores, scores.stride(0), seeds.contiguous(), positions.contiguous(), salts.contiguous(),
+    _slices[(rows, num_slices)](scores, scores.stride(0), _aligned(seeds), _aligned(positions), _aligned(salts),
                                 best, index, vocab, per_slice, num_slices, BLOCK=BLOCK)
     # SLICES bounds every batch's slice count for this vocabulary: one variant per vocabulary size.
     _reduce[(rows,)](best, index, out, num_slices, SLICES=triton.next_power_of_2(min(blocks, TARGET_PROGRAMS)))
