@@ -178,7 +178,8 @@ def main() -> None:
     what = f"{Path(a.model).name}-shaped dummy layers x {a.layers}" if a.model else "demo model"
     lines = [f"# Engine loop, sync vs async scheduling ({what}, {a.device})\n", f"{meta}\n",
              f"`python bench/engine_loop.py --device {a.device} --batches {' '.join(map(str, a.batches))} "
-             f"--tokens {a.tokens}" + (f" --model {a.model} --layers {a.layers}" if a.model else "")
+             f"--tokens {a.tokens} --repeats {a.repeats}"
+             + (f" --model {a.model} --layers {a.layers} --cache-gb {a.cache_gb}" if a.model else "")
              + (f" --profile-batch {a.profile_batch}`\n" if a.profile_batch else "`\n"),
              f"| batch | loop | tok/s | async / sync | step ms | {wait} ms | host ms |", "|---|---|---|---|---|---|---|"]
     for r in rows:
