@@ -88,8 +88,8 @@ def checkpoint(path: Path, config: dict, shard_gb: float, device: str, reuse: bo
     """(bytes of the checkpoint's tensors, seconds spent writing it: 0 when an identical one was reused)."""
     from deepinfer.testing.make_checkpoint import write_dummy_checkpoint
 
-    shards = sorted(path.glob("*.safetensors"))
-    if reuse and shards and (path / "config.json").is_file() and json.loads((path / "config.json").read_text()) == config:
+    shards, written = sorted(path.glob("*.safetensors")), path / "config.json"
+    if reuse and shards and written.is_file() and json.loads(written.read_text()) == config:
         from safetensors import safe_open
 
         total = 0
