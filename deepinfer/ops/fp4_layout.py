@@ -92,11 +92,9 @@ def placed_from() -> tuple[int, ...]:
 
 
 
-def _pass_words(device: torch.device) -> int:
-    """Words a bit permutation rewrites per pass, which bounds its temporaries (two int32 tensors of this
-    size): on the CPU 1 MB, cache-resident (twice the speed of 64 MB passes); on a GPU 64 MB (each pass is
-    about 30 launches)."""
-    return 1 << 18 if device.type == "cpu" else 1 << 24
+# Words a bit permutation rewrites per pass: bounds its temporaries (one int32 tensor of this size beside
+# the output) while keeping a GPU's launches few (each pass is about 30).
+_PASS_WORDS = 1 << 24
 
 
 @functools.cache
@@ -114,21 +112,21 @@ def _bit_moves(src: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 def _permute_bits(words: torch.Tensor, src: tuple[int, ...]) -> torch.Tensor:
     """int32 words -> int32 words whose bit s is bit src[s] of the input: a few shifts and masks per word,
-    over every expert at once (in passes of ``_pass_words`` words)."""
+    over every expert at once (in passes of ``_PASS_WORDS`` words)."""
     out = torch.empty_like(words)
     flat_in, flat_out = words.view(-1), out.view(-1)
-    moves, step = _bit_moves(src), _pass_words(words.device)
+    moves, step = _bit_moves(src), _PASS_WORDS
     temp = torch.empty(min(step, flat_in.numel()), dtype=words.dtype, device=words.device)
     for lo in range(0, flat_in.numel(), step):
         w, o = flat_in[lo:lo + step], flat_out[lo:lo + step]
-        t = temp[: len(w)]
-        o.zero_()
-        for d, mask in moves:
+        for i, (d, mask) in enumerate(moves):
+            t = o if i == 0 else temp[: len(w)]  # the first move writes the output, the others are or-ed in
             if d >= 0:
                 torch.bitwise_and(w, mask, out=t).bitwise_left_shift_(d)
             else:
                 torch.bitwise_right_shift(w, -d, out=t).bitwise_and_(mask)
-            o.bitwise_or_(t)
+            if i:
+                o.bitwise_or_(t)
     return out
 
 
