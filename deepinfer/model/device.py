@@ -229,8 +229,8 @@ class FusedFP4Experts(nn.Module):
                 return  # w1 waits for w3 (or the reverse): an expert is laid out whole
             del self._halves[local]
         self._unlaid[codes].append(local)
-        rows_, cols = self._stored_shape[codes]
-        if len(self._unlaid[codes]) * rows_ * cols // 2 >= _LAYOUT_BYTES:
+        expert_rows, expert_cols = self._stored_shape[codes]
+        if len(self._unlaid[codes]) * expert_rows * expert_cols // 2 >= _LAYOUT_BYTES:
             self._lay_out(codes)
 
     def _stored(self, codes: str) -> tuple[torch.Tensor, torch.Tensor]:
