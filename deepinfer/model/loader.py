@@ -110,6 +110,7 @@ def _stream(ck: _Checkpoint, loaders: dict[str, WeightLoader], progress: bool,
     with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=not progress) as bar:
         for plan, loader, sel in jobs:
             shard = sel if isinstance(sel, Shard) else None
+            ck.files.release(keep=plan.src.file)  # the previous shard, before this one's pages come in
             data, scale = plan.read(ck.files, shard)
             if staging is not None:
                 data, scale = staging.upload(data), None if scale is None else staging.upload(scale)
