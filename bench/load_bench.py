@@ -16,8 +16,10 @@ so the shards are read from the disk) and, for comparison, the same model with `
 files). --profile N: the warm run under cProfile, its N costliest functions (cumulative time) printed.
 
 On --device cpu the op table is REF with the FP4 layout of --layout (``ops/fp4_layout.py``, the Triton
-table's host-side transform, plain torch): the loader's host work, timed without a GPU. --experts N (fewer
-routed experts than V4-Flash's 256) and --layers keep such a checkpoint small enough for the host's memory.
+table's host-side transform, plain torch): the loader's host work, timed without a GPU (the layout's
+arithmetic included, which a GPU does on the device). --experts N (fewer routed experts than V4-Flash's
+256) and --layers keep such a checkpoint small enough for the host's memory; its peak RSS includes the
+model itself, which lives in host memory there.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Host -> device copies of checkpoint tensors through two reusable pinned staging buffers.
 
-A pageable ``tensor.to("cuda")`` blocks the host until the bytes have crossed (through the driver's own
-bounce buffer), so reading the next tensor waits for every copy. Here the host copies each tensor into one
+A pageable ``tensor.to("cuda")`` first waits for the stream's earlier work, then holds the host while the
+driver copies the bytes through its own bounce buffer, so reading the next tensor waits for every copy. Here the host copies each tensor into one
 of two pinned buffers and the device takes it from there with a non-blocking copy on the current stream:
 the transfer of one tensor overlaps the reading, checking and copying of the next. A buffer is refilled
 only once its previous transfer has finished (an event per buffer says when). The device tensor is new,
