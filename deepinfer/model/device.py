@@ -17,6 +17,7 @@ With ``ops=REF`` on the CPU this is the specification of what the GPU path compu
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,7 @@ from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.fused import fuse_projections
 from deepinfer.model.linear import flat_grouped
 from deepinfer.model.moe import MoE
-from deepinfer.model.quant import QuantizedWeight, scale_to_float
+from deepinfer.model.quant import FP4_GROUP, QuantizedWeight, scale_to_float
 from deepinfer.model.shard import Shard
 from deepinfer.ops.table import OpTable
 
@@ -119,6 +120,11 @@ class FP8Linear(nn.Module):
         return torch.stack(outs)
 
 
+# Codes bytes of the arrived experts laid out per layout call while loading: a few calls per layer instead of
+# one per expert, with the layout's temporaries (about three times this, on the device) bounded.
+_LAYOUT_BYTES = 64 << 20
+
+
 class FusedFP4Experts(nn.Module):
     owned: range  # the expert ids whose weights this module holds, in order (all of them unless sharded)
     shards: dict[str, Shard]  # w1 / w3 / w2 -> the slice of each expert held (tensor parallel); none: whole
@@ -170,45 +176,94 @@ class FusedFP4Experts(nn.Module):
         out = cls.__new__(cls)
         nn.Module.__init__(out)
         sdtype = torch.uint8 if raw_scales else torch.float32
+        out._stored_shape = {}
         for codes, scale, rows, cols in (("w13", "s13", 2 * inter, hidden), ("w2", "s2", hidden, inter)):
-            for name, (shape, dtype) in zip((codes, scale), _expert_layout(ops, rows, cols, sdtype)):
+            laid = _expert_layout(ops, rows, cols, sdtype)
+            stored = ((rows, cols // 2), torch.int8), ((rows, -(-cols // FP4_GROUP)), sdtype)
+            for name, (shape, dtype), (want, want_dtype) in zip((codes, scale), laid, stored):
+                got = math.prod(shape) * dtype.itemsize
+                if got != math.prod(want) * want_dtype.itemsize:
+                    raise ValueError(f"fp4_expert_layout of the {ops.name} op table: an expert's {name} take {got} "
+                                     f"bytes in its layout, {math.prod(want) * want_dtype.itemsize} as stored; "
+                                     "experts are laid out in place, which needs the same bytes")
                 out.register_buffer(name, torch.empty(len(owned), *shape, dtype=dtype, device=device))
+            out._stored_shape[codes] = (rows, cols)
         out.limit, out.ops, out.owned, out.raw_scales = limit, ops, owned, raw_scales
         out.shards = dict(shards or {})
-        out._staged = {}
+        out._halves = {}
+        out._unlaid = {"w13": [], "w2": []}
         return out
 
     def load(self, expert: int, which: str, data: torch.Tensor, scale: torch.Tensor) -> None:
         """Weight loader: expert ``expert``'s ``which`` (w1 / w3 / w2) packed codes and scales as stored.
-        w1 and w3 share the stacked w13 rows of their expert, and the layout transform is applied per
-        expert (it is separable over experts), so w1 waits for w3 (or the reverse): one expert's codes."""
+
+        They are copied into the expert's slot of the stacked buffers as stored (the slot viewed in the
+        checkpoint's layout: w1 the first rows of w13, w3 the last); once the experts that have arrived
+        hold about ``_LAYOUT_BYTES`` of codes, they are laid out together, in place, by one call of the
+        layout transform (separable over experts: the same bits as one expert at a time, far fewer
+        launches). ``lay_out_arrived`` lays out the rest once the checkpoint is read."""
         if expert not in self.owned:
             raise ValueError(f"expert {expert} is not among this module's experts {self.owned}")
         if (scale.dtype in (torch.uint8, torch.float8_e8m0fnu)) != self.raw_scales:
             raise ValueError(f"expert {expert} {which}: scale dtype {scale.dtype} differs from the other experts' "
                              "(mixed scale formats)")
         device = self.w13.device
-        data = data.to(device)
         scale = scale.to(device).view(torch.uint8) if self.raw_scales else scale_to_float(scale.to(device)).float()
         local = expert - self.owned.start
-        if which == "w2":
-            self._place("w2", "s2", local, data, scale)
-            return
-        staged = self._staged.setdefault(local, {})
-        staged[which] = (data, scale)
-        if len(staged) == 2:
-            del self._staged[local]
-            (c1, s1), (c3, s3) = staged["w1"], staged["w3"]
-            self._place("w13", "s13", local, torch.cat([c1, c3]), torch.cat([s1, s3]))
+        codes = "w2" if which == "w2" else "w13"
+        stored_codes, stored_scales = self._stored(codes)
+        rows = slice(None)
+        if which != "w2":
+            half = stored_codes.shape[1] // 2
+            rows = slice(0, half) if which == "w1" else slice(half, 2 * half)
+        dst_codes, dst_scales = stored_codes[local, rows], stored_scales[local, rows]
+        if data.shape != dst_codes.shape or scale.shape != dst_scales.shape:
+            raise ValueError(f"expert {expert} {which}: codes {tuple(data.shape)} / scales {tuple(scale.shape)} do "
+                             f"not fit {tuple(dst_codes.shape)} / {tuple(dst_scales.shape)}")
+        dst_codes.copy_(data.view(torch.int8))  # int8 or uint8 as stored: the same bytes
+        dst_scales.copy_(scale)
+        if which != "w2":
+            halves = self._halves.setdefault(local, set())
+            halves.add(which)
+            if len(halves) < 2:
+                return  # w1 waits for w3 (or the reverse): an expert is laid out whole
+            del self._halves[local]
+        self._unlaid[codes].append(local)
+        expert_rows, expert_cols = self._stored_shape[codes]
+        if len(self._unlaid[codes]) * expert_rows * expert_cols // 2 >= _LAYOUT_BYTES:
+            self._lay_out(codes)
 
-    def _place(self, codes: str, scales: str, local: int, data: torch.Tensor, scale: torch.Tensor) -> None:
-        laid = self.ops.fp4_expert_layout(data.unsqueeze(0), scale.unsqueeze(0))
-        for name, t in zip((codes, scales), laid):
-            getattr(self, name)[local].copy_(t[0])
+    def _stored(self, codes: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes buffer (w13 / w2) and its scales viewed in the checkpoint's layout: int8 [E, rows, cols/2]
+        and [E, rows, cols/32] (the same bytes as the layout's, checked by ``empty``)."""
+        rows, cols = self._stored_shape[codes]
+        c, s = getattr(self, codes), getattr(self, "s13" if codes == "w13" else "s2")
+        return c.view(torch.int8).view(len(c), rows, cols // 2), s.view(len(s), rows, -(-cols // FP4_GROUP))
+
+    def _lay_out(self, codes: str) -> None:
+        """The experts of ``codes`` that arrived since the last call: from the checkpoint's layout to the op
+        table's, one layout call per run of consecutive experts."""
+        experts, self._unlaid[codes] = sorted(self._unlaid[codes]), []
+        stored_codes, stored_scales = self._stored(codes)
+        names = (codes, "s13" if codes == "w13" else "s2")
+        for lo, hi in _runs(experts):
+            stored = stored_codes[lo:hi], stored_scales[lo:hi]
+            for name, t in zip(names, self.ops.fp4_expert_layout(*stored)):
+                dst = getattr(self, name)[lo:hi]
+                if t.is_contiguous() and t.data_ptr() == dst.data_ptr():
+                    continue  # a layout that keeps the stored one (REF's): already in place
+                dst.copy_(t)
+
+    def lay_out_arrived(self) -> None:
+        """Lay out every expert that arrived whole and is still in the checkpoint's layout (after the last
+        checkpoint tensor; ``load`` lays them out in batches as they come)."""
+        for codes in getattr(self, "_unlaid", {}):
+            if self._unlaid[codes]:
+                self._lay_out(codes)
 
     def pending(self) -> list[int]:
         """Experts whose w1 or w3 arrived without the other (a complete load leaves none)."""
-        return sorted(self.owned.start + e for e in getattr(self, "_staged", {}))
+        return sorted(self.owned.start + e for e in getattr(self, "_halves", {}))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 add: torch.Tensor | None = None, before_add: Callable[[], None] | None = None) -> torch.Tensor:
@@ -216,6 +271,17 @@ class FusedFP4Experts(nn.Module):
         right before ``add`` is read (a stream join when the shared expert runs beside the routed ones)."""
         return self.ops.moe_experts_fp4(x.contiguous(), ids.long(), weights, self.w13, self.s13, self.w2,
                                         self.s2, self.limit, add=add, before_add=before_add)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids -> [lo, hi) ranges of consecutive ids."""
+    out: list[tuple[int, int]] = []
+    for i in ids:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
 
 
 @functools.lru_cache(maxsize=16)

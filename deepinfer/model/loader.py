@@ -5,7 +5,10 @@ table, the device transform's FP8/FP4 modules in their kernel layout; without, t
 the safetensors files are streamed one shard at a time, tensor by tensor in file order, each tensor going
 straight into its final buffer through its weight loader. Only the part a rank owns is read
 (``model/shard.py``). FP8/FP4 tensors stay as stored on the accelerated path; the reference path
-dequantizes each one as it arrives. Host memory holds one shard's mapped pages and one tensor at a time.
+dequantizes each one as it arrives. Host memory holds one shard's mapped pages and one tensor at a time
+(and, for a CUDA model, two pinned staging buffers: ``model/host_staging.py``, so that a tensor's transfer
+overlaps the reading of the next). The FP4 experts are laid out a batch at a time as they arrive
+(``FusedFP4Experts.load``).
 
 Every tensor is checked against the meta-device model (names, shapes, allowed dtypes, scale companions)
 from the headers before any data is read, and its values (NaN/Inf, scale bytes, expert ids) as it is read
@@ -29,6 +32,7 @@ from deepinfer.config.model import ModelConfig
 from deepinfer.model.ckpt_files import INDEX_FILE, SINGLE_FILE, CheckpointError, Files, find_sources, listing
 from deepinfer.model.ckpt_plan import FLOATS, TensorPlan, plan_checkpoint
 from deepinfer.model.deepseek_v4 import DeepseekV4
+from deepinfer.model.host_staging import HostStaging
 from deepinfer.model.quant import QuantizedWeight, dequant_fp4, dequant_fp8_block
 from deepinfer.model.shard import SKIP, Shard
 from deepinfer.model.weight_loaders import StoredWeight, WeightLoader, build_model, finish_load, weight_loaders
@@ -95,8 +99,10 @@ def _open_checkpoint(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, stri
     return _Checkpoint(files, plans, order, tuple(ignored), has_mtp)
 
 
-def _stream(ck: _Checkpoint, loaders: dict[str, WeightLoader], progress: bool) -> None:
-    """Each tensor a loader wants, read in file order (one shard mapped at a time) and handed to it."""
+def _stream(ck: _Checkpoint, loaders: dict[str, WeightLoader], progress: bool,
+            staging: HostStaging | None = None) -> None:
+    """Each tensor a loader wants, read in file order (one shard mapped at a time), checked, and handed to
+    it; with ``staging`` (a CUDA model), first sent to the device through its pinned buffers."""
     jobs = [(ck.plans[n], loader, loader.selection) for n, loader in loaders.items()]
     jobs = [j for j in jobs if j[2] is not SKIP]
     jobs.sort(key=lambda j: ck.order[j[0].name])
@@ -104,7 +110,10 @@ def _stream(ck: _Checkpoint, loaders: dict[str, WeightLoader], progress: bool) -
     with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=not progress) as bar:
         for plan, loader, sel in jobs:
             shard = sel if isinstance(sel, Shard) else None
+            ck.files.release(keep=plan.src.file)  # the previous shard, before this one's pages come in
             data, scale = plan.read(ck.files, shard)
+            if staging is not None:
+                data, scale = staging.upload(data), None if scale is None else staging.upload(scale)
             try:
                 loader.load(data, scale)
             except ValueError as e:
@@ -195,7 +204,12 @@ def load_model(model_dir: str | Path | None, dtype: torch.dtype = torch.bfloat16
     except ValueError as e:
         raise CheckpointError(f"{model_dir}: {e}") from e
     loaders = weight_loaders(model, ck.plans, ck.stored, keep_quantized)
-    _stream(ck, loaders, progress)
+    staging = HostStaging.for_device(next(model.buffers()).device)
+    try:
+        _stream(ck, loaders, progress, staging)
+    finally:
+        if staging is not None:
+            staging.close()
     try:
         finish_load(model)
     except ValueError as e:

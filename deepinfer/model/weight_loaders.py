@@ -302,10 +302,12 @@ def weight_loaders(model: DeepseekV4, names: Iterable[str], stored: dict[str, St
 
 
 def finish_load(model: DeepseekV4) -> None:
-    """After every loader ran: FP8 modules learn whether their scales are powers of two; no expert may be
-    left with half of its w13."""
+    """After every loader ran: FP8 modules learn whether their scales are powers of two; the FP4 experts
+    still in the checkpoint's layout are laid out; no expert may be left with half of its w13."""
     for module in model.modules():
         if isinstance(module, FP8Linear):
             module.refresh()
-        if isinstance(module, FusedFP4Experts) and module.pending():
-            raise ValueError(f"experts {module.pending()}: w1 or w3 never arrived")
+        if isinstance(module, FusedFP4Experts):
+            module.lay_out_arrived()
+            if module.pending():
+                raise ValueError(f"experts {module.pending()}: w1 or w3 never arrived")

@@ -9,6 +9,7 @@ same load and check the logits)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections import Counter
 
@@ -24,6 +25,7 @@ from deepinfer.model.device import FusedFP4Experts, prepare_for_device
 from deepinfer.model.loader import load_model
 from deepinfer.model.parallel.moe import EPMoE
 from deepinfer.model.parallel.shard import shard_model, sharding_hook
+from deepinfer.ops import fp4_layout
 from deepinfer.ops.table import REF
 from deepinfer.testing.make_checkpoint import PRESETS, write_dummy_checkpoint, write_random_checkpoint
 
@@ -34,6 +36,9 @@ CONFIGS = {"tp2": TP2, "dp2-ep": DP2_EP, "tp2-ep": TP2_EP}
 # flash-like shapes (every slice on its scale blocks), two layers + MTP, 16 experts.
 FLASH2 = {**copy.deepcopy(PRESETS["flash-like"]), "num_hidden_layers": 2, "compress_ratios": [4, 0, 0]}
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.")
+# REF with the Triton table's FP4 expert layout (tile-major, placed codes; plain torch): the CPU twin of
+# tests/gpu/test_parallel_loading_gpu.py's layouts.
+TILED = dataclasses.replace(REF, name="ref-tiled", fp4_expert_layout=fp4_layout.expert_layout)
 
 
 def _pctx(config: ParallelConfig, rank: int) -> ParallelContext:
@@ -86,7 +91,7 @@ def _cut(whole_model, pctx: ParallelContext, ops):
     return prepare_for_device(model, ops) if ops is not None else model
 
 
-@pytest.mark.parametrize("ops", [REF, None], ids=["device-path", "reference-path"])
+@pytest.mark.parametrize("ops", [REF, TILED, None], ids=["device-path", "device-path-triton-layout", "reference-path"])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("which", ["demo", "tiny"])
 def test_sharded_load_equals_load_whole_then_cut(whole, which, config, ops) -> None:
@@ -126,6 +131,17 @@ def flash_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("flash2")
     write_dummy_checkpoint(out, FLASH2, seed=2, shard_max_bytes=6_000_000)
     return str(out)
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_sharded_load_in_the_triton_layout_equals_load_whole_then_cut(flash_dir, config) -> None:
+    """flash-like shapes (w13 and w2 tile-major, TP slices on their scale groups, expert ranges): the CPU twin
+    of the GPU test, the experts laid out in batches as they arrive against the whole stack at once."""
+    full = load_model(flash_dir, dtype=torch.bfloat16, progress=False, keep_quantized=True)
+    for rank in range(config.world_size):
+        pctx = _pctx(config, rank)
+        got = load_model(flash_dir, dtype=torch.bfloat16, progress=False, ops=TILED, shard_model=sharding_hook(pctx))
+        assert_same_model(got, _cut(full, pctx, TILED))
 
 
 def _bytes_read(model_dir: str, monkeypatch, shard=None) -> dict[str, int]:
