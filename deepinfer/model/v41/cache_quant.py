@@ -41,11 +41,19 @@ def pow2_ceil(value: torch.Tensor) -> torch.Tensor:
     return (exponent << 23).view(torch.float32)
 
 
+@functools.cache
+def _e2m1_grid(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(midpoints, levels) of the e2m1 magnitudes on ``device``: built once, as a copy from host values is a
+    host sync on a GPU (every cache write and read of a step would pay one)."""
+    return (torch.tensor(_E2M1_MIDPOINTS, dtype=dtype).to(device),
+            torch.tensor(_E2M1_LEVELS, dtype=dtype).to(device))
+
+
 def _e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """Values in [-6, 6] -> the magnitude code (0..7) of the nearest e2m1 value; a value on a midpoint goes to
     the even code."""
     magnitude = x.abs().contiguous()
-    midpoints = magnitude.new_tensor(_E2M1_MIDPOINTS)
+    midpoints = _e2m1_grid(magnitude.device, magnitude.dtype)[0]
     code = torch.bucketize(magnitude, midpoints)  # a midpoint itself falls to the lower code
     on_midpoint = magnitude == midpoints[code.clamp_max(len(_E2M1_MIDPOINTS) - 1)]
     return code + (on_midpoint & (code % 2 == 1)).to(code.dtype)  # odd lower code: the even one is above
@@ -53,7 +61,7 @@ def _e2m1_code(x: torch.Tensor) -> torch.Tensor:
 
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Values in [-6, 6] -> nearest e2m1 value, with x's sign (zero included)."""
-    return torch.copysign(x.new_tensor(_E2M1_LEVELS)[_e2m1_code(x)], x)
+    return torch.copysign(_e2m1_grid(x.device, x.dtype)[1][_e2m1_code(x)], x)
 
 
 def _scaled_groups(values: torch.Tensor, fmt: CacheFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
