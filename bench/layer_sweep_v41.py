@@ -5,7 +5,7 @@
     python bench/layer_sweep_v41.py --tiny --device cpu      # smoke test of the script on a CPU
 
 V4.1: the spec's V4.1-Flash shapes (``deepinfer/assets/shapes/v41-flash``) through the engine's dummy loader on
-the device (``model/v41/device.py``: the 384 FP4 experts of a layer fused, dense FP8 dequantized to bf16), one
+the device (``model/v41/device.py``: the 384 FP4 experts of a layer fused, dense FP8 with 32x32 scales), one
 layer of each role of the 40-layer schedule, with the count of that role in V4.1-Flash:
     window-only (layers 0, 1, 37-39: 5), ratio-2 KV source (2, 8, 14: 3), ratio-2 reuse (15), ratio-1 KV source
     publishing the candidate blocks (20: 1), ratio-1 re-indexing (24, 28, 32, 36: 4), ratio-1 reuse (12).
@@ -17,8 +17,8 @@ each table holds ~384 M rows of 256 (98 B weights), more than one device holds.
 Decode: B sequences whose caches hold C random positions, one new token each, through ``PagedV41.forward`` as
 the runner calls it (a ``StepIndex`` with its host facts); prefill: one sequence of L tokens in one chunk.
 Times are medians. Floors (decode, per layer): the bytes the step must read at the measured copy bandwidth --
-weights as held (dense bf16; the routed experts B tokens hit, uniform routing, in FP4 with their scales),
-weights as stored (dense FP8 + 32x32 scales: what a 32x32-block FP8 kernel would read), and the cache rows
+weights as held (dense FP8 with fp32 32x32 scales; the routed experts B tokens hit, uniform routing, in FP4
+with their scales), weights as stored (the scales as UE8M0 bytes), and the cache rows
 (window rows, the index keys an index source scores, the top-k entries every compressed layer reads).
 V4-Flash: ``layer_sweep.py``'s build, decode (CUDA graphs) and prefill on --v4-layers of its layers, at the
 same points. JSON to --out (``layer_sweep_v41.json``, ``_tiny`` for --tiny).
@@ -182,7 +182,10 @@ def weight_bytes(model: PagedV41, layer: int, batch: int) -> tuple[float, float]
             continue
         nbytes = t.numel() * t.element_size()
         held += nbytes
-        fmt, scale_block = storage_format(f"layers.{layer}.{name}", cfg)
+        if name.endswith(".weight_scale"):  # FP8Dense32's fp32 multipliers: UE8M0 bytes as stored
+            stored += t.numel()
+            continue
+        fmt, scale_block = storage_format(f"layers.{layer}.{name}", cfg)  # a dequantized FP8 weight (fp16 runs)
         stored += t.numel() + t.numel() / (scale_block[0] * scale_block[1]) if fmt == "fp8" else nbytes
     routed = block.ffn.routed
     per_expert = sum(getattr(routed, n)[0].numel() * getattr(routed, n).element_size() for n in ("w13", "s13", "w2",
@@ -244,7 +247,7 @@ def sweep_v41(args, device: str, bw: float | None) -> tuple[list[dict], dict]:
                      "layers": [{"role": r, "ms": ms} for (r, _), ms in zip(ROLES, t["layers_ms"])],
                      "rest_ms_per_step": rest, "ms_per_layer_40": total / 40, "ttft_40_layers_ms": total})
         print(json.dumps(rows[-1]), flush=True)
-    meta = {"v41_roles": dict(ROLES), "v41_dense": "bf16 (dequantized FP8 32x32)", "v41_experts": "FP4 fused",
+    meta = {"v41_roles": dict(ROLES), "v41_dense": "FP8 32x32 (fp8_linear_b32)", "v41_experts": "FP4 fused",
             "v41_engram": "left out"}
     del model, clock, layout_cache
     return rows, meta

@@ -2,7 +2,7 @@
 
 Tiny random V4.1 checkpoints (``tests/e2e/v41_tiny.py``) built quantized-first on the device
 (``model/v41/device.py``: FP4 experts as ``FusedFP4Experts`` run by the op table's ``moe_experts_fp4``, dense
-FP8 dequantized). The plain model is built the same way (the same modules and kernels) and runs each prompt
+FP8 as ``FP8Dense32`` run by its ``fp8_linear_b32``). The plain model is built the same way (the same modules and kernels) and runs each prompt
 alone through its own per-sequence cache; the engine runs them batched, prefill chunked differently per
 sequence, in a cache too small for all of them (preemption and recomputation), through the paged step
 (``model/v41/paged.py``).
@@ -71,8 +71,10 @@ def _engine(path, device: str, monkeypatch, **kw) -> LLMEngine:
 @pytest.mark.interpret_ok
 def test_engine_equals_plain_model_float32(checkpoint, device, monkeypatch) -> None:
     plain = _plain(checkpoint, device, torch.float32)
-    assert not any(".experts." in n for n in plain.state_dict())  # quantized-first: no dequantized expert
+    # Quantized-first: no dequantized expert, the dense FP8 projections as their codes.
+    assert not any(".experts." in n for n in plain.state_dict())
     assert plain.layers[0].ffn.routed.w13.dtype != torch.float32
+    assert plain.layers[0].attn.wq_b.weight_fp8.dtype == torch.float8_e4m3fn
     prompts = _prompts(5)
     if INTERPRET:
         prompts = [prompts[i] for i in (1, 4, 8, 10)]  # 3, 30, 128, 150 tokens
