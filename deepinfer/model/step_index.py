@@ -79,6 +79,12 @@ class HostRuns:
     ends: tuple[int, ...]
     emit_from: tuple[int, ...]
 
+    @classmethod
+    def of(cls, first: np.ndarray, lens: np.ndarray, emit_from) -> "HostRuns":
+        """From the runs' first positions and token counts (``build_slot_index``'s) and their boundaries."""
+        return cls(tuple(np.asarray(lens).tolist()), tuple((np.asarray(first) + lens).tolist()),
+                   tuple(map(int, emit_from)))
+
 
 @dataclass(frozen=True)
 class StepIndex:

@@ -44,7 +44,7 @@ from deepinfer.frozen_init import fast_init
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.parallel.context import ContextShare, forward_with_share
-from deepinfer.model.step_index import HostRuns, StepIndex, build_slot_index
+from deepinfer.model.step_index import HostRuns, build_slot_index
 from deepinfer.ops.table import REF
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
@@ -180,6 +180,8 @@ class ModelRunner:
         # contract (V4.1: ``runner/dspark.DSparkDrafter``), used instead.
         self.drafter = drafter or (MTPDrafter(model, storage, batch, mtp_graphs) if speculative else None)
         self.device = next(model.parameters()).device
+        # A model that lays its step out from each sequence's count and end gets them as host values
+        # (``StepIndex.host``; V4.1's step) rather than reading the device index back.
         self.host_runs = bool(getattr(model, "wants_host_runs", False))
         self.window = model.cfg.sliding_window
 
@@ -403,8 +405,8 @@ class ModelRunner:
             shift.apply(index)
         if any(emit_from):
             index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
-        if shift is None:  # a shifted index's positions moved on the device: the model reads them there
-            index = self._with_host(index, first, lens, emit_from)
+        if self.host_runs and shift is None:  # a shifted index's positions moved on the device: read there
+            index = dataclasses.replace(index, host=HostRuns.of(first, lens, emit_from))
         input_ids = to_device(ids, torch.int64, self.device)
         if placeholders is not None:
             input_ids[placeholders[0]] = placeholders[1]
@@ -446,16 +448,8 @@ class ModelRunner:
                                  pin_memory=self.device.type == "cuda").to(self.device)
         if any(emit_from):
             index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
-        return self._with_host(index, first, lens, emit_from)
+        return dataclasses.replace(index, host=HostRuns.of(first, lens, emit_from)) if self.host_runs else index
 
-    def _with_host(self, index: StepIndex, first, lens, emit_from) -> StepIndex:
-        """``index`` with its per-sequence facts as host values (``HostRuns``) for a model that lays its work
-        out from them (V4.1's step, ``wants_host_runs``); the index itself for the others."""
-        if not self.host_runs:
-            return index
-        ends = (np.asarray(first, dtype=np.int64) + lens).tolist()
-        return dataclasses.replace(index, host=HostRuns(tuple(np.asarray(lens).tolist()), tuple(ends),
-                                                        tuple(map(int, emit_from))))
 
     def _prompt_logprobs(self, logits: torch.Tensor, work) -> tuple[LogprobTensors, list]:
         jobs = [w.prompt_logprobs for w in work]

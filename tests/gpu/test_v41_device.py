@@ -87,8 +87,9 @@ def test_engine_equals_plain_model_float32(checkpoint, device, monkeypatch) -> N
     # 4 history blocks of 128 positions for sequences of up to 212: preemption and recomputation (on cuda).
     engine = _engine(checkpoint, device, monkeypatch, max_num_batched_tokens=rng.choice([13, 29, 41]),
                      num_cache_blocks=4)
-    assert next(engine.model.parameters()).device.type == torch.device(device).type
-    assert all(t.device.type == torch.device(device).type for t in engine.storage.tensors.values())
+    where = torch.device(device).type
+    assert all(t.device.type == where for t in [*engine.model.parameters(), *engine.model.buffers()])
+    assert all(t.device.type == where for t in engine.storage.tensors.values())
     arrivals: dict[int, list] = {}
     for i in rng.sample(range(len(prompts)), len(prompts)):
         arrivals.setdefault(rng.randrange(4), []).append((f"r{i}", prompts[i]))
