@@ -8,8 +8,8 @@ rows; with 32x32 blocks that would be sixteen scales per 128x128 tile, so this k
 itself instead: UE8M0 scales are powers of two, and e4m3 times a power of two is exact in bf16, so the scaled
 tile is the dequantized weight bit for bit and one bf16 MMA per K step does the rest (non-power-of-two scales
 are refused: they would round there). Each weight byte is read once, from HBM, as the stored FP8 code: half the
-bytes of the dequantized bf16 weight that a plain GEMM reads, which is what decode is bound by. The scale tile
-is a gather of [BLOCK_N / 32, BLOCK_K / 32] values per step (cached). fp32 activations run fp32 dots
+bytes of the dequantized bf16 weight that a plain GEMM reads, which is what decode is bound by. Per K step a
+row's BLOCK_K / 32 scales are loaded once and broadcast over their 32 columns (BLOCK_K a multiple of 32). fp32 activations run fp32 dots
 (``input_precision="ieee"``), as do interpreted runs (Triton's CPU interpreter mis-converts fp32 -> bf16).
 
 A first version: no split over K and no swap-AB for decode (V4's kernel has both); tile shapes are a function
@@ -48,11 +48,14 @@ def _fp8_b32_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
         x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_ok, other=0.0).to(tl.float32)
-        s = tl.load(s_rows + (offs_k // 32)[None, :], mask=w_ok, other=0.0)
+        # One scale per row and 32 columns: [BLOCK_N, BLOCK_K / 32] loads, broadcast over each 32 columns.
+        offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_rows + offs_ks[None, :], mask=n_ok[:, None] & (offs_ks * 32 < K)[None, :], other=0.0)
+        w = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // 32, 32]) * s[:, :, None], [BLOCK_N, BLOCK_K])
         if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w * s), acc, input_precision="ieee")
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x.to(tl.bfloat16), tl.trans((w * s).to(tl.bfloat16)), acc)
+            acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
     out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
