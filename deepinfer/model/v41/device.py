@@ -92,7 +92,7 @@ def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device
             if ".routed." not in name and not name.endswith((".weight_fp8", ".weight_scale")):
                 t.copy_(value(name, tuple(t.shape)).to(device=t.device, dtype=t.dtype))
         for name in dense:
-            module = _parent(model, name)[0].get_submodule(name.rsplit(".", 1)[-1])
+            module = model.get_submodule(name)
             module.load(*codes(f"{name}.weight", tuple(module.weight_fp8.shape)))
         for prefix, n, routed in experts:
             for e in range(n):

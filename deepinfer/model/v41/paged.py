@@ -33,8 +33,10 @@ decoder replay's bound can only raise), and emit no compressed entry, index key 
 before H: those history rows are shared cached blocks and stay exactly as first computed. Engram's lookback
 reads the token ids from the history pool, where that layout keeps them.
 
-This is the CPU reference path of the engine (one sequence loop per compressed layer); GPU kernels for it
-are future work. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
+This is the engine's reference path (one sequence loop per compressed layer), on the CPU and, built by
+``device.py``, on a GPU; V4.1's own GPU kernels are future work. The forward makes no host sync: the per-sequence
+layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
+(``StepIndex.host``), and the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
 ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows
 in the released formats: the step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and
 reads them back dequantized (``load_rows``), the same values as ``qdq``'s bit for bit. An unpacked layout
