@@ -154,7 +154,8 @@ def test_step_forward_has_no_host_sync(checkpoint, device, monkeypatch) -> None:
 @pytest.mark.interpret_ok
 def test_fused_experts_match_the_expert_loop(checkpoint, device, monkeypatch) -> None:
     """The V4.1 MoE with its experts fused (FP4 codes, the op table's kernel) against the plain per-expert loop
-    on the same dequantized weights, float32: within 1e-5 relative (summation order only)."""
+    on the same dequantized weights, float32: within 1e-4 relative (summation order, and on CUDA the kernel's
+    three-part bf16 split of fp32 activations)."""
     fused = _plain(checkpoint, device, torch.float32)
     loop, _ = load_v41_model(checkpoint, torch.float32, cache_qdq=False)
     if device == "cuda":
@@ -165,4 +166,4 @@ def test_fused_experts_match_the_expert_loop(checkpoint, device, monkeypatch) ->
         assert isinstance(a.ffn, MoE) and a.ffn.routed is not None
         got = a.ffn(x.to(device), mask.to(device)).cpu()
         want = b.ffn.to("cpu")(x, mask)
-        assert rel_err(got, want) < 1e-5, f"layer {i}: {rel_err(got, want)}"
+        assert rel_err(got, want) < 1e-4, f"layer {i}: {rel_err(got, want)}"
