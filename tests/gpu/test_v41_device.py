@@ -7,7 +7,7 @@ alone through its own per-sequence cache; the engine runs them batched, prefill 
 sequence, in a cache too small for all of them (preemption and recomputation), through the paged step
 (``model/v41/paged.py``).
 
-  * float32: every sequence's tokens identical.
+  * float32: every sequence's tokens identical, and after a prefix-cache hit.
   * bfloat16 (released cache formats): batching and chunking change the GEMMs' and the attention's shapes
     and hence their roundings, which a random tiny model's near-ties turn into other tokens. Compared: the
     plain model, fed each prompt and the engine's tokens, ranks every engine token within 5% of the row's
@@ -99,6 +99,28 @@ def test_engine_equals_plain_model_float32(checkpoint, device, monkeypatch) -> N
     for i, ids in enumerate(prompts):
         want = plain.greedy(torch.tensor(ids, device=device), MAX_TOKENS)
         assert got[f"r{i}"] == want, f"prompt {i} ({len(ids)} tokens)"
+
+
+@pytest.mark.interpret_ok
+def test_prefix_hit_on_device_equals_plain_model(checkpoint, device, monkeypatch) -> None:
+    """A prefix-cache hit at a block boundary (exact for V4.1) on the device, float32."""
+    plain = _plain(checkpoint, device, torch.float32)
+    engine = _engine(checkpoint, device, monkeypatch, enable_prefix_caching=True)
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 4096) for _ in range(270)]
+    prompts = {"a": shared + [rng.randrange(3, 4096) for _ in range(5)],
+               "b": shared[:260] + [rng.randrange(3, 4096) for _ in range(9)]}
+    outs = {}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, GREEDY)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[rid] = out
+    assert (outs["a"].num_cached_tokens, outs["b"].num_cached_tokens) == (0, 256)
+    for rid, ids in prompts.items():
+        want = plain.greedy(torch.tensor(ids, device=device), MAX_TOKENS)
+        assert list(outs[rid].outputs[0].token_ids) == want, rid
 
 
 @pytest.mark.interpret_ok
