@@ -27,6 +27,7 @@ same points. JSON to --out (``layer_sweep_v41.json``, ``_tiny`` for --tiny).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -35,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -139,10 +141,9 @@ class LayerClock:
 def step(model: PagedV41, cache: SequenceCache, new: dict[int, list[int]], device: str) -> None:
     ids, fb = cache.plan(new)
     index = build_step_index(fb, cache.storage, model.cfg.sliding_window).to(device)
-    runs = fb.runs
-    index = type(index)(**{**index.__dict__, "host": HostRuns(tuple(r.length for r in runs),
-                                                              tuple(r.first_pos + r.length for r in runs),
-                                                              (0,) * len(runs))})
+    runs = fb.runs  # the runner's host facts, as the engine's step gets them (no readback of the index)
+    index = dataclasses.replace(index, host=HostRuns.of(np.array([r.first_pos for r in runs]),
+                                                        np.array([r.length for r in runs]), [0] * len(runs)))
     hidden = model(ids.to(device), None, cache.storage, index)
     ends = torch.tensor([r.start + r.length - 1 for r in runs]).to(device)
     model.logits(hidden[ends])
