@@ -6,7 +6,9 @@ chunked prefill, preemption, prefix caching, async scheduling, the cache tiers, 
 encoder-side replay of prefix hits (``v41_prefix_replay``, which prefix caching needs with the decoder replay
 on), ``hf_overrides`` (``config/v41_overrides.apply_v41_overrides``), dummy weights (``model/v41/dummy.py``) and
 ``DEEPINFER_BATCH_INVARIANT=1`` (every token alone, ``model/v41/invariant.py``; the two replays that compute
-differently by design are refused with it). Not yet: the GPU kernels, several ranks. Each is refused here with
+differently by design are refused with it). On CUDA (``model/v41/device.py``: FP4 experts through V4's fused
+kernel, dense FP8 dequantized) the step runs eagerly, without DSpark, the batch-invariant mode or a profiled
+cache budget (``check_v41_cuda``). Not yet: V4.1's own GPU kernels, several ranks. Each is refused here with
 the field and what is allowed.
 """
 
@@ -71,14 +73,39 @@ def check_v41_parallel(**sizes: int) -> None:
             raise ValueError(f"{name}: {V41_WHAT} runs on one device so far; allowed: 1")
 
 
+V41_DEVICES = ("cpu", "cuda")
+
+
+def check_v41_cuda(args) -> None:
+    """What V4.1 on CUDA does not do yet (``model/v41/device.py`` runs its step eagerly, its own kernels
+    unwritten): each refused with the field and what is allowed there."""
+    from deepinfer import env
+
+    where = f"{V41_WHAT} on cuda"
+    if not args.enforce_eager:
+        raise ValueError(f"enforce_eager: {where} runs its step eagerly (no CUDA graphs of it yet); allowed: True")
+    if args.speculative_config is not None:
+        raise ValueError(f"speculative_config: DSpark speculative decoding of {where} is not written yet; allowed "
+                         "on cuda: None (device='cpu' runs it)")
+    if env.batch_invariant():
+        raise ValueError(f"DEEPINFER_BATCH_INVARIANT: the batch-invariant mode of {where} is not written yet; "
+                         "allowed on cuda: 0 (device='cpu' runs it)")
+    if args.num_cache_blocks is None and args.cache_memory_gb is None:
+        # The CUDA budget subtracts a profiled activation peak (engine/sizing.py); V4.1's profile step is not
+        # written, and a budget without it would leave the step no room.
+        raise ValueError(f"num_cache_blocks: {where} needs the cache sized explicitly (its activation profile is "
+                         "not written); allowed: a block count, or cache_memory_gb")
+
+
 def check_v41_engine_args(args, device: str) -> None:
     """``args``: the ``EngineArgs``; raises ValueError naming the first unsupported field."""
     from deepinfer import env
 
     what = V41_WHAT
-    if device != "cpu":
-        raise ValueError(f"device: {what} runs on the engine's CPU reference path only so far (its GPU kernels "
-                         f"are not written); allowed: cpu")
+    if device not in V41_DEVICES:
+        raise ValueError(f"device: {what} runs on {' or '.join(V41_DEVICES)} so far; allowed: {', '.join(V41_DEVICES)}")
+    if device == "cuda":
+        check_v41_cuda(args)
     check_v41_parallel(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                        nnodes=args.nnodes)
     prefix_replay = check_prefix_replay(args.v41_prefix_replay)

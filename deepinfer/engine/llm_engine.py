@@ -68,14 +68,16 @@ class LLMEngine:
         ops = select_ops(config.device, config.batch_invariant)
         cuda = config.device == "cuda"
         if isinstance(config.model, V41Config):
-            # DeepSeek-V4.1: its own batched step over the same paged cache (model/v41/paged.py; CPU only).
+            # DeepSeek-V4.1: its own batched step over the same paged cache (model/v41/paged.py); on CUDA built
+            # quantized-first there (model/v41/device.py).
             from deepinfer.model.v41.paged import load_paged_v41
 
             self.model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
                                         dspark=config.speculative is not None,
                                         decoder_replay=config.v41_decoder_replay, load_format=config.load_format,
                                         seed=config.seed, tokenizer_dir=config.tokenizer_dir,
-                                        batch_invariant=config.batch_invariant)
+                                        batch_invariant=config.batch_invariant, device=config.device,
+                                        ops=ops if cuda else None)
         else:
             self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
                                     progress=config.load_progress, ops=ops if cuda else None, cfg=config.model,

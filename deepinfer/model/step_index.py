@@ -70,6 +70,23 @@ class StepRows:
 
 
 @dataclass(frozen=True)
+class HostRuns:
+    """Per sequence of a step, host values the runner has anyway: its tokens in the step, its end after it and
+    its bounded replay's boundary (0: none). V4.1's step lays its per-sequence work out from them
+    (``model/v41/paged.py``) instead of reading them back from the device index (a host sync)."""
+
+    lens: tuple[int, ...]
+    ends: tuple[int, ...]
+    emit_from: tuple[int, ...]
+
+    @classmethod
+    def of(cls, first: np.ndarray, lens: np.ndarray, emit_from) -> "HostRuns":
+        """From the runs' first positions and token counts (``build_slot_index``'s) and their boundaries."""
+        return cls(tuple(np.asarray(lens).tolist()), tuple((np.asarray(first) + lens).tolist()),
+                   tuple(map(int, emit_from)))
+
+
+@dataclass(frozen=True)
 class StepIndex:
     token_seq: torch.Tensor  # [T] int64 (padding tokens: the padding sequence, or 0 with position 0)
     positions: torch.Tensor  # [T] int64
@@ -90,6 +107,7 @@ class StepIndex:
     # row only, or of none (no prompt logprobs, no verified drafts). V4.1's decoder-side bounded replay
     # (model/v41/replay.py) narrows only such sequences' prefill chunks. Host values: the CPU step reads them.
     last_row_only: tuple[bool, ...] | None = None
+    host: HostRuns | None = None  # the same facts as host values, for models that ask (``HostRuns``)
 
     def _tensors(self) -> list[str]:
         return [f.name for f in fields(self) if f.type == "torch.Tensor"]

@@ -7,6 +7,7 @@ the Triton kernels, imported lazily so that only a CUDA process loads Triton. En
   indexer_select(q [L,Hi,Di], weights [L,Hi] fp32, keys [E,Di], limits [L], topk, scale) -> [L,k] int64
   fp8_linear(x [M,K], weight e4m3 [N,K], scale fp32 [N/128,K/128]) -> [M,N]
   fp8_linear_grouped(x [M,G*K], weight [G*r,K], scale, G) -> [M,G*r] (block-diagonal, one launch)
+  fp8_linear_b32(x [M,K], weight e4m3 [N,K], scale fp32 [N/32,K/32], pow2_scales) -> [M,N] (V4.1's dense)
   moe_experts_fp4(x, topk_ids, topk_weights, w13, s13, w2, s2, limit, out=None, add=None) -> [T,H]
   linear(x [M,K], weight [N,K]) -> [M,N]   (bf16 side projections and the MoE router)
   dense(x [...,K], weight [N,K]) -> [...,N]   (every other ``model/linear.Linear``: LM head, MTP projections,
@@ -122,6 +123,8 @@ class OpTable:
     dense_grouped: Callable = ref_linear.dense_grouped
     pointwise: Callable = ref_pointwise.direct
     token_mask: Callable = ref_mask.token_mask
+    # FP8 linear with 32x32-block scales (DeepSeek-V4.1's dense weights): x, weight, scale, pow2_scales -> y.
+    fp8_linear_b32: Callable = partial(ref_fp8.fp8_linear, block=(32, 32))
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
 
@@ -164,6 +167,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
     from deepinfer.ops.triton import compress_state as tri_state
     from deepinfer.ops.triton import fp4_codes as tri_fp4
     from deepinfer.ops.triton import fp8_linear as tri_fp8
+    from deepinfer.ops.triton import fp8_linear_b32 as tri_fp8_b32
     from deepinfer.ops.triton import indexer_topk as tri_index
     from deepinfer.ops.triton import linear as tri_linear
     from deepinfer.ops.triton import mhc as tri_mhc
@@ -198,7 +202,8 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    rope=tri_rn.rope, latent_norms=tri_rn.latent_norms, heads_norm_rope=tri_rn.heads_norm_rope,
                    moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
                    fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
-                   linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning, token_mask=tri_mask.token_mask)
+                   linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning, token_mask=tri_mask.token_mask,
+                   fp8_linear_b32=tri_fp8_b32.fp8_linear_b32)
     if not tuning.batch_invariant:
         return table
     # Batch-invariant (``tuning.invariant()``): the tuning already fixes the FP8 GEMMs' K segments and

@@ -44,7 +44,7 @@ from deepinfer.frozen_init import fast_init
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.deepseek_v4 import DeepseekV4
 from deepinfer.model.parallel.context import ContextShare, forward_with_share
-from deepinfer.model.step_index import build_slot_index
+from deepinfer.model.step_index import HostRuns, build_slot_index
 from deepinfer.ops.table import REF
 from deepinfer.runner.cuda_graphs import DecodeGraphs
 from deepinfer.runner.input_batch import InputBatch
@@ -180,6 +180,9 @@ class ModelRunner:
         # contract (V4.1: ``runner/dspark.DSparkDrafter``), used instead.
         self.drafter = drafter or (MTPDrafter(model, storage, batch, mtp_graphs) if speculative else None)
         self.device = next(model.parameters()).device
+        # A model that lays its step out from each sequence's count and end gets them as host values
+        # (``StepIndex.host``; V4.1's step) rather than reading the device index back.
+        self.host_runs = bool(getattr(model, "wants_host_runs", False))
         self.window = model.cfg.sliding_window
 
     def submit(self, plan: StepPlan, masks: Callable[[], StepMasks | np.ndarray | None] | None = None,
@@ -402,6 +405,8 @@ class ModelRunner:
             shift.apply(index)
         if any(emit_from):
             index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
+        if self.host_runs and shift is None:  # a shifted index's positions moved on the device: read there
+            index = dataclasses.replace(index, host=HostRuns.of(first, lens, emit_from))
         input_ids = to_device(ids, torch.int64, self.device)
         if placeholders is not None:
             input_ids[placeholders[0]] = placeholders[1]
@@ -443,7 +448,8 @@ class ModelRunner:
                                  pin_memory=self.device.type == "cuda").to(self.device)
         if any(emit_from):
             index = dataclasses.replace(index, emit_from=to_device(emit_from, torch.int64, self.device))
-        return index
+        return dataclasses.replace(index, host=HostRuns.of(first, lens, emit_from)) if self.host_runs else index
+
 
     def _prompt_logprobs(self, logits: torch.Tensor, work) -> tuple[LogprobTensors, list]:
         jobs = [w.prompt_logprobs for w in work]

@@ -159,3 +159,13 @@ def test_packed_storage_needs_the_models_rounding(cfg) -> None:
     index = build_step_index(ForwardBatch(()), storage, cfg.sliding_window, num_tokens=2, num_seqs=1, max_len=128)
     with pytest.raises(ValueError, match=r"^storage: packed cache rows .*\(cache_qdq=False\)"):
         model(torch.zeros(2, dtype=torch.long), None, storage, index)
+
+
+def test_e2m1_grid_computed_on_the_device_is_the_format_table() -> None:
+    """The e2m1 levels and midpoints are computed where they are used (no host copy: a sync on a GPU)."""
+    from deepinfer.model.v41 import cache_quant
+
+    for dtype in (torch.float32, torch.bfloat16):
+        mids, levels = cache_quant._e2m1_grid(torch.device("cpu"), dtype)
+        assert levels.tolist() == list(cache_quant._E2M1_LEVELS) and levels.dtype == dtype
+        assert mids.tolist() == list(cache_quant._E2M1_MIDPOINTS)

@@ -41,11 +41,21 @@ def pow2_ceil(value: torch.Tensor) -> torch.Tensor:
     return (exponent << 23).view(torch.float32)
 
 
+@functools.cache
+def _e2m1_grid(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(midpoints, levels) of the e2m1 magnitudes, computed on ``device`` once: a copy of host values is a
+    host sync on a GPU (every cache write and read of a step would pay one, the first inside the step)."""
+    code = torch.arange(8, device=device, dtype=torch.float32)
+    # 0, 0.5 (subnormal), then 2^(e - 1) * (1 + m / 2) for exponent e = code // 2, mantissa bit m = code % 2.
+    levels = torch.where(code < 2, code * 0.5, torch.exp2(torch.floor(code / 2) - 1) * (1 + (code % 2) * 0.5))
+    return ((levels[:-1] + levels[1:]) / 2).to(dtype), levels.to(dtype)
+
+
 def _e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """Values in [-6, 6] -> the magnitude code (0..7) of the nearest e2m1 value; a value on a midpoint goes to
     the even code."""
     magnitude = x.abs().contiguous()
-    midpoints = magnitude.new_tensor(_E2M1_MIDPOINTS)
+    midpoints = _e2m1_grid(magnitude.device, magnitude.dtype)[0]
     code = torch.bucketize(magnitude, midpoints)  # a midpoint itself falls to the lower code
     on_midpoint = magnitude == midpoints[code.clamp_max(len(_E2M1_MIDPOINTS) - 1)]
     return code + (on_midpoint & (code % 2 == 1)).to(code.dtype)  # odd lower code: the even one is above
@@ -53,7 +63,7 @@ def _e2m1_code(x: torch.Tensor) -> torch.Tensor:
 
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Values in [-6, 6] -> nearest e2m1 value, with x's sign (zero included)."""
-    return torch.copysign(x.new_tensor(_E2M1_LEVELS)[_e2m1_code(x)], x)
+    return torch.copysign(_e2m1_grid(x.device, x.dtype)[1][_e2m1_code(x)], x)
 
 
 def _scaled_groups(values: torch.Tensor, fmt: CacheFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +107,7 @@ def _byte_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torc
     byte = torch.arange(256, dtype=torch.int32, device=device)
     e4m3 = byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
     nibble = torch.stack((byte & 15, byte >> 4), dim=-1)
-    level = torch.tensor(_E2M1_LEVELS, dtype=torch.float32, device=device)[nibble & 7]
+    level = _e2m1_grid(device, torch.float32)[1][nibble & 7]
     return e4m3, (byte << 23).view(torch.float32), torch.where(nibble >= 8, -level, level)  # -0.0 for code 8
 
 

@@ -133,7 +133,9 @@ class EngramHasher(nn.Module):
     def rows_from_lookback(self, lookback: torch.Tensor) -> torch.Tensor:
         """lookback [Q, max n-gram] (the token ids at positions p, p - 1, ..., -1 before position 0) -> rows
         [Q, engram layers, hash heads]; the engine's paged step reads the lookback from its cache."""
-        if lookback.numel() and int(lookback.max()) >= self.token_map.numel():
+        # Checked on the CPU only: on a device it would be a host sync per step (the engine's intake has
+        # checked every id against the vocabulary already).
+        if lookback.device.type == "cpu" and lookback.numel() and int(lookback.max()) >= self.token_map.numel():
             raise ValueError(f"input_ids: token ids must lie in [0, {self.token_map.numel()}) for Engram hashing")
         # A shift before position 0 is the pad id; positions only decrease with the shift, so once a shift is
         # blocked every longer one is too.
@@ -166,7 +168,7 @@ class Engram(nn.Module):
     def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """streams [T, N, H], rows [T, hash heads] -> streams with x_j + gate_j * value (gate per token and
         stream: a signed square root of the normalised key/stream dot product, through a sigmoid)."""
-        if bool(((rows < 0) | (rows >= self.rows)).any()):
+        if rows.device.type == "cpu" and bool(((rows < 0) | (rows >= self.rows)).any()):  # no sync on a device
             raise ValueError(f"engram rows must lie in [0, {self.rows})")
         memory = self.embed.weight[rows].flatten(-2).to(streams.dtype)
         key, value = self.wkv(memory).split((self.streams * self.hidden, self.hidden), dim=-1)

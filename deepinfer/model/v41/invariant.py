@@ -45,4 +45,6 @@ def token_steps(index: StepIndex) -> Iterator[tuple[int, StepIndex]]:
         seq, pos = index.token_seq[i:i + 1], index.positions[i:i + 1]
         seq_end = index.seq_end.clone()
         seq_end[seq] = pos + 1
-        yield i, dataclasses.replace(index, token_seq=seq, positions=pos, seq_end=seq_end, last_row_only=None)
+        # host=None: the step reads its per-sequence facts from these tensors (the whole step's would be wrong).
+        yield i, dataclasses.replace(index, token_seq=seq, positions=pos, seq_end=seq_end, last_row_only=None,
+                                     host=None)

@@ -54,6 +54,8 @@ class MoE(nn.Module):
         self.gate = Gate(cfg.hidden_size, experts, dtype)
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, limit, dtype) for _ in range(experts))
         self.shared_experts = Expert(cfg.hidden_size, inter, limit, dtype)
+        # The experts stacked as one FP4 module on a device (``device.py``: ``FusedFP4Experts``); None: the loop.
+        self.routed: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
         """x [T, H], image_mask [T] bool -> [T, H]."""
@@ -63,6 +65,8 @@ class MoE(nn.Module):
         weights, indices = route(logits, "sqrtsoftplus", self.top_k, c.norm_topk_prob,
                                  c.routed_scaling_factor, bias=bias)
         out = self.shared_experts(x).float()
+        if self.routed is not None:  # the routed sum in x.dtype (V4's combine), added to the shared in fp32
+            return (out + self.routed(x, indices, weights).float()).to(x.dtype)
         for e in torch.unique(indices).tolist():  # ascending expert order
             tok, slot = torch.where(indices == e)
             out.index_add_(0, tok, self.experts[e](x[tok]).float() * weights[tok, slot, None])

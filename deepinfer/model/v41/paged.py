@@ -33,8 +33,10 @@ decoder replay's bound can only raise), and emit no compressed entry, index key 
 before H: those history rows are shared cached blocks and stay exactly as first computed. Engram's lookback
 reads the token ids from the history pool, where that layout keeps them.
 
-This is the CPU reference path of the engine (one sequence loop per compressed layer); GPU kernels for it
-are future work. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
+This is the engine's reference path (one sequence loop per compressed layer), on the CPU and, built by
+``device.py``, on a GPU; V4.1's own GPU kernels are future work. The forward makes no host sync: the per-sequence
+layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
+(``StepIndex.host``), and the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
 ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows
 in the released formats: the step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and
 reads them back dequantized (``load_rows``), the same values as ``qdq``'s bit for bit. An unpacked layout
@@ -46,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +69,8 @@ from deepinfer.model.v41.model import DeepseekV41
 from deepinfer.model.v41.replay import DecoderReplay
 from deepinfer.model.v41.rope import angles, apply_rope
 from deepinfer.ops.ref.step_rows import lookup
+from deepinfer.ops.table import OpTable
+from deepinfer.runner.transfer import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +99,10 @@ class _Step:
     # [T] or None: per token, the encoder-side replay's boundary H (positions before it are in cached history
     # blocks: no entry, index key or token id is written for them), 0 outside a replay
     emit_from: torch.Tensor | None = None
+    # Per compression ratio r: the flat rows of the tokens that close an entry (and are not before their
+    # replay's boundary), laid out on the host from the runs (a mask selection on the device is a host sync);
+    # for r = 1, None: every token. None after ``narrowed`` (no KV source runs on a narrowed step).
+    closing: dict[int, torch.Tensor | None] | None = None
 
     @property
     def round_rows(self) -> bool:
@@ -117,7 +126,9 @@ class _Step:
 
 def _resident(rows: torch.Tensor, wanted: torch.Tensor, what: str) -> torch.Tensor:
     """``rows`` from ``lookup``; every wanted one must exist (the manager keeps what a step reads)."""
-    if bool((wanted & (rows < 0)).any()):
+    # Checked where it costs no host sync: on a device the host built the index from tables whose residency
+    # it checked (``step_index``), and the manager keeps every block a running sequence reads.
+    if rows.device.type == "cpu" and bool((wanted & (rows < 0)).any()):
         raise IndexError(f"{what}: a needed cache block was released or is missing")
     return rows.clamp_min(0)
 
@@ -125,6 +136,8 @@ def _resident(rows: torch.Tensor, wanted: torch.Tensor, what: str) -> torch.Tens
 class PagedV41(nn.Module):
     """``DeepseekV41``'s weights run as the engine's model: ``forward(ids, None, storage, index)`` -> the final
     collapsed residual [T, H]; ``logits(rows)`` -> fp32 logits."""
+
+    wants_host_runs = True  # the runner hands the step's per-sequence facts as host values (``StepIndex.host``)
 
     def __init__(self, model: DeepseekV41, decoder_replay: str = "off", batch_invariant: bool = False) -> None:
         """``decoder_replay``: the decoder-side bounded replay of long prefill chunks (``replay.py``: off / v41
@@ -138,6 +151,9 @@ class PagedV41(nn.Module):
             raise ValueError(f"v41_decoder_replay: {decoder_replay!r} narrows chunks by their length; the "
                              "batch-invariant mode needs 'off'")
         self.batch_invariant = batch_invariant
+        # The KV sources' ratios, and 1: the tokens not before their replay's boundary (Engram's new ids).
+        self._ratios = sorted({1} | {self.cfg.role(i).ratio for i in range(self.cfg.num_hidden_layers)
+                                     if self.cfg.role(i).kv_source})
         self._taps = frozenset(self.cfg.dspark.target_layer_ids) if model.mtp is not None else frozenset()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -200,10 +216,14 @@ class PagedV41(nn.Module):
     # ---- the step's shared facts ----------------------------------------------------------------------
     def _step(self, storage: KVStorage, index: StepIndex) -> _Step:
         rows = index.rows()
-        # The runner lays every sequence's tokens out contiguously, in table-row order.
-        lens = torch.bincount(index.token_seq, minlength=index.seq_end.numel()).tolist()
-        ends = index.seq_end.tolist()
-        emit = [0] * len(ends) if index.emit_from is None else index.emit_from.tolist()
+        # The runner lays every sequence's tokens out contiguously, in table-row order, and hands their counts
+        # and ends as host values (``StepIndex.host``); direct callers' indexes are read back (host syncs).
+        if index.host is not None:
+            lens, ends, emit = list(index.host.lens), list(index.host.ends), list(index.host.emit_from)
+        else:
+            lens = torch.bincount(index.token_seq, minlength=index.seq_end.numel()).tolist()
+            ends = index.seq_end.tolist()
+            emit = [0] * len(ends) if index.emit_from is None else index.emit_from.tolist()
         replay = storage.layout.prefix_replay
         if storage.packed and not self.model.cache_qdq:
             raise ValueError("storage: packed cache rows (kv_cache_dtype 'auto') hold the released formats' "
@@ -221,7 +241,26 @@ class PagedV41(nn.Module):
         ang = {"main": angles(self.cfg.main_rope, pos), "compress": angles(self.cfg.compress_rope, pos)}
         per_token = index.emit_from[index.token_seq] if any(emit) else None
         return _Step(index, storage, rows.window_rows, rows.state_rows, tuple(runs), ang, self.model.cache_qdq, pos,
-                     per_token)
+                     per_token, self._closing(runs, emit, pos.device))
+
+    def _closing(self, runs: list[_Run], emit: list[int], device: torch.device) -> dict[int, torch.Tensor | None]:
+        """``_Step.closing`` of the model's KV-source ratios, from the runs' host values (one copy)."""
+        out, arrays = {}, []
+        for ratio in self._ratios:
+            if ratio == 1 and not any(emit):
+                out[ratio] = None
+                continue
+            picked = []
+            for run in runs:
+                p = np.arange(run.first, run.end)
+                keep = ((p + 1) % ratio == 0) & (p >= emit[run.seq])
+                picked.append(np.flatnonzero(keep) + run.lo)
+            arrays.append((ratio, np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)))
+        if arrays:
+            flat = to_device(np.concatenate([a for _, a in arrays]).astype(np.int64), torch.int64, device)
+            for (ratio, _), t in zip(arrays, flat.split([len(a) for _, a in arrays])):
+                out[ratio] = t
+        return out
 
     def _engram_rows(self, input_ids: torch.Tensor, step: _Step) -> torch.Tensor:
         """Write the step's token ids to the cache, read each token's n-gram lookback back, hash it."""
@@ -229,7 +268,8 @@ class PagedV41(nn.Module):
         idx = step.index
         if step.storage.layout.layer(ENGRAM_KEY).tensor("token_ids").pool == HISTORY:
             # The token history (encoder-side replay layout): a replayed position's id is in a cached block.
-            table, new = idx.history_table, slice(None) if step.emit_from is None else idx.positions >= step.emit_from
+            table = idx.history_table
+            new = slice(None) if step.emit_from is None else step.closing[1]
             where = lookup(table, idx.token_seq[new], idx.positions[new], idx.block_size)
             ids[_resident(where, where.new_ones(where.shape, dtype=torch.bool), "engram ids")] = \
                 input_ids[new].to(ids.dtype).unsqueeze(-1)
@@ -276,21 +316,20 @@ class PagedV41(nn.Module):
         idx, comp, ratio = step.index, att.compressor, att.ratio
         pos, seq = idx.positions, idx.token_seq
         # An encoder-side replay: entries closing before the boundary are cached; they stay as first computed.
-        fresh = None if step.emit_from is None else pos >= step.emit_from
+        if step.closing is None:
+            raise ValueError(f"{key}: a KV source on a narrowed step (the decoder replay starts after the last one)")
+        closing = step.closing[ratio]
         if ratio == 1:  # one entry per token: a projection
             latent = comp.norm(F.linear(x, comp.wkv.weight.to(x.dtype)))
-            if fresh is not None:
-                pos, seq, latent = pos[fresh], seq[fresh], latent[fresh]
+            if closing is not None:
+                pos, seq, latent = pos[closing], seq[closing], latent[closing]
         else:
             # Each position's fp32 value and gate rows go to the state pool; entry j pools positions
             # j * r .. j * r + r - 1, closed by the last of them (earlier ones may be from an earlier step).
             state = step.storage.get(key, "compressor_state")
             state[step.state_rows] = torch.cat((F.linear(x.float(), comp.wkv.weight.float()),
                                                 F.linear(x.float(), comp.wgate.weight.float())), dim=-1)
-            closes = (pos + 1) % ratio == 0
-            if fresh is not None:
-                closes &= fresh
-            pos, seq = pos[closes], seq[closes]
+            pos, seq = pos[closing], seq[closing]
             group = pos.unsqueeze(-1) - ratio + 1 + torch.arange(ratio, device=pos.device)
             pair = state[_resident(lookup(idx.state_table, seq, group, idx.block_size), group >= 0, f"{key} state")]
             values, scores = pair.split(att.head_dim, dim=-1)
@@ -321,17 +360,28 @@ class PagedV41(nn.Module):
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
                    dspark: bool = False, decoder_replay: str = "off", load_format: str = "auto", seed: int = 0,
-                   tokenizer_dir: str | Path | None = None, batch_invariant: bool = False) -> PagedV41:
+                   tokenizer_dir: str | Path | None = None, batch_invariant: bool = False,
+                   device: str = "cpu", ops: OpTable | None = None) -> PagedV41:
     """The engine's V4.1 model from a checkpoint directory (its tokenizer.json is part of Engram's hash);
     ``dspark``: with the DSpark drafter (speculative decoding); ``decoder_replay``: ``PagedV41``'s.
     ``load_format="dummy"``: random weights seeded by ``seed`` (``dummy.py``); Engram then hashes with the
     tokenizer of ``tokenizer_dir`` (the engine's), since a shapes directory has none. ``batch_invariant``:
-    ``PagedV41``'s (``DEEPINFER_BATCH_INVARIANT=1``)."""
+    ``PagedV41``'s (``DEEPINFER_BATCH_INVARIANT=1``). ``ops`` (an op table): built quantized-first on ``device``
+    with it (``device.py``: FP4 experts fused, dense FP8 dequantized); None: the plain model on the CPU."""
     from deepinfer.model.v41.loader import load_tokenizer, load_v41_model
 
     tokenizer = None
     if load_format == "dummy" and cfg.active_engram_layers:
         tokenizer = load_tokenizer(Path(tokenizer_dir if tokenizer_dir is not None else model_dir))
+    if ops is not None:
+        from deepinfer.model.v41.device import dummy_v41_on_device, load_v41_on_device
+
+        if tokenizer is None and cfg.active_engram_layers:
+            tokenizer = load_tokenizer(Path(model_dir))
+        kw = dict(tokenizer=tokenizer, cache_qdq=cache_quantization, dspark=dspark)
+        model = dummy_v41_on_device(cfg, dtype, device, ops, seed=seed, **kw) if load_format == "dummy" else \
+            load_v41_on_device(model_dir, cfg, dtype, device, ops, **kw)
+        return PagedV41(model, decoder_replay, batch_invariant)
     model, _ = load_v41_model(model_dir, dtype, cfg=cfg, tokenizer=tokenizer, cache_qdq=cache_quantization,
                               dspark=dspark, load_format=load_format, seed=seed)
     return PagedV41(model.eval(), decoder_replay, batch_invariant)
