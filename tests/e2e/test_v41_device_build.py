@@ -33,3 +33,33 @@ def test_device_build_engine_equals_its_plain_model(tmp_path, monkeypatch, one_t
     assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
     for i, ids in enumerate(prompts):
         assert got[f"r{i}"] == plain.greedy(torch.tensor(ids), MAX_TOKENS), f"prompt {i} ({len(ids)} tokens)"
+
+
+def test_device_build_lays_out_every_expert_in_the_tables_layout(tmp_path) -> None:
+    """With the Triton table's FP4 layout (tile-major, placed codes: plain torch, so checkable on the CPU), every
+    fused expert module of the build holds that layout of its stored codes: experts are laid out in batches as
+    they load, and the last batch must not stay in the checkpoint's layout."""
+    import dataclasses
+
+    from deepinfer.config.v41 import V41Config
+    from deepinfer.model.v41.device import load_v41_on_device
+    from deepinfer.ops import fp4_layout
+    from deepinfer.ops.table import REF
+    from deepinfer.model.v41.loader import load_tokenizer
+
+    path = write_tiny_v41(tmp_path, seed=3)
+    cfg, tok = V41Config.from_model_dir(path), load_tokenizer(path)
+    tiled_ops = dataclasses.replace(REF, name="ref-tiled", fp4_expert_layout=fp4_layout.expert_layout)
+    stored = load_v41_on_device(path, cfg, torch.float32, "cpu", REF, tokenizer=tok)
+    tiled = load_v41_on_device(path, cfg, torch.float32, "cpu", tiled_ops, tokenizer=tok)
+    checked = 0
+    for a, b in zip(stored.layers, tiled.layers):
+        if not isinstance(a.ffn, MoE) or a.ffn.routed is None:
+            continue
+        for codes, scales in (("w13", "s13"), ("w2", "s2")):
+            want = fp4_layout.expert_layout(*a.ffn.routed._stored(codes))
+            for name, t in zip((codes, scales), want):
+                got = getattr(b.ffn.routed, name)
+                assert torch.equal(got, t.reshape(got.shape)), f"{name} not in the table's layout"
+        checked += 1
+    assert checked

@@ -99,6 +99,7 @@ def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device
                 for w in ("w1", "w3", "w2"):
                     routed.load(e, w, *codes(f"{prefix}.experts.{e}.{w}.weight",
                                              (h, inter) if w == "w2" else (inter, h)))
+            routed.lay_out_arrived()  # ``load`` lays experts out in batches; the last batch is laid out here
             if routed.pending():
                 raise ValueError(f"{prefix}: experts {routed.pending()} got only one of w1 / w3")
     if cfg.active_engram_layers:
