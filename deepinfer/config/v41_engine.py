@@ -8,8 +8,10 @@ on), ``hf_overrides`` (``config/v41_overrides.apply_v41_overrides``), dummy weig
 ``DEEPINFER_BATCH_INVARIANT=1`` (every token alone, ``model/v41/invariant.py``; the two replays that compute
 differently by design are refused with it). On CUDA (``model/v41/device.py``: FP4 experts through V4's fused
 kernel, dense FP8 dequantized) the step runs eagerly, without DSpark, the batch-invariant mode or a profiled
-cache budget (``check_v41_cuda``). Not yet: V4.1's own GPU kernels, several ranks. Each is refused here with
-the field and what is allowed.
+cache budget (``check_v41_cuda``). On several ranks of the CPU (``model/v41/parallel.py``): data-parallel
+attention, with expert parallelism or without (``check_v41_parallel``, ``check_v41_ranks``). Not yet: V4.1's own
+GPU kernels; tensor and context parallelism, several nodes, expert load balancing and DSpark on several ranks.
+Each is refused here with the field and what is allowed.
 """
 
 from __future__ import annotations
@@ -65,12 +67,35 @@ def check_prefix_replay(mode: object, field: str = "v41_prefix_replay") -> str:
 V41_WHAT = "DeepSeek-V4.1 (model_type deepseek_v41)"
 
 
-def check_v41_parallel(**sizes: int) -> None:
-    """Raises a ValueError naming the first of ``sizes`` (``tensor_parallel_size=2``, ...) that is not 1: the
-    engine runs V4.1 in one process on one device so far (also what ``deepinfer info`` plans)."""
-    for name, value in sizes.items():
-        if value != 1:
-            raise ValueError(f"{name}: {V41_WHAT} runs on one device so far; allowed: 1")
+def check_v41_parallel(*, tensor_parallel_size: int = 1, data_parallel_size: int = 1, context_parallel_size: int = 1,
+                       nnodes: int = 1) -> None:
+    """Raises a ValueError naming the first field the engine cannot run V4.1 with on several ranks (also what
+    ``deepinfer info`` plans). Runs: data-parallel attention (``data_parallel_size``), with or without expert
+    parallelism (``model/v41/parallel.py``). Not yet: tensor parallelism of V4.1's attention, context
+    parallelism, several nodes."""
+    del data_parallel_size  # any: each DP rank runs its own sequences with the one-device code
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size: {V41_WHAT} runs without tensor parallelism so far (its attention is "
+                         "not split over ranks yet); allowed: 1 "
+                         "(several ranks: data_parallel_size, with enable_expert_parallel to spread the experts)")
+    if context_parallel_size != 1:
+        raise ValueError(f"context_parallel_size: {V41_WHAT} runs without context parallelism so far; allowed: 1")
+    if nnodes != 1:
+        raise ValueError(f"nnodes: {V41_WHAT} runs on the ranks of one node so far; allowed: 1")
+
+
+def check_v41_ranks(args, device: str) -> None:
+    """What V4.1 on several ranks (data_parallel_size > 1) does not do yet, each refused with the field and what
+    is allowed there."""
+    where = f"{V41_WHAT} on several ranks"
+    if device != "cpu":
+        raise ValueError(f"device: {where} runs on the CPU so far (its device experts are not split over ranks); "
+                         "allowed with data_parallel_size > 1: cpu")
+    if args.speculative_config is not None:
+        raise ValueError(f"speculative_config: DSpark speculative decoding of {where} is not written yet; allowed "
+                         "with data_parallel_size > 1: None")
+    if args.enable_eplb:
+        raise ValueError(f"enable_eplb: expert load balancing of {where} is not written yet; allowed: False")
 
 
 V41_DEVICES = ("cpu", "cuda")
@@ -107,7 +132,9 @@ def check_v41_engine_args(args, device: str) -> None:
     if device == "cuda":
         check_v41_cuda(args)
     check_v41_parallel(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                       nnodes=args.nnodes)
+                       context_parallel_size=args.context_parallel_size, nnodes=args.nnodes)
+    if args.tensor_parallel_size * args.data_parallel_size > 1:
+        check_v41_ranks(args, device)
     prefix_replay = check_prefix_replay(args.v41_prefix_replay)
     if check_decoder_replay(args.v41_decoder_replay) != "off" and args.enable_prefix_caching \
             and prefix_replay == "exact":
@@ -128,6 +155,12 @@ def check_v41_engine_args(args, device: str) -> None:
             raise ValueError(f"v41_prefix_replay: {args.v41_prefix_replay!r} recomputes the window behind a prefix "
                              "hit, so a token's bits follow whether its prefix was cached; allowed with "
                              "DEEPINFER_BATCH_INVARIANT=1: exact (or enable_prefix_caching=False)")
+        if args.enable_expert_parallel and args.data_parallel_size > 1:
+            # The mode runs a step's tokens one forward each, so ranks with different token counts would make
+            # different numbers of expert exchanges.
+            raise ValueError("enable_expert_parallel: DEEPINFER_BATCH_INVARIANT=1 runs every token alone, a forward "
+                             f"(an expert exchange per layer) each, which the ranks of {V41_WHAT} cannot pair up yet; "
+                             "allowed with it: False (data parallelism alone)")
 
 
 def check_v41_speculative(spec: "SpeculativeConfig", cfg: "V41Config") -> None:

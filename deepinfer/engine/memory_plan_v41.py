@@ -15,9 +15,11 @@ The same questions as V4's plan (``memory_plan.py``), answered from V4.1's own p
   * activations: V4's estimate (V4.1 has the same streams, heads and MoE fields) plus the Engram lookup of the
     widest layer.
 
-Parallel layouts: the engine runs V4.1 on one device so far (``config/v41_engine.py``), so a deployment of
-several devices is not planned; the plan says why. Expert parallelism over one device holds every expert,
-like no expert parallelism. The engine also runs V4.1 on its CPU reference path only, which dequantizes the
+Parallel layouts: the engine runs V4.1 with data-parallel attention, with expert parallelism or without
+(``model/v41/parallel.py``, ``config/v41_engine.check_v41_parallel``): a device holds every non-expert weight and
+its 1/world of the routed experts with expert parallelism (all of them without), and its DP rank's cache. Tensor
+and context parallelism are not planned (the engine refuses them); the plan says why. The DSpark drafter is not
+planned with several ranks (the engine refuses it there). The engine also runs V4.1 on its CPU reference path only, which dequantizes the
 weights as it reads them: ``weights_dequantized_gib`` is what that path holds.
 """
 
@@ -136,6 +138,10 @@ def _plan(cfg: V41Config, d: Deployment, device_bytes: int, target: V41Weights, 
     weights, experts = target.total, target.routed_experts
     if drafter is not None:
         weights, experts = weights + drafter.total, experts + drafter.routed_experts
+    ep = d.world_size if d.enable_expert_parallel else 1
+    if ep > 1:  # the backbone's experts spread evenly (the drafter's stay whole: it is refused on several ranks)
+        weights -= target.routed_experts - target.routed_experts // ep
+        experts -= target.routed_experts - target.routed_experts // ep
     acts = activation_bytes_estimate(cfg, d) + engram_activation_bytes(cfg, d)  # type: ignore[arg-type]
     slack = speculative_slack(cfg.dspark.block_size if drafter is not None else 0)[1]
     return fit(d, device_bytes, weights, experts, acts, cache_layout(cfg, d, drafter is not None),
@@ -177,7 +183,7 @@ def _not_fitting(cfg: V41Config, d: Deployment, specs: Specs, dspark: bool) -> s
     need = smallest_device_gib(cfg, d, specs, dspark)
     where = (f"a device of at least {need} GiB (--device-memory-gib {need})" if need is not None
              else f"no device of up to {_LARGEST_DEVICE_GIB} GiB")
-    return (f"no layout the engine supports for DeepSeek-V4.1 fits (it runs V4.1 on one device so far): "
+    return (f"no layout the engine supports for DeepSeek-V4.1 fits (this one, or one device): "
             f"{where} would hold it at --gpu-memory-utilization {d.gpu_memory_utilization}")
 
 
@@ -186,6 +192,9 @@ def _dspark_dict(cfg: V41Config, d: Deployment, device_bytes: int, specs: Specs)
         cfg.check_dspark()
     except ValueError as e:
         return {"available": False, "reason": str(e)}
+    if d.world_size > 1:
+        return {"available": False, "reason": "speculative_config: DSpark speculative decoding of DeepSeek-V4.1 on "
+                "several ranks is not written yet; allowed with data_parallel_size > 1: None"}
     drafter = V41Weights.of(cfg, specs, drafter=True)
     without = bytes_per_token(cache_layout(cfg, d, dspark=False))
     extra = {p: b - without[p] for p, b in bytes_per_token(cache_layout(cfg, d, dspark=True)).items()}
@@ -237,6 +246,9 @@ def describe_v41(cfg: V41Config, d: Deployment, device_bytes: int, specs: Specs 
     out["note"] = ("per device as one device holding the checkpoint's formats needs it; the engine runs V4.1 on "
                    "its CPU reference path so far (device cuda is refused), which dequantizes the weights as it "
                    "reads them: weights_dequantized_gib at dtype bfloat16")
+    if d.world_size > 1:
+        out["note"] += ("; several ranks run on device cpu only so far (V4.1's device experts are not split over "
+                        "ranks)")
     if not p.fits:
         out["suggestion"] = _not_fitting(cfg, d, specs, dspark=False)
     return out

@@ -4,6 +4,8 @@ for V4.1, the V4.1-Flash shapes, and the CLI's error for a model directory witho
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -121,8 +123,9 @@ def test_plan_cache_tokens_are_what_the_engine_allocates_for_the_budget_left(tin
 
 
 @pytest.mark.parametrize("flags, field", [(["-tp", "2"], "tensor_parallel_size"),
-                                          (["-dp", "2", "--enable-expert-parallel"], "data_parallel_size"),
-                                          (["-dp", "2", "-cp", "2"], "data_parallel_size")])
+                                          (["-tp", "2", "-dp", "2", "--enable-expert-parallel"],
+                                           "tensor_parallel_size"),
+                                          (["-dp", "2", "-cp", "2"], "context_parallel_size")])
 def test_layouts_the_engine_does_not_run_for_v41_are_not_planned(tiny_dir, capsys, flags, field) -> None:
     assert main(["info", "--model", tiny_dir, "--block-size", "128", *flags]) == 1
     captured = capsys.readouterr()
@@ -131,6 +134,27 @@ def test_layouts_the_engine_does_not_run_for_v41_are_not_planned(tiny_dir, capsy
     assert plan["reason"].startswith(f"{field}: DeepSeek-V4.1") and "allowed: 1" in plan["reason"]
     assert plan["suggestion"] == "--tensor-parallel-size 1 --data-parallel-size 1 (1 device)"
     assert captured.err.startswith(f"error: not supported: {field}") and captured.err.count("\n") == 1
+
+
+def test_data_and_expert_parallel_plan_of_the_tiny_model(tiny_dir, capsys) -> None:
+    """DP2 + EP: a device holds half of the routed experts and every other weight; DP2 alone all of them; the
+    drafter is not planned on several ranks (the engine refuses it there)."""
+    base = ["info", "--model", tiny_dir, "--block-size", "128", "--device-memory-gib", "140"]
+    plans = []
+    for flags in ([], ["-dp", "2"], ["-dp", "2", "--enable-expert-parallel"]):
+        assert main([*base, *flags]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["memory_plan"])
+    one, dp, ep = plans
+    assert dp["supported"] and ep["supported"] and dp["devices"] == ep["devices"] == 2
+    assert dp["per_device_gib"] == one["per_device_gib"]
+    specs = v41_parameter_specs(V41Config.from_model_dir(tiny_dir))
+    d = Deployment(block_size=128)
+    p1 = plan_v41(V41Config.from_model_dir(tiny_dir), d, H200, specs)
+    p2 = plan_v41(V41Config.from_model_dir(tiny_dir), dataclasses.replace(d, data_parallel_size=2,
+                                                                         enable_expert_parallel=True), H200, specs)
+    assert p2.expert_bytes * 2 == p1.expert_bytes and p1.weight_bytes - p2.weight_bytes == p2.expert_bytes
+    assert ep["dspark"]["available"] is False and ep["dspark"]["reason"].startswith("speculative_config: ")
+    assert "device cpu only" in ep["note"]
 
 
 def test_one_device_plan_of_the_tiny_model(tiny_dir, capsys) -> None:

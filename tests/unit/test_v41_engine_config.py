@@ -63,12 +63,31 @@ def test_v41_checkpoint_gets_its_config(v41_dir) -> None:
     ({"device": "cuda", "enforce_eager": True, "num_cache_blocks": 8,
       "speculative_config": {"method": "dspark", "num_speculative_tokens": 2}}, "speculative_config"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-    ({"data_parallel_size": 2}, "data_parallel_size"),
+    ({"data_parallel_size": 2, "context_parallel_size": 2}, "context_parallel_size"),
+    ({"data_parallel_size": 2, "nnodes": 2}, "nnodes"),
+    ({"data_parallel_size": 2, "enable_expert_parallel": True, "enable_eplb": True}, "enable_eplb"),
+    ({"data_parallel_size": 2, "speculative_config": {"method": "dspark", "num_speculative_tokens": 2}},
+     "speculative_config"),
+    ({"device": "cuda", "enforce_eager": True, "num_cache_blocks": 8, "data_parallel_size": 2}, "device"),
 ])
 def test_what_v41_does_not_support_yet_is_refused(v41_dir, kw, field) -> None:
     args = {"device": "cpu", **kw}
     with pytest.raises(ValueError, match=rf"^{field}: .*(allowed|V4\.1)"):
         EngineConfig.create(EngineArgs(model=str(v41_dir), **args))
+
+
+def test_v41_on_several_cpu_ranks_is_accepted(v41_dir, monkeypatch) -> None:
+    """Data-parallel attention, with expert parallelism or without; the batch-invariant mode (a forward per
+    token) only without it."""
+    for kw in ({"data_parallel_size": 2}, {"data_parallel_size": 2, "enable_expert_parallel": True},
+               {"data_parallel_size": 4, "enable_expert_parallel": True}):
+        config = EngineConfig.create(EngineArgs(model=str(v41_dir), device="cpu", **kw))
+        assert isinstance(config.model, V41Config) and config.parallel.data_parallel_size == kw["data_parallel_size"]
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    EngineConfig.create(EngineArgs(model=str(v41_dir), device="cpu", data_parallel_size=2))
+    with pytest.raises(ValueError, match=r"^enable_expert_parallel: DEEPINFER_BATCH_INVARIANT=1 .*allowed with it: False"):
+        EngineConfig.create(EngineArgs(model=str(v41_dir), device="cpu", data_parallel_size=2,
+                                       enable_expert_parallel=True))
 
 
 def test_v41_on_cuda_refusals_name_what_is_allowed(v41_dir, monkeypatch) -> None:

@@ -26,6 +26,8 @@ runs such a rank's layers as an empty step), so the collectives never wait for i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -65,25 +67,16 @@ def expert_range(pctx: ParallelContext, n_experts: int) -> range:
     return range(pctx.ep_rank * per, (pctx.ep_rank + 1) * per)
 
 
-class EPMoE(MoE):
-    """Holds this rank's physical expert slots as ``experts[0..n)`` (local numbering: ``routed``, the
-    ``ExpertLoop`` or, after the device transform, the fused FP4 experts, runs them by local slot id). Loaded
-    as the experts of ``expert_range``; load balancing (``model/parallel/eplb.py``) may add redundant slots
-    and change which expert each slot holds (``set_placement``)."""
+class ExpertDispatch:
+    """The expert-parallel exchange of one MoE layer (steps 2-4 of the module docstring up to the weighting),
+    shared by V4's ``EPMoE`` and V4.1's (``model/v41/parallel.py``), whose expert math and combine differ: a rank
+    holds its physical expert slots, routes by ``placement`` and exchanges (token, expert) pairs with the slots'
+    ranks over the EP group."""
 
     pctx: ParallelContext
-    first_expert: int
-    num_local: int  # ``experts`` is emptied when the device transform fuses them
     placement: ExpertPlacement
     load: ExpertLoadWindow | None  # the rank's load counters when load balancing is on
     layer_index: int  # this layer's row in ``load``
-
-    def became_sharded(self, pctx: ParallelContext, local: range) -> None:
-        self.pctx, self.first_expert, self.num_local = pctx, local.start, len(local)
-        self.experts = nn.ModuleList(self.experts[e] for e in local)
-        self.routed = ExpertLoop(self.experts)
-        self.load, self.layer_index = None, 0
-        self.set_placement(static_placement(self.cfg.n_routed_experts, pctx.ep_size))
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Route by ``placement`` from now on (the slots must already hold its experts' weights). The
@@ -97,18 +90,12 @@ class EPMoE(MoE):
         self._slot_of = torch.tensor(table, dtype=torch.long, device=device)
         self._replica_count = torch.tensor([len(r) for r in replicas], dtype=torch.long, device=device)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        p = self.pctx
-        shared = self._shared(x) if self.shared_experts is not None else None
-        weights, indices = self._route(x, input_ids)
-        sizes = [len(c) for c in torch.arange(len(x)).tensor_split(p.tp_size)]
-        start = sum(sizes[: p.tp_rank])
-        mine = slice(start, start + sizes[p.tp_rank])
-        routed = self._dispatch_combine(x[mine], indices[mine], weights[mine])
-        routed = all_gather_rows(routed, sizes, p.tp_group)
-        return routed if shared is None else routed + shared  # ExpertLoop's ``routed + add``
-
-    def _dispatch_combine(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _exchange(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                  run_slots: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dispatch this rank's pairs, run ``run_slots(rows, local slot ids)`` (each received row through its one
+        slot, unweighted) on what arrives, and bring the outputs back. Returns, in (expert, token) order (the
+        combine's), each pair's expert, token, routing weight and output row."""
         p, per = self.pctx, self.placement.slots_per_rank
         k = indices.shape[1]
         expert = indices.reshape(-1)
@@ -126,16 +113,55 @@ class EPMoE(MoE):
         recv = exchange_counts(send, p.ep_group, x.device)
         rows = all_to_all_rows(x[token[sent]], send, recv, p.ep_group)
         local_ids = all_to_all_rows(slot[sent] - dest * per, send, recv, p.ep_group)
-        # Each received row through its one slot, unweighted (weight 1 is exact); rows of one slot keep
-        # their received order, so each slot's GEMM sees the rows the single-process loop gives its expert
-        # (all of them without replicas).
-        ones = torch.ones(len(rows), 1, dtype=weights.dtype, device=x.device)
-        out = self.routed(rows, local_ids.view(-1, 1), ones)
+        # Rows of one slot keep their received order, so each slot's GEMM sees the rows the single-process
+        # loop gives its expert (all of them without replicas).
+        out = run_slots(rows, local_ids)
         back = out.new_empty(len(expert), *out.shape[1:])
         back[sent] = all_to_all_rows(out, recv, send, p.ep_group)  # back in (expert, token) order
+        return expert, token, pair_weight, back
+
+
+def expert_groups(expert: torch.Tensor) -> list[tuple[int, int]]:
+    """The [a, b) runs of each expert in pairs sorted by expert (ascending ids, as the loops add them)."""
+    bounds = torch.searchsorted(expert, torch.unique(expert)).tolist() + [len(expert)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class EPMoE(ExpertDispatch, MoE):
+    """Holds this rank's physical expert slots as ``experts[0..n)`` (local numbering: ``routed``, the
+    ``ExpertLoop`` or, after the device transform, the fused FP4 experts, runs them by local slot id). Loaded
+    as the experts of ``expert_range``; load balancing (``model/parallel/eplb.py``) may add redundant slots
+    and change which expert each slot holds (``set_placement``)."""
+
+    first_expert: int
+    num_local: int  # ``experts`` is emptied when the device transform fuses them
+
+    def became_sharded(self, pctx: ParallelContext, local: range) -> None:
+        self.pctx, self.first_expert, self.num_local = pctx, local.start, len(local)
+        self.experts = nn.ModuleList(self.experts[e] for e in local)
+        self.routed = ExpertLoop(self.experts)
+        self.load, self.layer_index = None, 0
+        self.set_placement(static_placement(self.cfg.n_routed_experts, pctx.ep_size))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        p = self.pctx
+        shared = self._shared(x) if self.shared_experts is not None else None
+        weights, indices = self._route(x, input_ids)
+        sizes = [len(c) for c in torch.arange(len(x)).tensor_split(p.tp_size)]
+        start = sum(sizes[: p.tp_rank])
+        mine = slice(start, start + sizes[p.tp_rank])
+        routed = self._dispatch_combine(x[mine], indices[mine], weights[mine])
+        routed = all_gather_rows(routed, sizes, p.tp_group)
+        return routed if shared is None else routed + shared  # ExpertLoop's ``routed + add``
+
+    def _dispatch_combine(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        def run_slots(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones(len(rows), 1, dtype=weights.dtype, device=x.device)  # weight 1 is exact
+            return self.routed(rows, local_ids.view(-1, 1), ones)
+
+        expert, token, pair_weight, back = self._exchange(x, indices, weights, run_slots)
         back = (back * pair_weight[:, None]).to(x.dtype)  # ExpertLoop: expert(x) * weight, in this order
         routed = torch.zeros_like(x)
-        bounds = torch.searchsorted(expert, torch.unique(expert)).tolist() + [len(expert)]
-        for a, b in zip(bounds[:-1], bounds[1:]):  # ascending expert ids, as ExpertLoop adds them
+        for a, b in expert_groups(expert):  # ascending expert ids, as ExpertLoop adds them
             routed.index_add_(0, token[a:b], back[a:b])
         return routed
