@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from deepinfer.config.engine import EngineConfig
+from deepinfer.config.v41 import V41Config
 from deepinfer.distributed.world import WorldEnv, close_world, launched_by_torchrun
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.intake import Intake
@@ -44,10 +45,10 @@ from deepinfer.executor.rank import RankWorker, rank_main
 from deepinfer.executor.remote_tiers import RemoteTiers
 from deepinfer.executor.tier_messages import CloseTiers, CollectTierStats, TierReply, TierWork
 from deepinfer.model.parallel.context import ContextParallelChunk
-from deepinfer.engine.sizing import build_prefix_hasher
+from deepinfer.engine.sizing import build_prefix_hasher, cache_layout
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.manager import CacheManager
-from deepinfer.kv.spec import HISTORY, build_layout
+from deepinfer.kv.spec import HISTORY
 from deepinfer.kv.tiers.stats import TierStats
 from deepinfer.runner.model_runner import StepResult
 from deepinfer.runner.speculative import mtp_passes
@@ -101,7 +102,7 @@ class ParallelLLMEngine(LLMEngine):
         ready = self.worker.channel.gather(Ready(0, self.worker.facts))
         tp, mc, sc = config.parallel.tensor_parallel_size, config.model, config.scheduler
         spec = config.speculative  # each DP rank's scheduler plans its drafts; its ranks verify them
-        layout = build_layout(mc, config.cache.block_size, include_mtp=spec is not None)
+        layout = cache_layout(config)  # V4's or V4.1's, as the ranks' caches (engine/sizing.py)
         counts = [ready[d * tp].facts.num_blocks for d in range(config.parallel.data_parallel_size)]
         prefix = build_prefix_hasher(config)
         caches = [CacheManager(layout, c) for c in counts]
@@ -116,7 +117,9 @@ class ParallelLLMEngine(LLMEngine):
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         self.facts = ready[0].facts
         max_cached = min(c[HISTORY] for c in counts) * config.cache.block_size
-        self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id)
+        image_id = mc.image_token_id if isinstance(mc, V41Config) else None  # text only: no vision encoder yet
+        self.intake = Intake(self.tokenizer, mc.vocab_size, sc.max_model_len, max_cached, mc.eos_token_id,
+                             refused_token_id=image_id)
         # Async scheduling: per DP rank, the schedule of the step in flight (None: no work there), its results
         # applied once the next step is submitted, as in LLMEngine.step.
         self.async_scheduling = config.async_scheduling

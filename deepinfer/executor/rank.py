@@ -10,10 +10,12 @@ their seeded draws agree; only the group's first rank reports them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from deepinfer.config.engine import EngineConfig
+from deepinfer.config.v41 import V41Config
 from deepinfer.distributed.world import WorldEnv, close_world, init_world
 from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
@@ -29,6 +31,7 @@ from deepinfer.model.parallel.context import ContextShare
 from deepinfer.model.parallel.context_history import HistoryReplicas
 from deepinfer.model.parallel.eplb import ExpertBalancer
 from deepinfer.model.parallel.shard import empty_mtp_passes, empty_step, needs_empty_steps, sharding_hook
+from deepinfer.model.v41 import parallel as v41_parallel
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.input_batch import InputBatch
 from deepinfer.runner.model_runner import ModelRunner, StepResult
@@ -46,10 +49,16 @@ class RankWorker:
         # quantized-first: on CUDA straight into the kernels' layout, on the CPU dequantized per tensor.
         cuda = config.device == "cuda"
         ops = select_ops(config.device, config.batch_invariant)
-        self.model = load_model(config.model_dir, dtype=config.dtype, device=self.pctx.device, strict_mtp=False,
-                                progress=config.load_progress and env.rank == 0, ops=ops if cuda else None,
-                                cfg=config.model, load_format=config.load_format, seed=config.seed,
-                                shard_model=sharding_hook(self.pctx))
+        if isinstance(config.model, V41Config):  # loaded whole on the CPU, then cut (model/v41/parallel.py)
+            self.model = load_v41_rank(config, self.pctx)
+            self._empty_step = functools.partial(v41_parallel.empty_step, self.model.model) \
+                if v41_parallel.needs_empty_steps(self.model.model) else None
+        else:
+            self.model = load_model(config.model_dir, dtype=config.dtype, device=self.pctx.device, strict_mtp=False,
+                                    progress=config.load_progress and env.rank == 0, ops=ops if cuda else None,
+                                    cfg=config.model, load_format=config.load_format, seed=config.seed,
+                                    shard_model=sharding_hook(self.pctx))
+            self._empty_step = functools.partial(empty_step, self.model) if needs_empty_steps(self.model) else None
         if not cuda and ops.batch_invariant:
             use_op_table(self.model, ops)
         # Redundant expert slots before the cache is sized: they take their memory first.
@@ -99,9 +108,9 @@ class RankWorker:
             self.cp_history.retire(order.plans)
         share = self._share(order)
         handle = self.runner.submit(plan, share=share)
-        if plan.empty and share is None and order.busy and needs_empty_steps(self.model):
-            empty_step(self.model)
-        if order.mtp_passes and needs_empty_steps(self.model):  # after the passes the runner ran, in order
+        if plan.empty and share is None and order.busy and self._empty_step is not None:
+            self._empty_step()
+        if order.mtp_passes and self._empty_step is not None:  # after the passes the runner ran, in order
             empty_mtp_passes(self.model, order.mtp_passes - (mtp_passes(plan) if self.speculative else 0))
         if order.in_flight:  # its placeholders were filled from the step before, on this rank's device
             handle, self._inflight = self._inflight, handle
@@ -122,6 +131,17 @@ class RankWorker:
                                 chunk.owner == pctx.dp_rank, chunk.seq_id, work.first_pos, work.token_ids,
                                 self.cp_history.track(chunk.owner, chunk.seq_id, work.first_pos))
         return None
+
+
+def load_v41_rank(config: EngineConfig, pctx):
+    """A rank's DeepSeek-V4.1 step: the one-device model (``LLMEngine``'s load) with this rank's experts kept."""
+    from deepinfer.model.v41.paged import load_paged_v41
+
+    model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
+                           decoder_replay=config.v41_decoder_replay, load_format=config.load_format, seed=config.seed,
+                           tokenizer_dir=config.tokenizer_dir, batch_invariant=config.batch_invariant)
+    v41_parallel.shard_v41(model.model, pctx)
+    return model
 
 
 @torch.no_grad()
