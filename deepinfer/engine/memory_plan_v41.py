@@ -183,7 +183,9 @@ def _not_fitting(cfg: V41Config, d: Deployment, specs: Specs, dspark: bool) -> s
     need = smallest_device_gib(cfg, d, specs, dspark)
     where = (f"a device of at least {need} GiB (--device-memory-gib {need})" if need is not None
              else f"no device of up to {_LARGEST_DEVICE_GIB} GiB")
-    return (f"no layout the engine supports for DeepSeek-V4.1 fits (this one, or one device): "
+    # More data-parallel ranks do not help beyond the experts: every rank holds the rest (Engram tables too).
+    layout = f"{d.world_size} devices as laid out" if d.world_size > 1 else "one device"
+    return (f"DeepSeek-V4.1 does not fit {layout} (the engine splits only its routed experts over ranks): "
             f"{where} would hold it at --gpu-memory-utilization {d.gpu_memory_utilization}")
 
 
