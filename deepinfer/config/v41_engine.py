@@ -8,9 +8,9 @@ on), ``hf_overrides`` (``config/v41_overrides.apply_v41_overrides``), dummy weig
 ``DEEPINFER_BATCH_INVARIANT=1`` (every token alone, ``model/v41/invariant.py``; the two replays that compute
 differently by design are refused with it). On CUDA (``model/v41/device.py``: FP4 experts through V4's fused
 kernel, dense FP8 dequantized) the step runs eagerly, without DSpark, the batch-invariant mode or a profiled
-cache budget (``check_v41_cuda``). On several ranks of the CPU (``model/v41/parallel.py``): data-parallel
-attention, with expert parallelism or without (``check_v41_parallel``, ``check_v41_ranks``). Not yet: V4.1's own
-GPU kernels; tensor and context parallelism, several nodes, expert load balancing and DSpark on several ranks.
+cache budget (``check_v41_cuda``). On several ranks of the CPU (``model/v41/parallel.py``): data- and
+tensor-parallel attention, expert- or tensor-parallel experts (``check_v41_parallel``, ``check_v41_ranks``). Not
+yet: V4.1's own GPU kernels; context parallelism, several nodes, expert load balancing and DSpark on several ranks.
 Each is refused here with the field and what is allowed.
 """
 
@@ -70,14 +70,10 @@ V41_WHAT = "DeepSeek-V4.1 (model_type deepseek_v41)"
 def check_v41_parallel(*, tensor_parallel_size: int = 1, data_parallel_size: int = 1, context_parallel_size: int = 1,
                        nnodes: int = 1) -> None:
     """Raises a ValueError naming the first field the engine cannot run V4.1 with on several ranks (also what
-    ``deepinfer info`` plans). Runs: data-parallel attention (``data_parallel_size``), with or without expert
-    parallelism (``model/v41/parallel.py``). Not yet: tensor parallelism of V4.1's attention, context
-    parallelism, several nodes."""
-    del data_parallel_size  # any: each DP rank runs its own sequences with the one-device code
-    if tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size: {V41_WHAT} runs without tensor parallelism so far (its attention is "
-                         "not split over ranks yet); allowed: 1 "
-                         "(several ranks: data_parallel_size, with enable_expert_parallel to spread the experts)")
+    ``deepinfer info`` plans). Runs (``model/v41/parallel.py``): data-parallel attention, tensor-parallel
+    attention heads, expert parallelism or tensor-parallel experts. Not yet: context parallelism, several
+    nodes."""
+    del tensor_parallel_size, data_parallel_size  # any the model's shapes allow (ParallelConfig.validate)
     if context_parallel_size != 1:
         raise ValueError(f"context_parallel_size: {V41_WHAT} runs without context parallelism so far; allowed: 1")
     if nnodes != 1:
@@ -85,15 +81,15 @@ def check_v41_parallel(*, tensor_parallel_size: int = 1, data_parallel_size: int
 
 
 def check_v41_ranks(args, device: str) -> None:
-    """What V4.1 on several ranks (data_parallel_size > 1) does not do yet, each refused with the field and what
-    is allowed there."""
+    """What V4.1 on several ranks (tensor_parallel_size x data_parallel_size > 1) does not do yet, each refused
+    with the field and what is allowed there."""
     where = f"{V41_WHAT} on several ranks"
     if device != "cpu":
         raise ValueError(f"device: {where} runs on the CPU so far (its device experts are not split over ranks); "
-                         "allowed with data_parallel_size > 1: cpu")
+                         "allowed with several ranks: cpu")
     if args.speculative_config is not None:
         raise ValueError(f"speculative_config: DSpark speculative decoding of {where} is not written yet; allowed "
-                         "with data_parallel_size > 1: None")
+                         "with several ranks: None")
     if args.enable_eplb:
         raise ValueError(f"enable_eplb: expert load balancing of {where} is not written yet; allowed: False")
 
@@ -155,7 +151,7 @@ def check_v41_engine_args(args, device: str) -> None:
             raise ValueError(f"v41_prefix_replay: {args.v41_prefix_replay!r} recomputes the window behind a prefix "
                              "hit, so a token's bits follow whether its prefix was cached; allowed with "
                              "DEEPINFER_BATCH_INVARIANT=1: exact (or enable_prefix_caching=False)")
-        if args.enable_expert_parallel and args.data_parallel_size > 1:
+        if args.enable_expert_parallel and args.tensor_parallel_size * args.data_parallel_size > 1:
             # The mode runs a step's tokens one forward each, so ranks with different token counts would make
             # different numbers of expert exchanges.
             raise ValueError("enable_expert_parallel: DEEPINFER_BATCH_INVARIANT=1 runs every token alone, a forward "

@@ -15,10 +15,11 @@ The same questions as V4's plan (``memory_plan.py``), answered from V4.1's own p
   * activations: V4's estimate (V4.1 has the same streams, heads and MoE fields) plus the Engram lookup of the
     widest layer.
 
-Parallel layouts: the engine runs V4.1 with data-parallel attention, with expert parallelism or without
-(``model/v41/parallel.py``, ``config/v41_engine.check_v41_parallel``): a device holds every non-expert weight and
-its 1/world of the routed experts with expert parallelism (all of them without), and its DP rank's cache. Tensor
-and context parallelism are not planned (the engine refuses them); the plan says why. The DSpark drafter is not
+Parallel layouts: the engine runs V4.1 with data- and tensor-parallel attention and expert- or tensor-parallel
+experts (``model/v41/parallel.py``, ``config/v41_engine.check_v41_parallel``): a device holds its share of each
+tensor as ``shard_v41`` cuts it (``ranks_sharing``; the Engram tables, embedding, head, compressors and indexers
+whole on every rank) and its DP group's cache. Context parallelism is not planned (the engine refuses it); the
+plan says why. The DSpark drafter is not
 planned with several ranks (the engine refuses it there). The engine also runs V4.1 on its CPU reference path only, which dequantizes the
 weights as it reads them: ``weights_dequantized_gib`` is what that path holds.
 """
@@ -79,17 +80,36 @@ class V41Weights:
     dequantized: int  # what the CPU reference path holds: every tensor in its module dtype
 
     @classmethod
-    def of(cls, cfg: V41Config, specs: Specs, drafter: bool) -> "V41Weights":
+    def of(cls, cfg: V41Config, specs: Specs, drafter: bool, d: Deployment | None = None) -> "V41Weights":
+        """``d``: one device's share in that layout (``ranks_sharing``); None: the whole model."""
         total = experts = engram = plain = 0
         for name, (shape, dtype) in specs.items():
             if name.startswith(_DRAFTER) != drafter:
                 continue
-            b = tensor_bytes(name, shape, dtype, cfg)
+            split = ranks_sharing(name, d) if d is not None else 1
+            b = tensor_bytes(name, shape, dtype, cfg) // split
             total += b
             experts += b if _ROUTED.match(name) else 0
             engram += b if _ENGRAM_TABLE.match(name) else 0
-            plain += math.prod(shape) * dtype.itemsize
+            plain += math.prod(shape) * dtype.itemsize // split
         return cls(total, experts, engram, plain)
+
+
+_TP_ATTENTION = re.compile(r"^layers\.\d+\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|wo_b\.weight)$")
+_SHARED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.shared_experts\.")
+_BACKBONE_ROUTED = re.compile(r"^layers\.\d+\.ffn\.experts\.")
+
+
+def ranks_sharing(name: str, d: Deployment) -> int:
+    """Over how many ranks ``model/v41/parallel.shard_v41`` splits tensor ``name`` (1: every rank holds it): the
+    backbone's routed experts over the world with expert parallelism, else by TP; the heads' tensors by TP; the
+    shared expert by TP without expert parallelism. The DSpark drafter stays whole (refused on several ranks)."""
+    tp = d.tensor_parallel_size
+    if _BACKBONE_ROUTED.match(name):
+        return d.world_size if d.enable_expert_parallel else tp
+    if _TP_ATTENTION.match(name) or (_SHARED_EXPERT.match(name) and not d.enable_expert_parallel):
+        return tp
+    return 1
 
 
 def engram_activation_bytes(cfg: V41Config, d: Deployment) -> int:
@@ -127,7 +147,7 @@ def plan_v41(cfg: V41Config, d: Deployment, device_bytes: int, specs: Specs, *, 
     rollback slack of a full block of drafts. Raises ValueError naming the field when the engine cannot run
     ``d`` for V4.1."""
     drafter = V41Weights.of(cfg, specs, drafter=True) if dspark else None
-    return _plan(cfg, d, device_bytes, V41Weights.of(cfg, specs, drafter=False), drafter)
+    return _plan(cfg, d, device_bytes, V41Weights.of(cfg, specs, drafter=False, d=d), drafter)
 
 
 def _plan(cfg: V41Config, d: Deployment, device_bytes: int, target: V41Weights, drafter: V41Weights | None
@@ -138,10 +158,6 @@ def _plan(cfg: V41Config, d: Deployment, device_bytes: int, target: V41Weights, 
     weights, experts = target.total, target.routed_experts
     if drafter is not None:
         weights, experts = weights + drafter.total, experts + drafter.routed_experts
-    ep = d.world_size if d.enable_expert_parallel else 1
-    if ep > 1:  # the backbone's experts spread evenly (the drafter's stay whole: it is refused on several ranks)
-        weights -= target.routed_experts - target.routed_experts // ep
-        experts -= target.routed_experts - target.routed_experts // ep
     acts = activation_bytes_estimate(cfg, d) + engram_activation_bytes(cfg, d)  # type: ignore[arg-type]
     slack = speculative_slack(cfg.dspark.block_size if drafter is not None else 0)[1]
     return fit(d, device_bytes, weights, experts, acts, cache_layout(cfg, d, drafter is not None),
@@ -151,7 +167,7 @@ def _plan(cfg: V41Config, d: Deployment, device_bytes: int, target: V41Weights, 
 def smallest_device_gib(cfg: V41Config, d: Deployment, specs: Specs, dspark: bool = False) -> int | None:
     """The fewest whole GiB one device needs for ``d`` (None: more than ``_LARGEST_DEVICE_GIB``); the plan is
     monotone in the device's memory, so a bisection finds it."""
-    target = V41Weights.of(cfg, specs, drafter=False)
+    target = V41Weights.of(cfg, specs, drafter=False, d=d)
     drafter = V41Weights.of(cfg, specs, drafter=True) if dspark else None
 
     def fits(gib: int) -> bool:
@@ -183,9 +199,8 @@ def _not_fitting(cfg: V41Config, d: Deployment, specs: Specs, dspark: bool) -> s
     need = smallest_device_gib(cfg, d, specs, dspark)
     where = (f"a device of at least {need} GiB (--device-memory-gib {need})" if need is not None
              else f"no device of up to {_LARGEST_DEVICE_GIB} GiB")
-    # More data-parallel ranks do not help beyond the experts: every rank holds the rest (Engram tables too).
     layout = f"{d.world_size} devices as laid out" if d.world_size > 1 else "one device"
-    return (f"DeepSeek-V4.1 does not fit {layout} (the engine splits only its routed experts over ranks): "
+    return (f"DeepSeek-V4.1 does not fit {layout} (every rank holds its Engram tables, embedding and head whole): "
             f"{where} would hold it at --gpu-memory-utilization {d.gpu_memory_utilization}")
 
 
@@ -196,7 +211,7 @@ def _dspark_dict(cfg: V41Config, d: Deployment, device_bytes: int, specs: Specs)
         return {"available": False, "reason": str(e)}
     if d.world_size > 1:
         return {"available": False, "reason": "speculative_config: DSpark speculative decoding of DeepSeek-V4.1 on "
-                "several ranks is not written yet; allowed with data_parallel_size > 1: None"}
+                "several ranks is not written yet; allowed with several ranks: None"}
     drafter = V41Weights.of(cfg, specs, drafter=True)
     without = bytes_per_token(cache_layout(cfg, d, dspark=False))
     extra = {p: b - without[p] for p, b in bytes_per_token(cache_layout(cfg, d, dspark=True)).items()}
@@ -231,7 +246,7 @@ def describe_v41(cfg: V41Config, d: Deployment, device_bytes: int, specs: Specs 
                 "supported": False, "fits": False, "reason": why,
                 "suggestion": ("--tensor-parallel-size 1 --data-parallel-size 1 (1 device)" if single.fits
                                else _not_fitting(cfg, one, specs, dspark=False))}
-    w = V41Weights.of(cfg, specs, drafter=False)
+    w = V41Weights.of(cfg, specs, drafter=False, d=d)
     p = plan_v41(cfg, d, device_bytes, specs)
     layout = cache_layout(cfg, d, dspark=False)
     out = _plan_dict(p, w)

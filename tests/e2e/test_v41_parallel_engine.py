@@ -46,12 +46,14 @@ def single(args) -> Scored:
     return single_thread_reference(args, _drain)
 
 
-@pytest.mark.parametrize("ep", [True, False], ids=["dp2-ep", "dp2"])
-def test_v41_data_parallel_engine_equals_single_process(args, single, ep, monkeypatch) -> None:
-    """DP2 with the experts spread over both ranks, and DP2 alone (each rank the whole model, no collective in
-    the forward)."""
+@pytest.mark.parametrize("parallel", [dict(data_parallel_size=2, enable_expert_parallel=True),
+                                      dict(data_parallel_size=2), dict(tensor_parallel_size=2)],
+                         ids=["dp2-ep", "dp2", "tp2"])
+def test_v41_parallel_engine_equals_single_process(args, single, parallel, monkeypatch) -> None:
+    """DP2 with the experts spread over both ranks, DP2 alone (each rank the whole model, no collective in the
+    forward), and TP2 (heads and expert widths split, one DP group)."""
     want = single
-    got, engine = run_world({**args, "data_parallel_size": 2, "enable_expert_parallel": ep}, _drain, monkeypatch)
+    got, engine = run_world({**args, **parallel}, _drain, monkeypatch)
     preemptions = [s.num_preemptions for s in engine.schedulers]
     assert all(p > 0 for p in preemptions), f"preemption on every DP rank wanted, got {preemptions}"
     assert len(want) == len(LENGTHS)

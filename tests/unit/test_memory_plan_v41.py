@@ -122,10 +122,9 @@ def test_plan_cache_tokens_are_what_the_engine_allocates_for_the_budget_left(tin
     assert storage.num_blocks["history"] * 128 == p.cache_tokens
 
 
-@pytest.mark.parametrize("flags, field", [(["-tp", "2"], "tensor_parallel_size"),
-                                          (["-tp", "2", "-dp", "2", "--enable-expert-parallel"],
-                                           "tensor_parallel_size"),
-                                          (["-dp", "2", "-cp", "2"], "context_parallel_size")])
+@pytest.mark.parametrize("flags, field", [(["-dp", "2", "-cp", "2"], "context_parallel_size"),
+                                          (["-tp", "2", "-dp", "2", "--enable-expert-parallel", "-cp", "2"],
+                                           "context_parallel_size")])
 def test_layouts_the_engine_does_not_run_for_v41_are_not_planned(tiny_dir, capsys, flags, field) -> None:
     assert main(["info", "--model", tiny_dir, "--block-size", "128", *flags]) == 1
     captured = capsys.readouterr()
@@ -137,8 +136,9 @@ def test_layouts_the_engine_does_not_run_for_v41_are_not_planned(tiny_dir, capsy
 
 
 def test_data_and_expert_parallel_plan_of_the_tiny_model(tiny_dir, capsys) -> None:
-    """DP2 + EP: a device holds half of the routed experts and every other weight; DP2 alone all of them; the
-    drafter is not planned on several ranks (the engine refuses it there)."""
+    """DP2 + EP: a device holds half of the routed experts and every other weight; DP2 alone all of them; TP2
+    half of the experts' widths and of the heads' tensors; the drafter is not planned on several ranks (the
+    engine refuses it there)."""
     base = ["info", "--model", tiny_dir, "--block-size", "128", "--device-memory-gib", "140"]
     plans = []
     for flags in ([], ["-dp", "2"], ["-dp", "2", "--enable-expert-parallel"]):
@@ -153,6 +153,8 @@ def test_data_and_expert_parallel_plan_of_the_tiny_model(tiny_dir, capsys) -> No
     p2 = plan_v41(V41Config.from_model_dir(tiny_dir), dataclasses.replace(d, data_parallel_size=2,
                                                                          enable_expert_parallel=True), H200, specs)
     assert p2.expert_bytes * 2 == p1.expert_bytes and p1.weight_bytes - p2.weight_bytes == p2.expert_bytes
+    tp = plan_v41(V41Config.from_model_dir(tiny_dir), dataclasses.replace(d, tensor_parallel_size=2), H200, specs)
+    assert tp.expert_bytes * 2 == p1.expert_bytes and tp.weight_bytes < p1.weight_bytes - tp.expert_bytes
     assert ep["dspark"]["available"] is False and ep["dspark"]["reason"].startswith("speculative_config: ")
     assert "device cpu only" in ep["note"]
 

@@ -62,8 +62,8 @@ def test_v41_checkpoint_gets_its_config(v41_dir) -> None:
     ({"device": "cuda", "enforce_eager": True}, "num_cache_blocks"),
     ({"device": "cuda", "enforce_eager": True, "num_cache_blocks": 8,
       "speculative_config": {"method": "dspark", "num_speculative_tokens": 2}}, "speculative_config"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"data_parallel_size": 2, "context_parallel_size": 2}, "context_parallel_size"),
+    ({"tensor_parallel_size": 4}, "tensor_parallel_size"),  # the tiny model's o_groups is 2
     ({"data_parallel_size": 2, "nnodes": 2}, "nnodes"),
     ({"data_parallel_size": 2, "enable_expert_parallel": True, "enable_eplb": True}, "enable_eplb"),
     ({"data_parallel_size": 2, "speculative_config": {"method": "dspark", "num_speculative_tokens": 2}},
@@ -77,12 +77,13 @@ def test_what_v41_does_not_support_yet_is_refused(v41_dir, kw, field) -> None:
 
 
 def test_v41_on_several_cpu_ranks_is_accepted(v41_dir, monkeypatch) -> None:
-    """Data-parallel attention, with expert parallelism or without; the batch-invariant mode (a forward per
-    token) only without it."""
+    """Data- and tensor-parallel attention, with expert parallelism or without; the batch-invariant mode (a
+    forward per token) only without it."""
     for kw in ({"data_parallel_size": 2}, {"data_parallel_size": 2, "enable_expert_parallel": True},
-               {"data_parallel_size": 4, "enable_expert_parallel": True}):
+               {"data_parallel_size": 4, "enable_expert_parallel": True}, {"tensor_parallel_size": 2},
+               {"tensor_parallel_size": 2, "data_parallel_size": 2, "enable_expert_parallel": True}):
         config = EngineConfig.create(EngineArgs(model=str(v41_dir), device="cpu", **kw))
-        assert isinstance(config.model, V41Config) and config.parallel.data_parallel_size == kw["data_parallel_size"]
+        assert isinstance(config.model, V41Config) and config.parallel.world_size > 1
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     EngineConfig.create(EngineArgs(model=str(v41_dir), device="cpu", data_parallel_size=2))
     with pytest.raises(ValueError, match=r"^enable_expert_parallel: DEEPINFER_BATCH_INVARIANT=1 .*allowed with it: False"):

@@ -1,5 +1,5 @@
-"""DeepSeek-V4.1 with data-parallel attention and expert-parallel MoE in real gloo worlds computes what one
-process computes (``model/v41/parallel.py``).
+"""DeepSeek-V4.1 with data- and tensor-parallel attention and expert- or tensor-parallel MoE in real gloo worlds
+computes what one process computes (``model/v41/parallel.py``).
 
 Every rank loads the tiny random V4.1 (``tests/e2e/v41_tiny.py``: window-only layers, ratio-2 and ratio-1 KV
 sources, reusing and re-indexing layers, candidate blocks, Engram, mHC, MoE of 8 experts) and keeps its share
@@ -12,7 +12,8 @@ expert's GEMM sees the rows of every rank's tokens routed to it (one process: on
 reproduces ``MoE.forward``'s order (fp32, ascending experts). In bfloat16 this CPU's GEMMs give a row the same
 result whatever else is in the batch: bit-equal. In float32 they may change a row's last bits with the row
 count, so float32 compares within 1e-4 in the logits (random weights of scale 0.15 over 10 layers: ~5e-6
-observed) and with identical greedy argmax.
+observed) and with identical greedy argmax; tensor parallelism sums partial outputs in another order: the same
+bound.
 """
 
 from __future__ import annotations
@@ -24,15 +25,19 @@ import pytest
 import torch
 
 from deepinfer.distributed.config import ParallelConfig
-from deepinfer.distributed.world import WorldEnv, init_world
+from deepinfer.distributed.world import WorldEnv, close_world, init_world
 from deepinfer.model.v41.loader import load_v41_model
-from deepinfer.model.v41.parallel import V41EPMoE, empty_step, needs_empty_steps, shard_v41
+from deepinfer.model.v41.parallel import (V41EPMoE, V41TPAttention, V41TPMoE, empty_step, needs_empty_steps,
+                                          shard_v41)
 from deepinfer.testing.world import run_world
 from tests.e2e.v41_tiny import write_tiny_v41
 
 DP2 = ParallelConfig(data_parallel_size=2)
 DP2_EP = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
 DP4_EP = ParallelConfig(data_parallel_size=4, enable_expert_parallel=True)
+TP2 = ParallelConfig(tensor_parallel_size=2)
+TP2_EP = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+TP2_DP2_EP = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)
 
 
 def _script(ranks: int) -> list[list[tuple[int, list[int]] | None]]:
@@ -77,7 +82,13 @@ def _rank(env: WorldEnv, model_dir: str, jobs: list[tuple[ParallelConfig, torch.
         if config.enable_expert_parallel:
             assert all(isinstance(b.ffn, V41EPMoE) and len(b.ffn.experts) == 8 // config.world_size
                        for b in model.layers)
-        results.append(_run(model, [s[pctx.dp_rank] for s in _script(config.data_parallel_size)]))
+        if config.tensor_parallel_size > 1:
+            assert all(isinstance(b.attn, V41TPAttention) and b.attn.heads == 2 for b in model.layers)
+            assert config.enable_expert_parallel or all(isinstance(b.ffn, V41TPMoE) for b in model.layers)
+        results.append(_run(model, [s[pctx.dp_rank] for s in _script(_columns(config))]))
+    # Every rank done before any tears its groups down (a gloo group whose peer has exited can abort at exit).
+    torch.distributed.barrier()
+    close_world()
     return results
 
 
@@ -95,16 +106,22 @@ def v41_dir(tmp_path_factory) -> str:
     return str(write_tiny_v41(Path(tmp_path_factory.mktemp("v41par")), seed=5))
 
 
+def _columns(config: ParallelConfig) -> int:
+    """Which script a world runs: one DP group runs the two-rank script's first column."""
+    return max(2, config.data_parallel_size)
+
+
 def _check(model_dir: str, jobs: list[tuple[ParallelConfig, torch.dtype]], results: list) -> None:
     for c, (config, dtype) in enumerate(jobs):
-        ranks = config.data_parallel_size
         for rank, per_job in enumerate(results):
-            got, want = per_job[c], _reference(model_dir, ranks, dtype)[rank]
+            dp_rank = rank // config.tensor_parallel_size
+            got, want = per_job[c], _reference(model_dir, _columns(config), dtype)[dp_rank]
             for i, (g, w) in enumerate(zip(got, want)):
                 where = f"{config} {dtype} rank {rank} step {i}"
                 if w is None:
                     assert g is None, where
-                elif not config.enable_expert_parallel or dtype == torch.bfloat16:
+                elif config.tensor_parallel_size == 1 and (not config.enable_expert_parallel
+                                                           or dtype == torch.bfloat16):
                     assert torch.equal(g, w), f"{where}: max diff {(g - w).abs().max().item()}"
                 else:
                     assert torch.equal(g.argmax(-1), w.argmax(-1)), f"{where}: greedy tokens differ"
@@ -117,7 +134,15 @@ def test_two_ranks_data_parallel_with_and_without_expert_parallel(v41_dir: str) 
     _check(v41_dir, jobs, run_world(_rank, 2, (v41_dir, jobs), timeout_s=120))
 
 
+def test_two_ranks_tensor_parallel(v41_dir: str) -> None:
+    """TP2 (heads and expert widths split) and TP2 with the experts spread over both ranks (float32, within
+    1e-4: the all-reduce sums the heads' partial outputs in another order)."""
+    jobs = [(TP2, torch.float32), (TP2_EP, torch.float32)]
+    _check(v41_dir, jobs, run_world(_rank, 2, (v41_dir, jobs), timeout_s=120))
+
+
 def test_four_ranks_expert_parallel(v41_dir: str) -> None:
-    """Two experts a rank; two of the four DP ranks have no tokens in every step."""
-    jobs = [(DP4_EP, torch.bfloat16)]
+    """DP4 + EP (two experts a rank; two of the four DP ranks have no tokens in every step, bfloat16: bit-equal)
+    and TP2 x DP2 + EP (float32, within 1e-4)."""
+    jobs = [(DP4_EP, torch.bfloat16), (TP2_DP2_EP, torch.float32)]
     _check(v41_dir, jobs, run_world(_rank, 4, (v41_dir, jobs), timeout_s=120))
