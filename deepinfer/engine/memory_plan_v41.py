@@ -19,9 +19,9 @@ Parallel layouts: the engine runs V4.1 with data- and tensor-parallel attention 
 experts (``model/v41/parallel.py``, ``config/v41_engine.check_v41_parallel``): a device holds its share of each
 tensor as ``shard_v41`` cuts it (``ranks_sharing``; the Engram tables, embedding, head, compressors and indexers
 whole on every rank) and its DP group's cache. Context parallelism is not planned (the engine refuses it); the
-plan says why. The DSpark drafter is not
-planned with several ranks (the engine refuses it there). The engine also runs V4.1 on its CPU reference path only, which dequantizes the
-weights as it reads them: ``weights_dequantized_gib`` is what that path holds.
+plan says why. The DSpark drafter is not planned with several ranks (the engine refuses it there). The engine also
+runs V4.1 on its CPU reference path only, which dequantizes the weights as it reads them:
+``weights_dequantized_gib`` is what that path holds.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.config.engine import EngineConfig
 from deepinfer.config.v41 import V41Config
-from deepinfer.distributed.world import WorldEnv, close_world, init_world
+from deepinfer.distributed.world import ParallelContext, WorldEnv, close_world, init_world
 from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
 from deepinfer.executor.messages import (CollectContextHistory, CollectExpertLoad, ContextHistory, ExpertLoad,
@@ -133,8 +133,9 @@ class RankWorker:
         return None
 
 
-def load_v41_rank(config: EngineConfig, pctx):
-    """A rank's DeepSeek-V4.1 step: the one-device model (``LLMEngine``'s load) with this rank's experts kept."""
+def load_v41_rank(config: EngineConfig, pctx: ParallelContext):
+    """A rank's DeepSeek-V4.1 step: the one-device model (``LLMEngine``'s load on the CPU) cut to this rank's
+    share (``shard_v41``: its heads, its experts or their slices)."""
     from deepinfer.model.v41.paged import load_paged_v41
 
     model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,

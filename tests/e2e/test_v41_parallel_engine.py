@@ -1,10 +1,12 @@
-"""The engine runs DeepSeek-V4.1 over a 2-process gloo world (data-parallel attention with expert-parallel MoE,
-``model/v41/parallel.py``) and draws the single-process engine's greedy tokens, with chunked prefill (a 29-token
-step budget per DP rank), preemption (2 history blocks per DP rank) and requests arriving over several steps.
+"""The engine runs DeepSeek-V4.1 over 2-process gloo worlds (``model/v41/parallel.py``: DP2 with expert
+parallelism, DP2 alone, TP2) and draws the single-process engine's greedy tokens, with chunked prefill (a 29-token
+step budget per DP group), preemption (2 history blocks per DP group) and requests arriving over several steps.
 
 The tiny random V4.1 of ``v41_tiny.py`` in float32 with cache quantization off. Data parallelism alone is the
-one-device arithmetic on each rank. With expert parallelism the expert GEMMs see other rows than on one process (every DP rank's tokens routed to an expert), which this CPU's float32 GEMMs may round
-differently in the last bits; the tokens must be identical and the logprobs within 1e-4.
+one-device arithmetic on each rank, batched differently. With expert parallelism the expert GEMMs see other rows
+than on one process (every DP rank's tokens routed to an expert), which this CPU's float32 GEMMs may round
+differently in the last bits, and tensor parallelism sums partial outputs in another order: the tokens must be
+identical and the logprobs within 1e-4 (~6e-6 observed).
 """
 
 from __future__ import annotations

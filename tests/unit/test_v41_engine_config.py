@@ -86,7 +86,8 @@ def test_v41_on_several_cpu_ranks_is_accepted(v41_dir, monkeypatch) -> None:
         assert isinstance(config.model, V41Config) and config.parallel.world_size > 1
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
     EngineConfig.create(EngineArgs(model=str(v41_dir), device="cpu", data_parallel_size=2))
-    with pytest.raises(ValueError, match=r"^enable_expert_parallel: DEEPINFER_BATCH_INVARIANT=1 .*allowed with it: False"):
+    with pytest.raises(ValueError,
+                       match=r"^enable_expert_parallel: DEEPINFER_BATCH_INVARIANT=1 .*allowed with it: False"):
         EngineConfig.create(EngineArgs(model=str(v41_dir), device="cpu", data_parallel_size=2,
                                        enable_expert_parallel=True))
 
