@@ -93,5 +93,6 @@ def summarize_v41(model_dir: str | Path, block_size: int = 256, specs: Specs | N
         } for key, packed in (("cache_auto", True), ("cache_bf16", False))},
         "kv_cache_dtype": CACHE_FORMATS,
         "engine": "CPU reference step (model/v41/paged.py) with DSpark drafts, decoder-side bounded replay and "
-                  "encoder-side replay of prefix hits; not yet: GPU kernels, several devices",
+                  "encoder-side replay of prefix hits; several CPU ranks (data, tensor and expert parallelism); "
+                  "not yet: GPU kernels, context parallelism, DSpark or EPLB on several ranks",
     }
