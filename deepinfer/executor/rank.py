@@ -49,7 +49,7 @@ class RankWorker:
         # quantized-first: on CUDA straight into the kernels' layout, on the CPU dequantized per tensor.
         cuda = config.device == "cuda"
         ops = select_ops(config.device, config.batch_invariant)
-        if isinstance(config.model, V41Config):  # loaded whole on the CPU, then cut (model/v41/parallel.py)
+        if isinstance(config.model, V41Config):  # its share only, on the CPU (model/v41/parallel.py)
             self.model = load_v41_rank(config, self.pctx)
             self._empty_step = functools.partial(v41_parallel.empty_step, self.model.model) \
                 if v41_parallel.needs_empty_steps(self.model.model) else None
@@ -138,11 +138,10 @@ def load_v41_rank(config: EngineConfig, pctx: ParallelContext):
     share (``shard_v41``: its heads, its experts or their slices)."""
     from deepinfer.model.v41.paged import load_paged_v41
 
-    model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
-                           decoder_replay=config.v41_decoder_replay, load_format=config.load_format, seed=config.seed,
-                           tokenizer_dir=config.tokenizer_dir, batch_invariant=config.batch_invariant)
-    v41_parallel.shard_v41(model.model, pctx)
-    return model
+    return load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
+                          decoder_replay=config.v41_decoder_replay, load_format=config.load_format, seed=config.seed,
+                          tokenizer_dir=config.tokenizer_dir, batch_invariant=config.batch_invariant,
+                          keep=functools.partial(v41_parallel.shard_v41, pctx=pctx))
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@ computes what one process computes (``model/v41/parallel.py``).
 
 Every rank loads the tiny random V4.1 (``tests/e2e/v41_tiny.py``: window-only layers, ratio-2 and ratio-1 KV
 sources, reusing and re-indexing layers, candidate blocks, Engram, mHC, MoE of 8 experts) and keeps its share
-(``shard_v41``); each DP rank runs a scripted series of chunks of its own sequences, one sequence per step
+(``shard_v41``; the engine's sliced load, which reads only that share, must hold the same bytes); each DP rank runs a scripted series of chunks of its own sequences, one sequence per step
 (prefill chunks, decodes, and steps where a rank has no tokens and runs ``empty_step`` to join the expert
 exchanges). The parent runs the same chunks on the unsharded model, sequence by sequence.
 
@@ -79,6 +79,10 @@ def _rank(env: WorldEnv, model_dir: str, jobs: list[tuple[ParallelConfig, torch.
         pctx = init_world(config, "cpu", env, timeout_s=60)
         model, _ = load_v41_model(model_dir, dtype)
         shard_v41(model, pctx)
+        # The engine's sliced load (only this rank's tensors read) holds the same bytes as the whole model cut.
+        sliced, _ = load_v41_model(model_dir, dtype, keep=functools.partial(shard_v41, pctx=pctx))
+        want, got = model.state_dict(), sliced.state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), config
         if config.enable_expert_parallel:
             assert all(isinstance(b.ffn, V41EPMoE) and len(b.ffn.experts) == 8 // config.world_size
                        for b in model.layers)

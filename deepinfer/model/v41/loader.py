@@ -11,6 +11,7 @@ dequantized as they are read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,12 +139,15 @@ def load_tokenizer(model_dir: Path):
 
 def load_v41_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *, cfg: V41Config | None = None,
                    tokenizer=None, cache_qdq: bool = True, dspark: bool = False, load_format: str = "auto",
-                   seed: int = 0) -> tuple[DeepseekV41, tuple[str, ...]]:
+                   seed: int = 0, keep: Callable[[DeepseekV41], object] | None = None
+                   ) -> tuple[DeepseekV41, tuple[str, ...]]:
     """Build the model from ``model_dir``; returns it and the on-disk names that were skipped. ``dspark``:
     build and load the DSpark drafter too (its ``mtp.*`` tensors are then required, not skipped).
     ``load_format="dummy"``: random weights in the native formats from the config alone, seeded by ``seed``
     (``model/v41/dummy.py``); no safetensors are read (``model_dir`` may lack them, and its tokenizer too when
-    ``tokenizer`` is given)."""
+    ``tokenizer`` is given). ``keep``: cuts the built model to a rank's share before any tensor is read
+    (``model/v41/parallel.shard_v41``); only the tensors it holds are read, each cut alike (``held_slice``); every
+    header is checked all the same. Dummy weights are drawn whole and then cut."""
     if dtype not in FLOATS:
         raise ValueError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     if load_format not in LOAD_FORMATS:
@@ -159,15 +163,31 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, *
     if load_format == "dummy":
         from deepinfer.model.v41.dummy import load_dummy_v41
 
-        return load_dummy_v41(cfg, dtype, tokenizer=tokenizer, cache_qdq=cache_qdq, dspark=dspark, seed=seed), ()
+        model = load_dummy_v41(cfg, dtype, tokenizer=tokenizer, cache_qdq=cache_qdq, dspark=dspark, seed=seed)
+        if keep is not None:
+            keep(model)
+        return model, ()
     with torch.device("meta"):
         meta = DeepseekV41(cfg, dtype, shapes_only=True, dspark=dspark)
     files = Files(model_dir)
     plans, ignored = plan_v41_checkpoint(model_dir, files, meta)
     model = DeepseekV41(cfg, dtype, tokenizer=tokenizer, cache_qdq=cache_qdq, dspark=dspark)
+    if keep is not None:
+        keep(model)  # before anything is read: the tensors it drops are never filled
     own = model.state_dict()
     with torch.no_grad():
         for name, plan in plans.items():
-            own[name].copy_(_read(plan, files).to(own[name].dtype))
+            if keep is None:
+                own[name].copy_(_read(plan, files).to(own[name].dtype))
+                continue
+            from deepinfer.model.parallel.slices import take
+            from deepinfer.model.v41.parallel import held_slice
+
+            held = held_slice(model, name)
+            if held is None:  # another rank's expert
+                continue
+            local, spec = held
+            value = _read(plan, files)
+            own[local].copy_((value if spec is None else take(value, spec, name)).to(own[local].dtype))
     files.release()
     return model, tuple(ignored)

@@ -361,13 +361,14 @@ class PagedV41(nn.Module):
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
                    dspark: bool = False, decoder_replay: str = "off", load_format: str = "auto", seed: int = 0,
                    tokenizer_dir: str | Path | None = None, batch_invariant: bool = False,
-                   device: str = "cpu", ops: OpTable | None = None) -> PagedV41:
+                   device: str = "cpu", ops: OpTable | None = None, keep=None) -> PagedV41:
     """The engine's V4.1 model from a checkpoint directory (its tokenizer.json is part of Engram's hash);
     ``dspark``: with the DSpark drafter (speculative decoding); ``decoder_replay``: ``PagedV41``'s.
     ``load_format="dummy"``: random weights seeded by ``seed`` (``dummy.py``); Engram then hashes with the
     tokenizer of ``tokenizer_dir`` (the engine's), since a shapes directory has none. ``batch_invariant``:
     ``PagedV41``'s (``DEEPINFER_BATCH_INVARIANT=1``). ``ops`` (an op table): built quantized-first on ``device``
-    with it (``device.py``: FP4 experts fused, dense FP8 dequantized); None: the plain model on the CPU."""
+    with it (``device.py``: FP4 experts fused, dense FP8 dequantized); None: the plain model on the CPU. ``keep``:
+    ``load_v41_model``'s (a rank's share, the plain model only)."""
     from deepinfer.model.v41.loader import load_tokenizer, load_v41_model
 
     tokenizer = None
@@ -378,10 +379,12 @@ def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, ca
 
         if tokenizer is None and cfg.active_engram_layers:
             tokenizer = load_tokenizer(Path(model_dir))
+        if keep is not None:
+            raise ValueError("device: DeepSeek-V4.1 on several ranks runs on the CPU so far; allowed: cpu")
         kw = dict(tokenizer=tokenizer, cache_qdq=cache_quantization, dspark=dspark)
         model = dummy_v41_on_device(cfg, dtype, device, ops, seed=seed, **kw) if load_format == "dummy" else \
             load_v41_on_device(model_dir, cfg, dtype, device, ops, **kw)
         return PagedV41(model, decoder_replay, batch_invariant)
     model, _ = load_v41_model(model_dir, dtype, cfg=cfg, tokenizer=tokenizer, cache_qdq=cache_quantization,
-                              dspark=dspark, load_format=load_format, seed=seed)
+                              dspark=dspark, load_format=load_format, seed=seed, keep=keep)
     return PagedV41(model.eval(), decoder_replay, batch_invariant)

@@ -23,10 +23,15 @@ Context parallelism and expert load balancing are not written (``check_v41_paral
 refuse them). A rank without tokens runs ``empty_step`` so that its peers' dispatches find it (one MoE call
 per layer, as a step makes; the TP ranks of a DP group share its empty batch, so their all-reduces need no
 call); the DSpark drafter stays whole on every rank (speculative decoding with several ranks is refused).
-Every rank loads the whole model and then keeps its share (the CPU path; a sliced load is future work).
+A rank's load (``load_v41_model(..., keep=shard_v41)``) cuts the freshly built model before reading anything and
+reads only the tensors it holds, each cut as ``shard_v41`` cut it (``held_slice``): bit for bit the share of a
+model loaded whole and then cut (the test's oracle). The cut slices the dequantized tensor (the CPU path keeps no
+codes), so a rank reads a TP-split tensor whole before keeping its slice.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -147,8 +152,10 @@ def shard_v41(model: DeepseekV41, pctx: ParallelContext) -> DeepseekV41:
             block.attn.__class__ = V41TPAttention
             block.attn.became_sharded(pctx)
         if pctx.ep_size > 1:
+            local = expert_range(pctx, n_experts)
             block.ffn.__class__ = V41EPMoE
-            block.ffn.became_sharded(pctx, expert_range(pctx, n_experts))
+            block.ffn.became_sharded(pctx, local)
+            block.ffn.owned_experts = local  # what a sliced load reads, into experts[0..n) (``held_slice``)
         elif pctx.tp_size > 1:
             _cut(block.ffn, f"layers.{i}.ffn", V41TPMoE.shards(pctx, n_experts))
             block.ffn.__class__ = V41TPMoE
@@ -165,6 +172,24 @@ def _cut(module: nn.Module, prefix: str, specs: dict[str, Shard]) -> None:
         owner._parameters[attr] = nn.Parameter(piece, requires_grad=False)
         if isinstance(owner, Linear):
             owner.out_features, owner.in_features = piece.shape
+        owner.param_shards = {**getattr(owner, "param_shards", {}), attr: spec}  # what a sliced load cuts
+
+
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(.+)$")
+
+
+def held_slice(model: DeepseekV41, name: str) -> tuple[str, Shard | None] | None:
+    """Where checkpoint tensor ``name`` (its global name) lives in a model ``shard_v41`` cut: its local name and
+    the slice of it the rank holds (None: all of it), or None when another rank holds it (an expert)."""
+    m = _EXPERT.match(name)
+    if m is not None:
+        owned = getattr(model.get_submodule(m[1]), "owned_experts", None)
+        if owned is not None:
+            if int(m[2]) not in owned:
+                return None
+            name = f"{m[1]}.experts.{int(m[2]) - owned.start}.{m[3]}"
+    owner_name, _, attr = name.rpartition(".")
+    return name, getattr(model.get_submodule(owner_name), "param_shards", {}).get(attr)
 
 
 def needs_empty_steps(model: DeepseekV41) -> bool:
