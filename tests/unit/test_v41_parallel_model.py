@@ -5,7 +5,8 @@ Every rank loads the tiny random V4.1 (``tests/e2e/v41_tiny.py``: window-only la
 sources, reusing and re-indexing layers, candidate blocks, Engram, mHC, MoE of 8 experts) and keeps its share
 (``shard_v41``; the engine's sliced load, which reads only that share, must hold the same bytes); each DP rank
 runs a scripted series of chunks of its own sequences, one sequence per step (prefill chunks, decodes, and steps
-where a rank has no tokens and runs ``empty_step`` to join the expert exchanges). The parent runs the same chunks on the unsharded model, sequence by sequence.
+where a rank has no tokens and runs ``empty_step`` to join the expert exchanges). The parent runs the same
+chunks on the unsharded model, sequence by sequence.
 
 Exactness: data parallelism alone runs the one-device code on each rank: bit-equal. With expert parallelism an
 expert's GEMM sees the rows of every rank's tokens routed to it (one process: one sequence's), and the combine
