@@ -16,6 +16,7 @@ SERVER_ARGS=${SERVER_ARGS:-"--max-num-seqs 256 --max-model-len 2048 --max-num-ba
 LOOPS=${LOOPS:-"async sync"}
 MODES=${MODES:-"thread process"}
 REPEATS=${REPEATS:-1}
+CLIENTS=${CLIENTS:-1}  # deepinfer bench serve --num-client-processes: one client process can be the bottleneck
 for rep in $(seq "$REPEATS"); do
 for mode in $MODES; do
 for loop in $LOOPS; do
@@ -44,7 +45,7 @@ for loop in $LOOPS; do
       n=$(( c == 1 ? 16 : (8 * c < 256 ? 256 : (8 * c > 1024 ? 1024 : 8 * c)) ))
       python3 -m deepinfer.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --dataset-name random \
         --random-input-len "$in_len" --random-output-len 128 --random-range-ratio 0 --num-prompts "$n" \
-        --max-concurrency "$c" --ignore-eos --seed 0 --disable-tqdm --save-result --result-dir "$OUT/serve" \
+        --max-concurrency "$c" --num-client-processes "$(( CLIENTS < c ? CLIENTS : c ))" --ignore-eos --seed 0 --disable-tqdm --save-result --result-dir "$OUT/serve" \
         --result-filename "${run}_${in_len}_${c}${suffix}.json" --metadata "loop=$loop" --metadata "mode=$mode" 2>&1 | tail -n 4
     done
   done
