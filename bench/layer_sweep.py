@@ -98,13 +98,18 @@ def random_cache(model: DeepseekV4, seqs: int, context: int, device: str,
     cache = SequenceCache(layout, blocks, model.dtype, device)
     for t in cache.storage.tensors.values():
         t.normal_()
+    return cache, full_sequences(cache, seqs, context)
+
+
+def full_sequences(cache: SequenceCache, seqs: int, context: int) -> list[int]:
+    """``seqs`` new sequences of ``cache``, each holding ``context`` positions (whatever the pools hold)."""
     sids = []
     for _ in range(seqs):
         sid = cache.new_sequence()
         cache._ensure(sid, context)
         cache._lengths[sid] = context
         sids.append(sid)
-    return cache, sids
+    return sids
 
 
 def timed(fn, device: str, reps: int = 5) -> float:

@@ -94,13 +94,7 @@ def random_cache(model: PagedV41, seqs: int, context: int, capacity: int, device
             t.normal_()
         else:
             t.random_(3, cfg.vocab_size)
-    sids = []
-    for _ in range(seqs):
-        sid = cache.new_sequence()
-        cache._ensure(sid, context)
-        cache._lengths[sid] = context
-        sids.append(sid)
-    return cache, sids
+    return cache, v4.full_sequences(cache, seqs, context)
 
 
 class LayerClock:

@@ -2,7 +2,7 @@
 `deepinfer bench serve` client, read from /proc/<pid>/stat around each run. It answers which process is the
 bottleneck: one near 100% of a core caps what the others can do.
 
-    python bench/serve_cpu.py [--runs 64:128 256:512] [--input-len 512] [--output-len 128] [--spy 6]
+    python bench/serve_cpu.py [--runs 64:128 256:512] [--input-len 512] [--output-len 128] [--spy 6] [--clients N]
                               [--server-args "--max-num-seqs 256 --max-model-len 2048"] [--out /tmp/serve_cpu]
 
 Starts `deepinfer serve` itself, warms it up (64 requests), then runs one benchmark per ``--runs`` entry
@@ -60,7 +60,8 @@ def bench(a, port: int, procs: dict[int, str], concurrency: int, prompts: int, o
            "--backend", "openai", "--dataset-name", "random", "--random-input-len", str(a.input_len),
            "--random-output-len", str(output_len), "--random-range-ratio", "0", "--num-prompts", str(prompts),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0", "--disable-tqdm",
-           "--save-result", "--result-dir", str(a.out), "--result-filename", name]
+           "--save-result", "--result-dir", str(a.out), "--result-filename", name,
+           "--num-client-processes", str(min(a.clients, concurrency))]
     before = {pid: cpu_seconds(pid) for pid in procs}
     t0 = time.time()
     client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -71,13 +72,15 @@ def bench(a, port: int, procs: dict[int, str], concurrency: int, prompts: int, o
         spies = [subprocess.Popen([a.spy_bin, "record", "--nonblocking", "-r", "250", "-d", str(spy), "--format", "raw",
                                    "-o", str(a.out / f"spy_{label}.txt"), "--pid", str(pid)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for label, pid in targets]
-    client_cpu = 0.0
-    while client.poll() is None:  # the client's own time, read while it lives
-        try:
-            client_cpu = cpu_seconds(client.pid)
-        except OSError:
-            pass
+    seen: dict[int, float] = {}  # the client's and its client processes' time, each read while it lives
+    while client.poll() is None:
+        for pid in [client.pid, *children(client.pid)]:
+            try:
+                seen[pid] = cpu_seconds(pid)
+            except OSError:
+                pass
         time.sleep(0.05)
+    client_cpu = sum(seen.values())
     wall = time.time() - t0
     for s in spies:
         s.wait()
@@ -94,6 +97,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--server-args", default="--max-num-seqs 256 --max-model-len 2048")
     p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--clients", type=int, default=1,
+                   help="client processes (bench serve --num-client-processes); their CPU is summed as the client's")
     p.add_argument("--spy", type=int, default=None, help="py-spy seconds per process in the last run")
     p.add_argument("--spy-bin", default="py-spy")
     p.add_argument("--out", type=Path, default=Path("/tmp/serve_cpu"))

@@ -3,8 +3,9 @@
 # 128 output tokens, at each CONCURRENCY (16 prompts at 1, else 8 rounds of it within 256..1024 prompts), once
 # per engine mode in MODES (default: "thread process": the engine in a thread of the server,
 # --no-engine-process, and in its own process, the default) and scheduling loop
-# in LOOPS (default: async, then sync), each server warmed up first. One JSON per run under
-# $OUT/serve; `python bench/serve_report.py $OUT/serve` writes bench/results/serve_demo.md from them.
+# in LOOPS (default: async, then sync), each server warmed up first; REPEATS > 1 runs the whole set again
+# (loops interleaved: async, sync, async, sync, ...: how far a loop's figures move between servers). One JSON per
+# run under $OUT/serve; `python bench/serve_report.py $OUT/serve` writes bench/results/serve_demo.md from them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/serve"
@@ -14,16 +15,20 @@ PORT=${PORT:-8123}
 SERVER_ARGS=${SERVER_ARGS:-"--max-num-seqs 256 --max-model-len 2048 --max-num-batched-tokens 8192 --block-size 256 --cache-memory-gb 8"}
 LOOPS=${LOOPS:-"async sync"}
 MODES=${MODES:-"thread process"}
+REPEATS=${REPEATS:-1}
+CLIENTS=${CLIENTS:-1}  # deepinfer bench serve --num-client-processes: one client process can be the bottleneck
+for rep in $(seq "$REPEATS"); do
 for mode in $MODES; do
 for loop in $LOOPS; do
   flag=--async-scheduling; [ "$loop" = sync ] && flag=--no-async-scheduling
   engine=--engine-process; [ "$mode" = thread ] && engine=--no-engine-process
   run="${mode}_$loop"
+  suffix=""; [ "$REPEATS" -gt 1 ] && suffix="_r$rep"
   # shellcheck disable=SC2086
-  python3 -m deepinfer.server --port "$PORT" $SERVER_ARGS "$flag" "$engine" > "$OUT/serve/server_$run.log" 2>&1 &
+  python3 -m deepinfer.server --port "$PORT" $SERVER_ARGS "$flag" "$engine" > "$OUT/serve/server_$run$suffix.log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do
-    kill -0 "$pid" 2>/dev/null || { echo "server ($run) exited:"; tail -n 20 "$OUT/serve/server_$run.log"; exit 1; }
+    kill -0 "$pid" 2>/dev/null || { echo "server ($run) exited:"; tail -n 20 "$OUT/serve/server_$run$suffix.log"; exit 1; }
     python3 -c "import httpx; httpx.get('http://127.0.0.1:$PORT/health').raise_for_status()" 2>/dev/null && break
     sleep 1
   done
@@ -40,10 +45,11 @@ for loop in $LOOPS; do
       n=$(( c == 1 ? 16 : (8 * c < 256 ? 256 : (8 * c > 1024 ? 1024 : 8 * c)) ))
       python3 -m deepinfer.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --dataset-name random \
         --random-input-len "$in_len" --random-output-len 128 --random-range-ratio 0 --num-prompts "$n" \
-        --max-concurrency "$c" --ignore-eos --seed 0 --disable-tqdm --save-result --result-dir "$OUT/serve" \
-        --result-filename "${run}_${in_len}_${c}.json" --metadata "loop=$loop" --metadata "mode=$mode" 2>&1 | tail -n 4
+        --max-concurrency "$c" --num-client-processes "$(( CLIENTS < c ? CLIENTS : c ))" --ignore-eos --seed 0 --disable-tqdm --save-result --result-dir "$OUT/serve" \
+        --result-filename "${run}_${in_len}_${c}${suffix}.json" --metadata "loop=$loop" --metadata "mode=$mode" 2>&1 | tail -n 4
     done
   done
   kill "$pid"; wait "$pid"
+done
 done
 done

@@ -50,6 +50,7 @@ class ServeBenchConfig:
     request_rate: float
     burstiness: float
     max_concurrency: int | None
+    num_client_processes: int     # client processes sharing the requests and the concurrency (1: this one)
     fields: Mapping[str, Any]     # merged into every request body (sampling options, --extra-body)
     percentile_metrics: tuple[str, ...]
     metric_percentiles: tuple[float, ...]
@@ -120,6 +121,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         "(default: 1)")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight; later arrivals wait (default: no limit)")
+    g.add_argument("--num-client-processes", type=int, default=1,
+                   help="client processes sharing the requests (request i goes to process i mod N, at its arrival "
+                        "time) and the concurrency: one process reading tens of thousands of streamed events a "
+                        "second can be what a run measures (default: 1)")
     g = p.add_argument_group("sampling (sent only when given)")
     g.add_argument("--ignore-eos", action="store_true", help="ask the server to generate every requested token")
     g.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy)")
@@ -220,6 +225,10 @@ def config_from_args(a: argparse.Namespace) -> ServeBenchConfig:
     _need(a.burstiness > 0 and math.isfinite(a.burstiness), "--burstiness", f"must be a number > 0, got {a.burstiness}")
     _need(a.max_concurrency is None or a.max_concurrency >= 1, "--max-concurrency",
           f"must be >= 1, got {a.max_concurrency}")
+    _need(a.num_client_processes >= 1, "--num-client-processes", f"must be >= 1, got {a.num_client_processes}")
+    _need(a.max_concurrency is None or a.num_client_processes <= a.max_concurrency, "--num-client-processes",
+          f"must be <= --max-concurrency ({a.max_concurrency}): each process takes a share of it, got "
+          f"{a.num_client_processes}")
     _need(a.request_timeout > 0, "--request-timeout", f"must be > 0, got {a.request_timeout}")
     _need(a.random_input_len >= 0, "--random-input-len", f"must be >= 0, got {a.random_input_len}")
     _need(a.random_prefix_len >= 0, "--random-prefix-len", f"must be >= 0, got {a.random_prefix_len}")
@@ -250,7 +259,7 @@ def config_from_args(a: argparse.Namespace) -> ServeBenchConfig:
         random_prefix_len=a.random_prefix_len, jsonl_prompt_field=a.jsonl_prompt_field,
         jsonl_output_len_field=a.jsonl_output_len_field, jsonl_output_len=a.jsonl_output_len,
         sharegpt_output_len=a.sharegpt_output_len, request_rate=a.request_rate, burstiness=a.burstiness,
-        max_concurrency=a.max_concurrency, fields=_fields(a), percentile_metrics=selected,
+        max_concurrency=a.max_concurrency, num_client_processes=a.num_client_processes, fields=_fields(a), percentile_metrics=selected,
         metric_percentiles=_percentiles(a.metric_percentiles), save_result=a.save_result,
         result_dir=a.result_dir, result_filename=a.result_filename, metadata=metadata, disable_tqdm=a.disable_tqdm,
     )

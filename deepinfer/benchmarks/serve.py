@@ -18,7 +18,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,29 +78,43 @@ async def served_model(cfg: ServeBenchConfig, http: aiohttp.ClientSession) -> st
                          f"{type(e).__name__}: {e}); pass --model or --served-model-name") from None
 
 
-async def _run(cfg: ServeBenchConfig, requests: Sequence[BenchRequest], tokenizer: Tokenizer
-               ) -> tuple[str, list[RequestOutcome], float]:
+def served_model_name(cfg: ServeBenchConfig) -> str:
+    """``served_model`` through a session of its own (the multi-process client asks once, before it starts)."""
     import aiohttp
-    from tqdm import tqdm
+
+    async def ask() -> str:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.request_timeout, sock_read=cfg.request_timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            return await served_model(cfg, http)
+
+    return asyncio.run(ask())
+
+
+async def send_all(cfg: ServeBenchConfig, requests: Sequence[BenchRequest], offsets: Sequence[float],
+                   limit: int | None, tokenizer: Tokenizer, model: str | None = None,
+                   start_at: float | None = None, on_done: Callable[[], None] | None = None
+                   ) -> tuple[str, list[RequestOutcome], float, float]:
+    """Send ``requests`` at ``offsets`` seconds from the start, at most ``limit`` in flight, and stream them:
+    (the model name used, the outcomes in request order, the wall-clock start and end, ``time.time()``).
+    ``model``: asked of the server when None. ``start_at``: the wall-clock start (else now). ``on_done``:
+    called as each request completes."""
+    import aiohttp
 
     from deepinfer.benchmarks.client import Endpoint, send
 
-    limit = cfg.max_concurrency
     # The gate below bounds concurrency, so the pool must never make a request wait (or time out) for a
     # connection: as many connections as the gate lets through (0: no limit), kept alive between requests.
     connector = aiohttp.TCPConnector(limit=limit or 0, limit_per_host=limit or 0, ttl_dns_cache=300)
     # Per operation, as a stream may rightly last long: connecting, and each wait for the next bytes.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.request_timeout, sock_read=cfg.request_timeout)
-    offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text)) if text else 0
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-        model = await served_model(cfg, http)
+        model = model or await served_model(cfg, http)
         ep = Endpoint(cfg.url, cfg.backend, model, cfg.api_key, cfg.fields)
         gate = asyncio.Semaphore(limit) if limit else None
-        bar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="requests", unit="req")
 
         async def one(req: BenchRequest) -> RequestOutcome:
             if gate is None:
@@ -108,9 +122,13 @@ async def _run(cfg: ServeBenchConfig, requests: Sequence[BenchRequest], tokenize
             else:
                 async with gate:
                     out = await send(http, ep, req, count_tokens)
-            bar.update(1)
+            if on_done is not None:
+                on_done()
             return out
 
+        if start_at is not None and start_at > time.time():
+            await asyncio.sleep(start_at - time.time())
+        wall = time.time()
         start = time.perf_counter()
         tasks = []
         for req, at in zip(requests, offsets):
@@ -119,9 +137,24 @@ async def _run(cfg: ServeBenchConfig, requests: Sequence[BenchRequest], tokenize
                 await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(one(req)))
         outcomes = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - start
-        bar.close()
-    return model, outcomes, duration
+        end = wall + (time.perf_counter() - start)
+    return model, outcomes, wall, end
+
+
+def _run(cfg: ServeBenchConfig, requests: Sequence[BenchRequest], tokenizer: Tokenizer
+         ) -> tuple[str, list[RequestOutcome], float]:
+    """(model name, outcomes in request order, the run's duration: first send to last completion)."""
+    from tqdm import tqdm
+
+    offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    with tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="requests", unit="req") as bar:
+        if cfg.num_client_processes > 1:
+            from deepinfer.benchmarks.client_processes import run_processes
+
+            return run_processes(cfg, requests, offsets, lambda: bar.update(1))
+        model, outcomes, start, end = asyncio.run(send_all(cfg, requests, offsets, cfg.max_concurrency, tokenizer,
+                                                           on_done=lambda: bar.update(1)))
+    return model, outcomes, end - start
 
 
 def _result_path(cfg: ServeBenchConfig, model_id: str, date: str) -> Path:
@@ -144,16 +177,18 @@ def run(cfg: ServeBenchConfig) -> dict[str, Any]:
         print(f"note: {cfg.dataset_path} has {len(requests)} usable prompts; sending {len(requests)}", file=sys.stderr)
     rate = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate
     print(f"{len(requests)} {cfg.dataset_name} prompts to {cfg.url} ({cfg.backend}); request rate {rate}, "
-          f"burstiness {cfg.burstiness}, max concurrency {cfg.max_concurrency or 'unlimited'}", file=sys.stderr)
+          f"burstiness {cfg.burstiness}, max concurrency {cfg.max_concurrency or 'unlimited'}"
+          + (f", {cfg.num_client_processes} client processes" if cfg.num_client_processes > 1 else ""),
+          file=sys.stderr)
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
-    model, outcomes, duration = asyncio.run(_run(cfg, requests, tokenizer))
+    model, outcomes, duration = _run(cfg, requests, tokenizer)
     metrics = compute_metrics(outcomes, duration, cfg.metric_percentiles)
     model_id = cfg.model or model
     info: dict[str, Any] = {
         "date": date, "backend": cfg.backend, "endpoint": cfg.url, "model_id": model_id, "served_model_name": model,
         "tokenizer_id": cfg.tokenizer, "dataset_name": cfg.dataset_name, "seed": cfg.seed,
         "num_prompts": len(requests), "request_rate": rate, "burstiness": cfg.burstiness,
-        "max_concurrency": cfg.max_concurrency, **cfg.metadata,
+        "max_concurrency": cfg.max_concurrency, "num_client_processes": cfg.num_client_processes, **cfg.metadata,
     }
     result = result_dict(metrics, outcomes, info)
     errors = Counter(o.error for o in outcomes if not o.success)

@@ -104,6 +104,20 @@ def test_completions_backend(server_url: str, tmp_path: Path, capsys: pytest.Cap
     assert "P99 TTFT (ms):" in table and "Mean TPOT (ms):" in table and "Mean E2EL" not in table
 
 
+def test_several_client_processes_pool_their_requests(server_url: str, tmp_path: Path) -> None:
+    """--num-client-processes 2: process w sends requests w, w + 2, ...; the result lists them in request order
+    as one process would (the same prompts, every token)."""
+    rc, r = _bench(tmp_path, server_url, *RANDOM, "--random-range-ratio", "0.5", "--num-client-processes", "2")
+    assert rc == 0
+    expected = random_requests(Tokenizer(), 8, 32, 8, range_ratio=0.5, seed=3)
+    assert len({q.prompt_len for q in expected}) > 4  # lengths that tell the requests apart
+    assert (r["completed"], r["failed"], r["num_client_processes"]) == (8, 0, 2)
+    assert r["input_lens"] == [q.prompt_len for q in expected]
+    assert r["output_lens"] == [q.output_len for q in expected]
+    assert r["errors"] == [""] * 8 and all(t > 0 for t in r["ttfts"])
+    assert r["duration"] >= max(r["mean_e2el_ms"], r["median_e2el_ms"]) / 1000
+
+
 def test_chat_backend(server_url: str, tmp_path: Path) -> None:
     rc, r = _bench(tmp_path, server_url, *RANDOM, "--backend", "openai-chat", "--model", "deepinfer-demo",
                    "--percentile-metrics", "ttft,e2el")

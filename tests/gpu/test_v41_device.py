@@ -9,9 +9,9 @@ sequence, in a cache too small for all of them (preemption and recomputation), t
 
   * float32: every sequence's tokens identical, and after a prefix-cache hit.
   * bfloat16 (released cache formats): batching and chunking change the GEMMs' and the attention's shapes
-    and hence their roundings, which a random tiny model's near-ties turn into other tokens. Compared: the
-    plain model, fed each prompt and the engine's tokens, ranks every engine token within 5% of the row's
-    logit spread of its best and three in four at the top (a wrong step lands nowhere near it).
+    and hence their roundings, which a random tiny model's near-ties turn into other tokens. Compared against
+    the float32 model as the oracle: the engine's tokens score as well as the plain bfloat16 model's own greedy
+    tokens (a wrong step scores like random tokens).
   * the step's forward launches without a host sync (``torch.cuda.set_sync_debug_mode("error")``): the step's
     per-sequence layout comes from the runner's host values (``StepIndex.host``), not from the device.
   * the fused experts against the plain per-expert loop on the same FP4 weights (float32, a stated bound).
@@ -37,11 +37,6 @@ from deepinfer.testing.staggered import drain
 from tests.e2e.test_v41_engine import CONFIGS, GREEDY, MAX_TOKENS, _prompts
 from tests.e2e.v41_tiny import write_tiny_v41
 from tests.gpu.conftest import INTERPRET, rel_err
-
-# bfloat16: an engine token's logit gap to the plain model's best, as a share of the row's spread (near-ties
-# measured up to 0.022; a random token sits at about 0.5)
-NEAR = 0.05
-
 
 def _ops(device: str):
     """The device's table; under the interpreter the reference one (the device build and the paged step are
@@ -124,11 +119,15 @@ def test_prefix_hit_on_device_equals_plain_model(checkpoint, device, monkeypatch
 
 
 @pytest.mark.interpret_ok
-def test_engine_bfloat16_tokens_are_the_plain_models_near_argmax(checkpoint, device, monkeypatch) -> None:
-    """bfloat16 with the released cache formats (``kv_cache_dtype="auto"``), batched, chunked, preempted. The
-    plain model, fed each prompt and the engine's tokens, must rank every engine token within ``NEAR`` of its
-    best logit (a share of the row's logit spread) and most at the top: bf16 roundings that differ with the
-    step's shapes may flip near-ties, a wrong step does not land near the top."""
+def test_engine_bfloat16_tokens_fare_as_the_plain_bfloat16_models(checkpoint, device, monkeypatch) -> None:
+    """bfloat16 with the released cache formats (``kv_cache_dtype="auto"``), batched, chunked, preempted. Exact
+    tokens are not expected: the step's shapes change the GEMMs' and the attention's roundings, and a tiny random
+    model's logits are full of near-ties. The oracle is the same model in float32: fed a prompt and a
+    continuation, it scores each token by its gap to its best logit (a share of the row's logit spread). The
+    engine is the plain bfloat16 model batched, so its tokens must score as well as that model's own greedy
+    tokens: a mean gap within 1.25x + 0.01 of theirs and a share of exact-top tokens within 0.1 of theirs (about
+    three standard errors at ~140 tokens). A wrong step scores like random tokens (mean gap near 0.5)."""
+    oracle = _plain(checkpoint, device, torch.float32, cache_qdq=True)
     plain = _plain(checkpoint, device, torch.bfloat16, cache_qdq=True)
     prompts = _prompts(6)
     if INTERPRET:
@@ -140,17 +139,26 @@ def test_engine_bfloat16_tokens_are_the_plain_models_near_argmax(checkpoint, dev
     for i in rng.sample(range(len(prompts)), len(prompts)):
         arrivals.setdefault(rng.randrange(4), []).append((f"r{i}", prompts[i]))
     got = drain(engine, arrivals, GREEDY, check_integrity=True)
-    gaps = []
-    for i, ids in enumerate(prompts):
-        tokens = got[f"r{i}"]
-        assert len(tokens) == MAX_TOKENS
-        logits = plain(torch.tensor(ids + tokens[:-1], device=device), plain.new_cache())[len(ids) - 1:].float()
+
+    def gaps(ids: list[int], tokens: list[int]) -> list[float]:
+        logits = oracle(torch.tensor(ids + tokens[:-1], device=device), oracle.new_cache())[len(ids) - 1:].float()
         best, spread = logits.max(-1).values, logits.max(-1).values - logits.min(-1).values
-        gap = (best - logits.gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0]) / spread
-        gaps += gap.tolist()
-    assert max(gaps) <= NEAR, f"an engine token {max(gaps):.3f} of the logit spread below the plain model's best"
-    # A step computing slightly off would move many tokens off the top, not a few near-ties.
-    assert sum(g == 0 for g in gaps) >= 0.75 * len(gaps), gaps
+        return ((best - logits.gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0]) / spread).tolist()
+
+    engine_gaps, own_gaps = [], []
+    for i, ids in enumerate(prompts):
+        assert len(got[f"r{i}"]) == MAX_TOKENS
+        engine_gaps += gaps(ids, got[f"r{i}"])
+        own_gaps += gaps(ids, plain.greedy(torch.tensor(ids, device=device), MAX_TOKENS))
+
+    def mean(g: list[float]) -> float:
+        return sum(g) / len(g)
+
+    def top(g: list[float]) -> float:
+        return sum(x == 0 for x in g) / len(g)
+
+    assert mean(engine_gaps) <= 1.25 * mean(own_gaps) + 0.01, (mean(engine_gaps), mean(own_gaps))
+    assert top(engine_gaps) >= top(own_gaps) - 0.1, (top(engine_gaps), top(own_gaps))
 
 
 def test_step_forward_has_no_host_sync(checkpoint, device, monkeypatch) -> None:

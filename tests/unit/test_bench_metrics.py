@@ -204,6 +204,8 @@ def test_flags_urls_and_fields() -> None:
     (["--request-rate", "0"], "--request-rate: must be > 0"),
     (["--random-range-ratio", "1"], "--random-range-ratio: must be in [0, 1)"),
     (["--max-concurrency", "0"], "--max-concurrency: must be >= 1"),
+    (["--num-client-processes", "0"], "--num-client-processes: must be >= 1"),
+    (["--num-client-processes", "3", "--max-concurrency", "2"], "--num-client-processes: must be <= --max-concurrency (2)"),
     (["--seed", "-1"], "--seed: must be >= 0"),
     (["--num-prompts", "0"], "--num-prompts: must be >= 1"),
     (["--burstiness", "0"], "--burstiness: must be a number > 0"),
@@ -214,6 +216,14 @@ def test_bad_flags_name_the_flag(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError) as e:
         _config(*argv)
     assert str(e.value).startswith(message)
+
+
+def test_client_processes_share_the_concurrency() -> None:
+    from deepinfer.benchmarks.client_processes import concurrency_shares
+
+    assert _config("--num-client-processes", "4").num_client_processes == 4
+    assert concurrency_shares(10, 4) == [3, 3, 2, 2] and concurrency_shares(4, 4) == [1, 1, 1, 1]
+    assert concurrency_shares(None, 3) == [None, None, None]
 
 
 def test_unknown_backend_lists_choices(capsys: pytest.CaptureFixture) -> None:

@@ -367,8 +367,8 @@ def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, ca
     ``load_format="dummy"``: random weights seeded by ``seed`` (``dummy.py``); Engram then hashes with the
     tokenizer of ``tokenizer_dir`` (the engine's), since a shapes directory has none. ``batch_invariant``:
     ``PagedV41``'s (``DEEPINFER_BATCH_INVARIANT=1``). ``ops`` (an op table): built quantized-first on ``device``
-    with it (``device.py``: FP4 experts fused, dense FP8 dequantized); None: the plain model on the CPU. ``keep``:
-    ``load_v41_model``'s (a rank's share, the plain model only)."""
+    with it (``device.py``: FP4 experts fused, dense FP8 as ``FP8Dense32``); None: the plain model on the CPU.
+    ``keep``: ``load_v41_model``'s (a rank's share, the plain model only)."""
     from deepinfer.model.v41.loader import load_tokenizer, load_v41_model
 
     tokenizer = None
