@@ -99,10 +99,16 @@ def _rank(env: WorldEnv, model_dir: str, jobs: list[tuple[ParallelConfig, torch.
 
 @functools.cache
 def _reference(model_dir: str, ranks: int, dtype: torch.dtype) -> list[list[torch.Tensor | None]]:
-    """Per DP rank, per step: the one-process model's logits of that rank's chunk."""
-    model, _ = load_v41_model(model_dir, dtype)
-    script = _script(ranks)
-    flat = _run(model, [s for step in script for s in step])
+    """Per DP rank, per step: the one-process model's logits of that rank's chunk, with torch on one thread as
+    each rank runs (float32 GEMMs sum in another order on more threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, _ = load_v41_model(model_dir, dtype)
+        script = _script(ranks)
+        flat = _run(model, [s for step in script for s in step])
+    finally:
+        torch.set_num_threads(threads)
     return [[flat[i * ranks + r] for i in range(len(script))] for r in range(ranks)]
 
 
