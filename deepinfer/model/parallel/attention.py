@@ -26,15 +26,18 @@ from deepinfer.model.shard import Shard
 from deepinfer.model.rope import RopeTables
 
 
+def head_shards(pctx: ParallelContext) -> dict[str, Shard]:
+    """A tensor-parallel attention's cuts (V4's and V4.1's tensors share these names): the query heads (wq_b rows,
+    the sinks) and the output groups (wo_a rows) by rank, wo_b by input columns."""
+    rows, cols = Shard(0, pctx.tp_rank, pctx.tp_size), Shard(1, pctx.tp_rank, pctx.tp_size)
+    return {"wq_b.weight": rows, "attn_sink": rows, "wo_a.weight": rows, "wo_b.weight": cols}
+
+
 class TPAttention(Attention):
     """An ``Attention`` holding ``1/tp`` of the heads and groups; its output is summed over the TP group."""
 
     pctx: ParallelContext
-
-    @staticmethod
-    def shards(pctx: ParallelContext) -> dict[str, Shard]:
-        rows, cols = Shard(0, pctx.tp_rank, pctx.tp_size), Shard(1, pctx.tp_rank, pctx.tp_size)
-        return {"wq_b.weight": rows, "attn_sink": rows, "wo_a.weight": rows, "wo_b.weight": cols}
+    shards = staticmethod(head_shards)
 
     def became_sharded(self, pctx: ParallelContext) -> None:
         """Counts and stacks after the weights were cut (``model/parallel/shard.py``)."""

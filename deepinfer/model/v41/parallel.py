@@ -39,6 +39,7 @@ from torch import nn
 from deepinfer.distributed.collectives import all_gather_rows, all_reduce
 from deepinfer.distributed.world import ParallelContext
 from deepinfer.model.linear import Linear
+from deepinfer.model.parallel.attention import head_shards
 from deepinfer.model.parallel.moe import ExpertDispatch, expert_groups, expert_range
 from deepinfer.model.parallel.placement import static_placement
 from deepinfer.model.parallel.slices import take
@@ -54,11 +55,7 @@ class V41TPAttention(Attention):
     group (``_output`` is where both the plain forward and the engine's step, ``paged.py``, end a layer)."""
 
     pctx: ParallelContext
-
-    @staticmethod
-    def shards(pctx: ParallelContext) -> dict[str, Shard]:
-        rows, cols = Shard(0, pctx.tp_rank, pctx.tp_size), Shard(1, pctx.tp_rank, pctx.tp_size)
-        return {"wq_b.weight": rows, "attn_sink": rows, "wo_a.weight": rows, "wo_b.weight": cols}
+    shards = staticmethod(head_shards)
 
     def became_sharded(self, pctx: ParallelContext) -> None:
         self.pctx = pctx
