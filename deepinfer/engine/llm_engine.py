@@ -70,14 +70,7 @@ class LLMEngine:
         if isinstance(config.model, V41Config):
             # DeepSeek-V4.1: its own batched step over the same paged cache (model/v41/paged.py); on CUDA built
             # quantized-first there (model/v41/device.py).
-            from deepinfer.model.v41.paged import load_paged_v41
-
-            self.model = load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
-                                        dspark=config.speculative is not None,
-                                        decoder_replay=config.v41_decoder_replay, load_format=config.load_format,
-                                        seed=config.seed, tokenizer_dir=config.tokenizer_dir,
-                                        batch_invariant=config.batch_invariant, device=config.device,
-                                        ops=ops if cuda else None)
+            self.model = load_v41_step(config, ops if cuda else None)
         else:
             self.model = load_model(config.model_dir, dtype=config.dtype, device=config.device, strict_mtp=False,
                                     progress=config.load_progress, ops=ops if cuda else None, cfg=config.model,
@@ -326,6 +319,17 @@ class LLMEngine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def load_v41_step(config: EngineConfig, ops=None, keep=None):
+    """The engine's DeepSeek-V4.1 model (``model/v41/paged.PagedV41``) as ``config`` asks for it; ``ops``: built
+    quantized-first on the device with that op table; ``keep``: a rank's share (``model/v41/parallel.shard_v41``)."""
+    from deepinfer.model.v41.paged import load_paged_v41
+
+    return load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
+                          dspark=config.speculative is not None, decoder_replay=config.v41_decoder_replay,
+                          load_format=config.load_format, seed=config.seed, tokenizer_dir=config.tokenizer_dir,
+                          batch_invariant=config.batch_invariant, device=config.device, ops=ops, keep=keep)
 
 
 def mode_line(config: EngineConfig, ops) -> str:

@@ -16,7 +16,8 @@ import torch
 
 from deepinfer.config.engine import EngineConfig
 from deepinfer.config.v41 import V41Config
-from deepinfer.distributed.world import ParallelContext, WorldEnv, close_world, init_world
+from deepinfer.distributed.world import WorldEnv, close_world, init_world
+from deepinfer.engine.llm_engine import load_v41_step
 from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
 from deepinfer.executor.messages import (CollectContextHistory, CollectExpertLoad, ContextHistory, ExpertLoad,
@@ -50,7 +51,7 @@ class RankWorker:
         cuda = config.device == "cuda"
         ops = select_ops(config.device, config.batch_invariant)
         if isinstance(config.model, V41Config):  # its share only, on the CPU (model/v41/parallel.py)
-            self.model = load_v41_rank(config, self.pctx)
+            self.model = load_v41_step(config, keep=functools.partial(v41_parallel.shard_v41, pctx=self.pctx))
             self._empty_step = functools.partial(v41_parallel.empty_step, self.model.model) \
                 if v41_parallel.needs_empty_steps(self.model.model) else None
         else:
@@ -131,17 +132,6 @@ class RankWorker:
                                 chunk.owner == pctx.dp_rank, chunk.seq_id, work.first_pos, work.token_ids,
                                 self.cp_history.track(chunk.owner, chunk.seq_id, work.first_pos))
         return None
-
-
-def load_v41_rank(config: EngineConfig, pctx: ParallelContext):
-    """A rank's DeepSeek-V4.1 step: the one-device model (``LLMEngine``'s load on the CPU) cut to this rank's
-    share (``shard_v41``: its heads, its experts or their slices)."""
-    from deepinfer.model.v41.paged import load_paged_v41
-
-    return load_paged_v41(config.model_dir, config.model, config.dtype, config.cache.released_formats,
-                          decoder_replay=config.v41_decoder_replay, load_format=config.load_format, seed=config.seed,
-                          tokenizer_dir=config.tokenizer_dir, batch_invariant=config.batch_invariant,
-                          keep=functools.partial(v41_parallel.shard_v41, pctx=pctx))
 
 
 @torch.no_grad()

@@ -90,8 +90,6 @@ def placed_from() -> tuple[int, ...]:
     return tuple(src)
 
 
-
-
 # Words a bit permutation rewrites per pass: bounds its temporaries (one int32 tensor of this size beside
 # the output) while keeping a GPU's launches few (each pass is about 30).
 _PASS_WORDS = 1 << 24
