@@ -35,6 +35,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of device memory for weights, activations and the cache")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
+    g.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the kernels' variants at start-up, not during the first requests (default: on CUDA)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="plan step N+1 while step N runs (the same tokens; default: off)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -126,7 +128,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, block_size=a.block_size,
         num_cache_blocks=a.num_cache_blocks, cache_memory_gb=a.cache_memory_gb, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, warm_up=a.warm_up,
         async_scheduling=a.async_scheduling, enable_prefix_caching=a.enable_prefix_caching,
         kv_host_cache_gb=a.kv_host_cache_gb, kv_cache_dir=a.kv_cache_dir, kv_disk_cache_gb=a.kv_disk_cache_gb,
         tensor_parallel_size=a.tensor_parallel_size,

@@ -54,6 +54,9 @@ class EngineArgs:
     # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
     # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
     async_scheduling: bool = False
+    # Compile the kernels' variants at start-up (engine/warm_up.py) rather than during the first requests.
+    # None: on CUDA (the CPU runs no compiled kernels).
+    warm_up: bool | None = None
     # Prefix caching (kv/manager.py, kv/prefix_hits.py): hits at every block boundary whose window/state tails are retained.
     enable_prefix_caching: bool = True
     # The cache tiers below the device pools (sizes in GiB, like cache_memory_gb; kv/offload.py): evicted
@@ -161,6 +164,7 @@ class EngineConfig:
     load_progress: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = False
+    warm_up: bool = False  # EngineArgs.warm_up, resolved for the device
     parallel: ParallelConfig = ParallelConfig()
     load_format: str = "auto"
     speculative: SpeculativeConfig | None = None
@@ -229,6 +233,7 @@ class EngineConfig:
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
             async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
+            warm_up=device == "cuda" if args.warm_up is None else _check_bool("warm_up", args.warm_up),
             parallel=parallel,
             load_format=args.load_format,
             speculative=speculative,

@@ -38,6 +38,7 @@ from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, append_token, build_output, finish, to_position_logprobs
 from deepinfer.engine.sequence import RequestState, Status
+from deepinfer.engine.warm_up import warm_up
 from deepinfer.engine.sizing import build_cache, build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.kv.block_budget import cdiv
@@ -123,6 +124,8 @@ class LLMEngine:
         # What step() returns per request it touched: cumulative RequestOutputs by default; the server's engine
         # core installs a builder of deltas (server/output_wire.DeltaBuilder) and sends those as they are.
         self.build_output = build_output
+        if config.warm_up:
+            warm_up(self)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> "LLMEngine":

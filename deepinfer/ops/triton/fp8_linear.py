@@ -132,7 +132,7 @@ def _fp8_k_range(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_mask, n_mask, K, k_start
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
     M, N, K, k_per_split, group_rows,
@@ -238,7 +238,7 @@ def _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, k_start, k_end, BL
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_decode_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
     M, N, K, k_per_split, group_rows,
@@ -303,7 +303,7 @@ def load_swap_ab(w_ptr, x_ptr, offs_n, offs_m, k_idx, n_mask, m_mask, K, stride_
     return w, xt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_linear_wa_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym,

@@ -29,7 +29,7 @@ SCALE_BLOCK = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_b32_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
     pid_m = tl.program_id(0)

@@ -30,7 +30,7 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["E", "stride_rl", "stride_ol"])
 def _index_score_kernel(
     q_ptr, w_ptr, k_ptr, rows_ptr, qrow_ptr, lim_ptr, key_ptr,
     E, Hi, Di, softmax_scale, weight_scale,
@@ -132,7 +132,7 @@ def scores_from_keys(sort_keys: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["e", "stride_b", "stride_r", "stride_o"])
 def _picks_kernel(best_ptr, lim_ptr, rows_ptr, qrows_ptr, out_ptr, e, k, stride_b, stride_r, stride_o,
                   AS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Sort keys of the top k (any order) -> entry numbers (or their row ids) best first, -1 past the query's

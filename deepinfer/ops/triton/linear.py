@@ -46,7 +46,7 @@ def _swap_ab_range(w_ptr, x_ptr, offs_n, offs_m, n_mask, m_mask, K, k_start, k_e
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_decode_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym, stride_pm, stride_psplit,

@@ -115,7 +115,7 @@ def _fill_blocks(pair_ptr, expert_ptr, e0, e1, b0, b1, counts, block_start, bloc
         tl.store(pair_ptr + b[:, None] * BM + r[None, :], tl.full([NB_TILE, BM], -1, tl.int32), mask=ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "num_blocks"])
 def _align_one_program_kernel(ids_ptr, pair_ptr, expert_ptr, n_pairs, num_blocks,
                               E_PAD: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
                               NB_TILE: tl.constexpr):
@@ -125,7 +125,7 @@ def _align_one_program_kernel(ids_ptr, pair_ptr, expert_ptr, n_pairs, num_blocks
     _fill_blocks(pair_ptr, expert_ptr, 0, E_PAD, 0, num_blocks, counts, block_start, block_end, E_PAD, BM, NB_TILE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs"])
 def _count_kernel(ids_ptr, hist_ptr, n_pairs, PER: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """hist[c] = pairs per expert in range c."""
     c = tl.program_id(0)
@@ -134,7 +134,7 @@ def _count_kernel(ids_ptr, hist_ptr, n_pairs, PER: tl.constexpr, E_PAD: tl.const
     tl.store(hist_ptr + c * E_PAD + tl.arange(0, E_PAD), counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_ranges"])
 def _scan_kernel(hist_ptr, n_ranges, E_PAD: tl.constexpr, ROWS: tl.constexpr):
     """hist[c] -> pairs per expert in ranges before c (exclusive scan); row n_ranges <- totals."""
     e = tl.arange(0, E_PAD)
@@ -149,7 +149,7 @@ def _scan_kernel(hist_ptr, n_ranges, E_PAD: tl.constexpr, ROWS: tl.constexpr):
     tl.store(hist_ptr + n_ranges * E_PAD + e, carry)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "n_ranges", "num_blocks"])
 def _place_kernel(ids_ptr, hist_ptr, pair_ptr, expert_ptr, n_pairs, n_ranges, num_blocks,
                   PER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
                   NB_TILE: tl.constexpr):

@@ -49,7 +49,7 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _experts_kernel(
     x_ptr, w13_ptr, s13_ptr, h_ptr, w2_ptr, s2_ptr, y_ptr, pair_ptr, expert_ptr, counter_ptr,
     num_blocks, H, I,

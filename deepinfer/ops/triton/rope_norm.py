@@ -64,7 +64,7 @@ def _norm_rope_kernel(
                        INVERSE, BLOCK_H, BLOCK_W, INTERPRET, OUT_ROWS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["FIRST"])
 def _norm_rope_pair_kernel(
     FIRST,  # programs of job A; job B's program i is program FIRST + i
     xa, wa, ca, sa, oa, ra, Ha, Wa, C0a, ROa, iwa, epsa, sxta, sxha, sota, soha, scosa, ssina,

@@ -87,7 +87,7 @@ def _finalize(acc, m_i, l_i, sink2):
     return acc * (alpha / denom)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "N2", "split", "stride_il", "stride_i2l"])
 def _sparse_attn_kernel(
     q_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, mpart_ptr, lpart_ptr, apart_ptr,
     H, N, N2, D, qk_scale, split,
@@ -139,7 +139,7 @@ def _sparse_attn_kernel(
         tl.store(apart_ptr + base[:, None] * BLOCK_D + offs_d[None, :], acc, mask=h_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_splits,
                   stride_ol, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
                   SP: tl.constexpr):
