@@ -37,8 +37,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     g.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the kernels' variants at start-up, not during the first requests (default: on CUDA)")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="plan step N+1 while step N runs (the same tokens; default: off)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while step N runs (the same tokens; default: on for CUDA without "
+                        "speculation, off on the CPU)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the cache of earlier requests' common prefixes (the same tokens; default: on)")
     g.add_argument("--kv-host-cache-gb", type=float, default=0.0,

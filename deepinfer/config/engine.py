@@ -51,9 +51,9 @@ class EngineArgs:
     seed: int = 0
     load_progress: bool = True
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launches its kernels from Python)
-    # Plan and submit step N+1 before reading step N's tokens (the same tokens). Off by default: on the
-    # H200 it does not yet beat the synchronous loop when serving (bench/results/serve_demo.md).
-    async_scheduling: bool = False
+    # Plan and submit step N+1 before reading step N's tokens (the same tokens). None: on where it pays and
+    # is supported (``auto_async_scheduling``), else False / True as asked.
+    async_scheduling: bool | None = None
     # Compile the kernels' variants at start-up (engine/warm_up.py) rather than during the first requests.
     # None: on CUDA (the CPU runs no compiled kernels).
     warm_up: bool | None = None
@@ -232,7 +232,10 @@ class EngineConfig:
             seed=args.seed,
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
-            async_scheduling=_check_bool("async_scheduling", args.async_scheduling),
+            async_scheduling=(auto_async_scheduling(device, speculative, parallel,
+                                                    bool(args.kv_host_cache_gb or args.kv_cache_dir is not None))
+                              if args.async_scheduling is None else _check_bool("async_scheduling",
+                                                                                 args.async_scheduling)),
             warm_up=device == "cuda" if args.warm_up is None else _check_bool("warm_up", args.warm_up),
             parallel=parallel,
             load_format=args.load_format,
@@ -294,6 +297,19 @@ def _resolve_dtype(name: str, device: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype: {name!r} is not supported; allowed: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def auto_async_scheduling(device: str, speculative: SpeculativeConfig | None, parallel: ParallelConfig,
+                          tiers: bool) -> bool:
+    """``async_scheduling=None``: whether the engine overlaps planning with the device's step. On a CUDA device,
+    where the host's work per step (planning, inputs, applying tokens, outputs) runs while the device computes
+    the step before (the same tokens as the synchronous loop, tested); bench/results/serve_demo.md measures it
+    against the synchronous loop. Off on the CPU, where host and "device" are one thread and nothing overlaps;
+    off with speculation (it has not yet measured faster there: bench/results/spec_decode_cuda.md), with
+    context parallelism and with cache tiers on several ranks (not supported: an explicit True is refused)."""
+    if device != "cuda" or speculative is not None or parallel.context_parallel_size > 1:
+        return False
+    return parallel.is_single or not tiers
 
 
 def _check_bool(name: str, value: object) -> bool:

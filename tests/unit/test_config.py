@@ -103,3 +103,24 @@ def test_truncated_layer_count_ignores_the_rest_of_compress_ratios() -> None:
     assert c.layer_types == (SWA, SWA, CSA, HCA)
     with pytest.raises(ValueError, match="^compress_ratios: MTP slots"):
         ModelConfig.from_dict({**FLASH, "num_hidden_layers": 4, "num_nextn_predict_layers": 1})
+
+
+def test_async_scheduling_default_follows_the_device_and_what_is_supported() -> None:
+    from deepinfer.config.engine import EngineArgs, EngineConfig, auto_async_scheduling
+    from deepinfer.config.speculative import SpeculativeConfig
+    from deepinfer.distributed.config import ParallelConfig
+
+    one, dp2, cp2 = ParallelConfig(), ParallelConfig(1, 2, True), ParallelConfig(1, 2, True, 2)
+    mtp = SpeculativeConfig("mtp", 2)
+    assert auto_async_scheduling("cuda", None, one, tiers=False)
+    assert auto_async_scheduling("cuda", None, one, tiers=True)
+    assert auto_async_scheduling("cuda", None, dp2, tiers=False)
+    assert not auto_async_scheduling("cuda", None, dp2, tiers=True)  # tiers on several ranks: refused with async
+    assert not auto_async_scheduling("cuda", None, cp2, tiers=False)  # context parallelism: refused with async
+    assert not auto_async_scheduling("cuda", mtp, one, tiers=False)  # not measured faster with speculation
+    assert not auto_async_scheduling("cpu", None, one, tiers=False)  # one thread: nothing to overlap
+    # Unset resolves on the CPU to the synchronous loop; an explicit choice is kept (and checked).
+    assert EngineConfig.create(EngineArgs(device="cpu")).async_scheduling is False
+    assert EngineConfig.create(EngineArgs(device="cpu", async_scheduling=True)).async_scheduling is True
+    with pytest.raises(ValueError, match="^async_scheduling: must be true or false"):
+        EngineConfig.create(EngineArgs(device="cpu", async_scheduling="yes"))
