@@ -233,7 +233,8 @@ class EngineConfig:
             load_progress=args.load_progress,
             enforce_eager=bool(args.enforce_eager),
             async_scheduling=(auto_async_scheduling(device, speculative, parallel,
-                                                    bool(args.kv_host_cache_gb or args.kv_cache_dir is not None))
+                                                    bool(args.kv_host_cache_gb or args.kv_cache_dir is not None),
+                                                    isinstance(model, V41Config))
                               if args.async_scheduling is None else _check_bool("async_scheduling",
                                                                                  args.async_scheduling)),
             warm_up=device == "cuda" if args.warm_up is None else _check_bool("warm_up", args.warm_up),
@@ -300,14 +301,16 @@ def _resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def auto_async_scheduling(device: str, speculative: SpeculativeConfig | None, parallel: ParallelConfig,
-                          tiers: bool) -> bool:
+                          tiers: bool, v41: bool = False) -> bool:
     """``async_scheduling=None``: whether the engine overlaps planning with the device's step. On a CUDA device,
     where the host's work per step (planning, inputs, applying tokens, outputs) runs while the device computes
     the step before (the same tokens as the synchronous loop, tested); bench/results/serve_demo.md measures it
     against the synchronous loop. Off on the CPU, where host and "device" are one thread and nothing overlaps;
     off with speculation (it has not yet measured faster there: bench/results/spec_decode_cuda.md), with
-    context parallelism and with cache tiers on several ranks (not supported: an explicit True is refused)."""
-    if device != "cuda" or speculative is not None or parallel.context_parallel_size > 1:
+    context parallelism and with cache tiers on several ranks (not supported: an explicit True is refused); off
+    for DeepSeek-V4.1 (``v41``), whose CUDA path has been checked on the GPU with the synchronous loop only (its
+    async loop is tested on the CPU: an explicit True runs it)."""
+    if device != "cuda" or speculative is not None or parallel.context_parallel_size > 1 or v41:
         return False
     return parallel.is_single or not tiers
 

@@ -90,6 +90,17 @@ def test_batched_chunked_preempted_equals_plain_greedy(tiny, async_scheduling) -
         assert got[f"r{i}"] == reference(ids), f"prompt {i} ({len(ids)} tokens)"
 
 
+def test_after_the_start_up_warm_up_equals_plain_greedy(tiny) -> None:
+    """The warm-up (on by default on CUDA; engine/warm_up.py) runs V4.1's engine too and leaves nothing behind."""
+    path, reference = tiny
+    engine = _engine(path, warm_up=True)
+    assert sum(engine.cache.num_cached_blocks().values()) == 0 and not engine.requests
+    prompts = _prompts(9)[:6]
+    got = _drain(engine, {0: [(f"r{i}", p) for i, p in enumerate(prompts)]})
+    for i, ids in enumerate(prompts):
+        assert got[f"r{i}"] == reference(ids), f"prompt {i} ({len(ids)} tokens)"
+
+
 def test_prefix_hit_equals_plain_greedy(tiny) -> None:
     path, reference = tiny
     engine = _engine(path)
