@@ -6,6 +6,10 @@
 # in LOOPS (default: async, then sync), each server warmed up first; REPEATS > 1 runs the whole set again
 # (loops interleaved: async, sync, async, sync, ...: how far a loop's figures move between servers). One JSON per
 # run under $OUT/serve; `python bench/serve_report.py $OUT/serve` writes bench/results/serve_demo.md from them.
+# MODEL_ARGS serves another model, e.g. 4 V4-Flash-shaped layers with dummy weights (the demo tokenizer has V4's
+# vocabulary; JSON without spaces, the variable is split on them):
+#   MODEL_ARGS='--model deepinfer/assets/shapes/v4-flash --load-format dummy --hf-overrides {"num_hidden_layers":4}
+#   --tokenizer deepinfer/assets/demo' SERVER_ARGS="... --cache-memory-gb 24" bash bench/serve_sweep.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/serve"
@@ -13,6 +17,7 @@ CONCURRENCY=${CONCURRENCY:-"1 16 64 256"}
 INPUTS=${INPUTS:-"512 1024"}
 PORT=${PORT:-8123}
 SERVER_ARGS=${SERVER_ARGS:-"--max-num-seqs 256 --max-model-len 2048 --max-num-batched-tokens 8192 --block-size 256 --cache-memory-gb 8"}
+MODEL_ARGS=${MODEL_ARGS:-}
 LOOPS=${LOOPS:-"async sync"}
 MODES=${MODES:-"thread process"}
 REPEATS=${REPEATS:-1}
@@ -25,7 +30,7 @@ for loop in $LOOPS; do
   run="${mode}_$loop"
   suffix=""; [ "$REPEATS" -gt 1 ] && suffix="_r$rep"
   # shellcheck disable=SC2086
-  python3 -m deepinfer.server --port "$PORT" $SERVER_ARGS "$flag" "$engine" > "$OUT/serve/server_$run$suffix.log" 2>&1 &
+  python3 -m deepinfer.server --port "$PORT" $SERVER_ARGS $MODEL_ARGS "$flag" "$engine" > "$OUT/serve/server_$run$suffix.log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do
     kill -0 "$pid" 2>/dev/null || { echo "server ($run) exited:"; tail -n 20 "$OUT/serve/server_$run$suffix.log"; exit 1; }
