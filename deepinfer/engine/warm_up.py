@@ -46,6 +46,8 @@ def prompt_lengths(max_num_batched_tokens: int, max_model_len: int, max_cached_t
     """The warm-up's prompt lengths: the ladder up to one step's budget, then one prompt of 1.5 steps (a second
     chunk with context), each leaving room for its two tokens in the sequence and in the cache."""
     cap = min(max_model_len, max_cached_tokens) - 2
+    if cap < 1:  # no prompt fits with two tokens to draw: nothing to warm up with
+        return []
     lengths = ladder(min(max_num_batched_tokens, cap))
     longer = min(max_num_batched_tokens + max_num_batched_tokens // 2, cap)
     return lengths + ([longer] if longer > lengths[-1] else [])
@@ -67,7 +69,7 @@ def warm_up(engine) -> None:
             engine.step()
     engine.step()  # async scheduling: nothing left in flight
     _forget(engine)
-    log.info("warm-up: %d prompts of 1..%d tokens in %.1f s", len(lengths), lengths[-1],
+    log.info("warm-up: %d prompts of 1..%d tokens in %.1f s", len(lengths), max(lengths, default=0),
              time.perf_counter() - started)
 
 

@@ -48,6 +48,7 @@ def test_prompt_lengths_fit_the_model_and_cache() -> None:
     assert prompt_lengths(2048, 8192, 10**6)[-1] == 3072  # a second chunk
     assert max(prompt_lengths(2048, 1000, 10**6)) == 998
     assert max(prompt_lengths(2048, 8192, 500)) == 498
+    assert prompt_lengths(2048, 2, 10**6) == []  # no room for a prompt and two tokens
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
