@@ -78,6 +78,7 @@ from deepinfer.ops.ref import fp8_linear as ref_fp8
 from deepinfer.ops.ref import indexer_topk as ref_index
 from deepinfer.ops.ref import linear as ref_linear
 from deepinfer.ops.ref import mhc as ref_mhc
+from deepinfer.ops.ref import mhc_v41 as ref_mhc_v41
 from deepinfer.ops.ref import moe as ref_route
 from deepinfer.ops.ref import moe_experts as ref_moe
 from deepinfer.ops.ref import pointwise as ref_pointwise
@@ -125,6 +126,9 @@ class OpTable:
     token_mask: Callable = ref_mask.token_mask
     # FP8 linear with 32x32-block scales (DeepSeek-V4.1's dense weights): x, weight, scale, pow2_scales -> y.
     fp8_linear_b32: Callable = partial(ref_fp8.fp8_linear, block=(32, 32))
+    # DeepSeek-V4.1's mHC coefficients from a site's logits: logits [T,(2+N)N] fp32, N, iters, eps -> (pre, post,
+    # comb) fp32 (ops/ref/mhc_v41.py).
+    v41_mix_finish: Callable = ref_mhc_v41.mix_finish
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
 
@@ -171,6 +175,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
     from deepinfer.ops.triton import indexer_topk as tri_index
     from deepinfer.ops.triton import linear as tri_linear
     from deepinfer.ops.triton import mhc as tri_mhc
+    from deepinfer.ops.triton import mhc_v41 as tri_mhc_v41
     from deepinfer.ops.triton import moe_experts as tri_moe
     from deepinfer.ops.triton import moe_route as tri_route
     from deepinfer.ops.triton import rope_norm as tri_rn
@@ -203,7 +208,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
                    fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
                    linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning, token_mask=tri_mask.token_mask,
-                   fp8_linear_b32=tri_fp8_b32.fp8_linear_b32)
+                   fp8_linear_b32=tri_fp8_b32.fp8_linear_b32, v41_mix_finish=tri_mhc_v41.mix_finish)
     if not tuning.batch_invariant:
         return table
     # Batch-invariant (``tuning.invariant()``): the tuning already fixes the FP8 GEMMs' K segments and

@@ -63,3 +63,34 @@ def test_device_build_lays_out_every_expert_in_the_tables_layout(tmp_path) -> No
                 assert torch.equal(got, t.reshape(got.shape)), f"{name} not in the table's layout"
         checked += 1
     assert checked
+
+
+def test_device_build_runs_the_mhc_coefficients_in_its_table(tmp_path) -> None:
+    """Every block (and DSpark stage) of a device build computes its mHC coefficients with the build's op table
+    (one kernel on CUDA), and the plain model keeps the reference."""
+    import dataclasses
+
+    from deepinfer.config.v41 import V41Config
+    from deepinfer.model.v41.device import load_v41_on_device
+    from deepinfer.model.v41.dspark import DSparkStage
+    from deepinfer.model.v41.loader import load_tokenizer, load_v41_model
+    from deepinfer.model.v41.model import Block
+    from deepinfer.ops.table import REF
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return REF.v41_mix_finish(*args)
+
+    path = write_tiny_v41(tmp_path, seed=3, dspark=True)
+    cfg, tok = V41Config.from_model_dir(path), load_tokenizer(path)
+    ops = dataclasses.replace(REF, name="ref-counted", v41_mix_finish=counted)
+    built = load_v41_on_device(path, cfg, torch.float32, "cpu", ops, tokenizer=tok, dspark=True)
+    sites = [m for m in built.modules() if isinstance(m, (Block, DSparkStage))]
+    assert sites and all(m.ops is ops for m in sites)
+    plain, _ = load_v41_model(path, torch.float32, cache_qdq=False, dspark=True)
+    assert all(m.ops is REF for m in plain.modules() if isinstance(m, (Block, DSparkStage)))
+    built.forward(torch.tensor([5, 6, 7]))
+    assert len(calls) == 2 * cfg.num_hidden_layers  # two sites per layer, 3 tokens each
+    assert set(calls) == {3}

@@ -37,7 +37,8 @@ from deepinfer.model.linear import Linear
 from deepinfer.model.quant import scale_to_float
 from deepinfer.model.v41.engram import EngramHasher, compressed_token_map
 from deepinfer.model.v41.fp8_dense import BLOCK, FP8Dense32
-from deepinfer.model.v41.model import DeepseekV41
+from deepinfer.model.v41.dspark import DSparkStage
+from deepinfer.model.v41.model import Block, DeepseekV41
 from deepinfer.model.v41.moe import MoE
 from deepinfer.model.v41.names import scale_name, storage_format
 from deepinfer.ops.table import OpTable
@@ -102,6 +103,9 @@ def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device
             routed.lay_out_arrived()  # ``load`` lays experts out in batches; the last batch is laid out here
             if routed.pending():
                 raise ValueError(f"{prefix}: experts {routed.pending()} got only one of w1 / w3")
+    for module in model.modules():
+        if isinstance(module, (Block, DSparkStage)):  # their mHC coefficients: one kernel on CUDA
+            module.ops = ops
     if cfg.active_engram_layers:
         model.hasher = EngramHasher(cfg, *compressed_token_map(tokenizer)).to(device)
     return model.eval()

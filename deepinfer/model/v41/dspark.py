@@ -39,6 +39,7 @@ from deepinfer.model.v41.cache import LayerCache, write_rows
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.moe import MoE
 from deepinfer.model.v41.rope import angles, apply_rope
+from deepinfer.ops.table import REF, OpTable
 
 _WINDOW_ONLY = V41LayerRole(ratio=0, kv_source=False, index_source=False, candidate_source=False,
                             uses_candidates=False, engram=False)
@@ -107,6 +108,9 @@ class DSparkStage(nn.Module):
     """``mtp.S.``: attn_norm, ffn_norm, hc_{attn,ffn}_{fn,base,scale}, attn.*, ffn.* (gate.bias_vl included,
     unused: draft rows are text); stage 0: main_proj, main_norm; last stage: norm, markov_head, confidence_head."""
 
+    # The mHC coefficients' op (``ops.v41_mix_finish``): the device build sets the device's table.
+    ops: OpTable = REF
+
     def __init__(self, cfg: V41Config, stage: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
@@ -127,7 +131,7 @@ class DSparkStage(nn.Module):
 
     def _mix(self, site: str, streams: torch.Tensor) -> mhc.Mix:
         c = self.cfg
-        return mhc.site_mix(self, site, streams, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return mhc.site_mix(self, site, streams, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, self.ops)
 
     def forward(self, streams: torch.Tensor, pre_in: torch.Tensor, ang: torch.Tensor, context: torch.Tensor,
                 cache_qdq: bool) -> tuple[torch.Tensor, torch.Tensor]:

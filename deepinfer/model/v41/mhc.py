@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.ops.table import REF, OpTable
+
 
 @dataclass(frozen=True, slots=True)
 class Mix:
@@ -24,29 +26,17 @@ class Mix:
     comb: torch.Tensor
 
 
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Softmax rows + eps, column-normalise, then (iters - 1) row/column rounds (as V4, architecture §2.2)."""
-    x = logits.softmax(dim=-1) + eps
-    x = x / (x.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        x = x / (x.sum(dim=-1, keepdim=True) + eps)
-        x = x / (x.sum(dim=-2, keepdim=True) + eps)
-    return x
-
-
 def mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-        hc_eps: float, norm_eps: float) -> Mix:
+        hc_eps: float, norm_eps: float, ops: OpTable = REF) -> Mix:
     """streams [T, N, H] -> the site's coefficients, all fp32: project the flat streams, then scale by their
-    inverse RMS; logits = base + mixes * [scale0 x N, scale1 x N, scale2 x N^2]."""
+    inverse RMS; logits = base + mixes * [scale0 x N, scale1 x N, scale2 x N^2]; sigmoids and the Sinkhorn
+    by ``ops.v41_mix_finish`` (``ops/ref/mhc_v41.py``; one kernel on CUDA)."""
     n = streams.shape[1]
     flat = streams.flatten(1).float()
     mixes = F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n))).float()
     logits = torch.addcmul(base.float(), mixes, scales)  # one fused multiply-add, as the reference kernel
-    pre = torch.sigmoid(logits[:, :n]) + hc_eps
-    post = 2 * torch.sigmoid(logits[:, n:2 * n])
-    comb = sinkhorn(logits[:, 2 * n:].unflatten(-1, (n, n)), iters, hc_eps)
-    return Mix(pre, post, comb)
+    return Mix(*ops.v41_mix_finish(logits, n, iters, hc_eps))
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -76,7 +66,8 @@ def add_site_parameters(module: nn.Module, site: str, n: int, h: int) -> None:
     setattr(module, f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
 
-def site_mix(module: nn.Module, site: str, streams: torch.Tensor, iters: int, hc_eps: float, norm_eps: float) -> Mix:
+def site_mix(module: nn.Module, site: str, streams: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
+             ops: OpTable = REF) -> Mix:
     """The coefficients of ``module``'s site ``site`` (parameters from ``add_site_parameters``)."""
     fn, base, scale = (getattr(module, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
-    return mix(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    return mix(streams, fn, base, scale, iters, hc_eps, norm_eps, ops)

@@ -27,10 +27,14 @@ from deepinfer.model.v41.engram import Engram, EngramHasher, compressed_token_ma
 from deepinfer.model.v41.moe import MoE
 from deepinfer.model.v41.replay import DecoderReplay
 from deepinfer.model.v41.rope import angles
+from deepinfer.ops.table import REF, OpTable
 
 
 class Block(nn.Module):
     """Names: attn_norm, ffn_norm, hc_{attn,ffn}_{fn,base,scale}, attn.*, ffn.*, engram.* (Engram layers)."""
+
+    # The mHC coefficients' op (``ops.v41_mix_finish``): the device build sets the device's table.
+    ops: OpTable = REF
 
     def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -47,7 +51,7 @@ class Block(nn.Module):
 
     def _mix(self, site: str, streams: torch.Tensor) -> mhc.Mix:
         c = self.cfg
-        return mhc.site_mix(self, site, streams, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return mhc.site_mix(self, site, streams, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, self.ops)
 
     def forward(self, streams: torch.Tensor, pre_in: torch.Tensor, ctx: StepContext, layer: int,
                 shared: SharedKV, engram_rows: torch.Tensor | None, image_mask: torch.Tensor,

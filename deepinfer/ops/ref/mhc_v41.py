@@ -1,0 +1,33 @@
+"""DeepSeek-V4.1's mHC coefficients from a site's logits (spec §2.3; the site's projection and RMS scaling are
+``model/v41/mhc.mix``): the twin of ``ops/triton/mhc_v41.py``.
+
+    logits [T, (2 + N) N] fp32 -> pre = sigmoid(l[:N]) + eps, post = 2 sigmoid(l[N:2N]),
+                                  comb = Sinkhorn(l[2N:] as [N, N]), all fp32
+
+Sinkhorn as V4 (architecture §2.2): softmax over each row plus eps, one column normalisation, then
+(iters - 1) rounds of row and column normalisation; on the reference path that is ~4 launches a round, 20
+rounds, twice per layer: the largest share of a V4.1 decode layer's launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """[..., N, N] -> doubly stochastic (up to eps): softmax rows + eps, column-normalise, then (iters - 1)
+    row/column rounds."""
+    x = logits.softmax(dim=-1) + eps
+    x = x / (x.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        x = x / (x.sum(dim=-1, keepdim=True) + eps)
+        x = x / (x.sum(dim=-2, keepdim=True) + eps)
+    return x
+
+
+def mix_finish(logits: torch.Tensor, n: int, iters: int, hc_eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [T, (2 + n) n] fp32 -> (pre [T, n], post [T, n], comb [T, n, n]), fp32."""
+    pre = torch.sigmoid(logits[:, :n]) + hc_eps
+    post = 2 * torch.sigmoid(logits[:, n:2 * n])
+    return pre, post, sinkhorn(logits[:, 2 * n:].unflatten(-1, (n, n)), iters, hc_eps)
