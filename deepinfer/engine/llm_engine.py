@@ -38,9 +38,9 @@ from deepinfer.engine.intake import Intake
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, append_token, build_output, finish, to_position_logprobs
 from deepinfer.engine.sequence import RequestState, Status
-from deepinfer.engine.warm_up import warm_up
 from deepinfer.engine.sizing import build_cache, build_prefix_hasher
 from deepinfer.engine.spec_stats import SpecDecodeStats
+from deepinfer.engine.warm_up import warm_up
 from deepinfer.kv.block_budget import cdiv
 from deepinfer.kv.offload import TierLink, move_blocks
 from deepinfer.model.loader import load_model

@@ -3,8 +3,8 @@
 Triton compiles a kernel once per set of constexpr values (and integer-argument class); the launchers pick
 tiles, K splits, paths and chunk sizes from the step's token count, so a server that starts cold compiles a
 new variant (0.1-1 s each) at the first step of each new size class while requests wait: 16 compiles, 7 s
-of the first 13 s of served traffic after the usual 64-request warm-up on the H200 (bench/results/README.md,
-"compiles while serving"). Integer arguments that vary from step to step are kept out of the
+of the first 13 s of served traffic after the usual 64-request warm-up on the H200
+(``bench/results/serve_demo.md``). Integer arguments that vary from step to step are kept out of the
 specialization in the kernels themselves (``do_not_specialize``: one binary for every value), so what is
 left depends on the token count's bucket, and one prompt per rung of a ladder that grows by at most 2x
 between rungs (1, 2, 3, 4, 6, 8, 12, ...) meets every bucket of the tuning tables (whose bounds are powers

@@ -35,8 +35,8 @@ reads the token ids from the history pool, where that layout keeps them.
 
 This is the engine's reference path (one sequence loop per compressed layer), on the CPU and, built by
 ``device.py``, on a GPU, where only the dense FP8 linears, the fused experts and the mHC coefficients are
-kernels so far (``bench/results/layer_sweep_v41.md``: launch-bound, the per-sequence loop grows with the batch). The forward makes no host sync: the per-sequence
-layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
+kernels so far (``bench/results/layer_sweep_v41.md``: launch-bound, the per-sequence loop grows with the
+batch). The forward makes no host sync: the per-sequence layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
 (``StepIndex.host``), and the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
 ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows
 in the released formats: the step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and

@@ -6,7 +6,7 @@
 
 Sinkhorn as V4 (architecture §2.2): softmax over each row plus eps, one column normalisation, then
 (iters - 1) rounds of row and column normalisation; on the reference path that is ~4 launches a round, 20
-rounds, twice per layer: the largest share of a V4.1 decode layer's launches.
+rounds, twice per layer (``ops/triton/mhc_v41.py`` does a site in one launch).
 """
 
 from __future__ import annotations
