@@ -80,7 +80,7 @@ def v41_config(tiny: bool) -> V41Config:
 
 def build_v41(cfg: V41Config, device: str) -> PagedV41:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return PagedV41(dummy_v41_on_device(cfg, dtype, device, select(device), seed=0))
+    return PagedV41(dummy_v41_on_device(cfg, dtype, device, select(device), seed=0), key_lists=True)
 
 
 def random_cache(model: PagedV41, seqs: int, context: int, capacity: int, device: str):

@@ -90,6 +90,49 @@ def test_batched_chunked_preempted_equals_plain_greedy(tiny, async_scheduling) -
         assert got[f"r{i}"] == reference(ids), f"prompt {i} ({len(ids)} tokens)"
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "auto"])
+def test_key_lists_attention_equals_the_per_sequence_attention(tiny, kv_cache_dtype) -> None:
+    """The device build's attention core (``PagedV41.key_lists``: every sequence at once over per-query key
+    lists) against the CPU reference's per-sequence loop, under batching, chunked prefill and preemption.
+    float32, no cache quantization: the same greedy tokens (the plain model's) and logprobs to fp32 rounding
+    (bound 2e-5; measured 4.8e-6). With the released cache formats an fp32-rounding difference moves cache rows
+    across FP8 / FP4 rounding boundaries, which the next layers amplify (measured: 3.4e-3 at the first token,
+    0.084 by the 9th): there the tokens must agree and the logprobs stay within 0.2 (a wrong key list moves them
+    by whole units)."""
+    path, reference = tiny
+    rng = random.Random(11)
+    prompts = _prompts(13)
+    arrivals: dict[int, list] = {}
+    for i in rng.sample(range(len(prompts)), len(prompts)):
+        arrivals.setdefault(rng.randrange(4), []).append((f"r{i}", prompts[i]))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    got = {}
+    for lists in (False, True):
+        engine = _engine(path, max_num_batched_tokens=29, num_cache_blocks=4, kv_cache_dtype=kv_cache_dtype)
+        engine.model.key_lists = lists
+        outs = {}
+        step = 0
+        while step in arrivals or engine.has_unfinished_requests() or step <= max(arrivals):
+            for rid, ids in arrivals.get(step, ()):
+                engine.add_request(rid, ids, params)
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0]
+            step += 1
+        assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+        got[lists] = outs
+    for rid, plain in got[False].items():
+        lists = got[True][rid]
+        assert lists.token_ids == plain.token_ids, rid
+        for a, b in zip(lists.logprobs, plain.logprobs):
+            tok = next(iter(b))
+            bound = 2e-5 if kv_cache_dtype == "float32" else 0.2
+            assert abs(a[tok].logprob - b[tok].logprob) <= bound, (rid, a[tok].logprob, b[tok].logprob)
+    if kv_cache_dtype == "float32":
+        for i, ids in enumerate(prompts):
+            assert list(got[True][f"r{i}"].token_ids) == reference(ids), f"prompt {i} ({len(ids)} tokens)"
+
+
 def test_after_the_start_up_warm_up_equals_plain_greedy(tiny) -> None:
     """The warm-up (on by default on CUDA; engine/warm_up.py) runs V4.1's engine too and leaves nothing behind."""
     path, reference = tiny

@@ -182,15 +182,20 @@ class Attention(nn.Module):
         """A compressed layer's keys: the window ``keys`` [K, D] / ``allowed`` [Q, K] followed by the KV source's
         entries, of which each query sees its top-k (selected here by an index source, else the latest index
         source's)."""
-        if shared.source is None or shared.ratio != self.ratio:
-            raise ValueError(f"a ratio-{self.ratio} layer found no preceding KV source of that ratio")
-        if self.index_source:
-            self.indexer.select(x, qr, ang, ctx, shared)
+        self.pick(x, qr, ang, ctx, shared)
         entries, picked = shared.source.entries, shared.topk
         width = entries.shape[0]
         chosen = torch.zeros(x.shape[0], width + 1, dtype=torch.bool, device=x.device)
         chosen = chosen.scatter(-1, torch.where(picked >= 0, picked, width), True)[:, :width]
         return torch.cat((keys, entries)), torch.cat((allowed, chosen), dim=-1)
+
+    def pick(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, ctx: StepContext, shared: SharedKV) -> None:
+        """A compressed layer's top-k entries per query in ``shared.topk``: selected here by an index source,
+        else the latest index source's."""
+        if shared.source is None or shared.ratio != self.ratio:
+            raise ValueError(f"a ratio-{self.ratio} layer found no preceding KV source of that ratio")
+        if self.index_source:
+            self.indexer.select(x, qr, ang, ctx, shared)
 
     def _output(self, out: torch.Tensor, ang: torch.Tensor) -> torch.Tensor:
         """[Q, heads, D] attention output -> [Q, H]: inverse rope at the query positions, grouped low-rank wo_a,
@@ -214,3 +219,30 @@ class Attention(nn.Module):
         logits = torch.einsum("shd,td->hst", q.float(), keys.float()) * self.head_dim ** -0.5
         probs = (logits + bias).softmax(dim=-1)
         return torch.einsum("hst,td->shd", probs, keys.float()).to(q.dtype)
+
+
+def attend_lists(q: torch.Tensor, sink: torch.Tensor, window: torch.Tensor, window_ids: torch.Tensor,
+                 entries: torch.Tensor | None = None, entry_ids: torch.Tensor | None = None,
+                 chunk: int = 256) -> torch.Tensor:
+    """``Attention._attend`` for many sequences at once, each query's keys given as lists of rows: q [L, heads,
+    D]; window [Rw, D] with window_ids [L, W] (rows of ``window``, -1 = none), optionally entries [Re, D] with
+    entry_ids [L, K]. Softmax over each query's listed keys plus the sink logit (denominator only), K = V, fp32
+    inside, the keys in list order (window rows by position, then entries by id: the per-sequence order less
+    the keys a query does not see). Queries go ``chunk`` at a time (a chunk's keys are gathered: [chunk, W + K,
+    D])."""
+    outs = []
+    scale = q.shape[-1] ** -0.5
+    with_entries = entries is not None and entries.shape[0] > 0 and entry_ids.shape[1] > 0
+    for a in range(0, q.shape[0], chunk):
+        ids = window_ids[a:a + chunk]
+        keys, valid = window[ids.clamp(min=0)], ids >= 0
+        if with_entries:
+            e = entry_ids[a:a + chunk]
+            keys, valid = torch.cat((keys, entries[e.clamp(min=0)]), dim=1), torch.cat((valid, e >= 0), dim=1)
+        keys = keys.float()
+        logits = torch.einsum("lhd,lkd->lhk", q[a:a + chunk].float(), keys) * scale
+        logits = logits.masked_fill(~valid.unsqueeze(1), -torch.inf)
+        sinks = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+        probs = torch.cat((logits, sinks), dim=-1).softmax(dim=-1)[..., :-1]
+        outs.append(torch.einsum("lhk,lkd->lhd", probs, keys))
+    return torch.cat(outs).to(q.dtype)

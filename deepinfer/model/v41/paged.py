@@ -46,7 +46,7 @@ keeps them in the activation dtype, rounded by the step itself when ``cache_qdq`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,7 @@ from deepinfer.kv.spec_v41 import ENGRAM_KEY, dspark_key
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.step_index import StepIndex
 from deepinfer.model.v41 import mhc
-from deepinfer.model.v41.attention import Attention
+from deepinfer.model.v41.attention import Attention, attend_lists
 from deepinfer.model.v41.cache import LayerCache
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.cache_rows import load_rows, store_rows
@@ -104,6 +104,8 @@ class _Step:
     # replay's boundary), laid out on the host from the runs (a mask selection on the device is a host sync);
     # for r = 1, None: every token. None after ``narrowed`` (no KV source runs on a narrowed step).
     closing: dict[int, torch.Tensor | None] | None = None
+    # What layers of the step share (``PagedV41._picked_rows``: the top-k as rows of the entries, per source).
+    memo: dict = field(default_factory=dict)
 
     @property
     def round_rows(self) -> bool:
@@ -140,12 +142,17 @@ class PagedV41(nn.Module):
 
     wants_host_runs = True  # the runner hands the step's per-sequence facts as host values (``StepIndex.host``)
 
-    def __init__(self, model: DeepseekV41, decoder_replay: str = "off", batch_invariant: bool = False) -> None:
+    def __init__(self, model: DeepseekV41, decoder_replay: str = "off", batch_invariant: bool = False,
+                 key_lists: bool = False) -> None:
         """``decoder_replay``: the decoder-side bounded replay of long prefill chunks (``replay.py``: off / v41
         / exact), applied to the sequences whose step reads only their last row (``StepIndex.last_row_only``).
-        ``batch_invariant``: every token runs alone, the head on one row at a time (``invariant.py``)."""
+        ``batch_invariant``: every token runs alone, the head on one row at a time (``invariant.py``).
+        ``key_lists``: the attention core runs for all sequences at once over per-query key lists
+        (``attention.attend_lists``: a few launches per layer instead of ~40 per sequence; the device build),
+        else per sequence with the plain model's code (the CPU reference: its bits)."""
         super().__init__()
         self.model = model
+        self.key_lists = key_lists
         self.cfg: V41Config = model.cfg
         self.replay = DecoderReplay.of(self.cfg, decoder_replay)
         if batch_invariant and self.replay.keep is not None:
@@ -290,17 +297,25 @@ class PagedV41(nn.Module):
         store_rows(step.storage, key, "window_kv", step.window_rows, kv)
         if att.kv_source:
             self._publish_entries(att, key, x, step)
-        idx, out = step.index, []
+        idx, runs = step.index, step.runs
         # Window keys: positions (first - W, end), of which each query sees (t - W, t]; none below window_from.
         # Every sequence's rows are read at once (one gather, one dequantization of packed rows), then split.
-        spans = [torch.arange(max(run.window_from, run.first - att.window + 1), run.end, device=x.device)
-                 for run in step.runs]
-        kp, seq = torch.cat(spans), torch.cat([torch.full_like(s, run.seq) for s, run in zip(spans, step.runs)])
+        # The spans are laid out on the host (the runs' positions are host facts): one copy, no per-run op.
+        starts = np.array([max(run.window_from, run.first - att.window + 1) for run in runs], dtype=np.int64)
+        lens = np.array([run.end for run in runs], dtype=np.int64) - starts
+        flat = to_device(np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)] +
+                                        [np.repeat([run.seq for run in runs], lens)]), torch.int64, x.device)
+        kp, seq = flat.split([int(lens.sum())] * 2)
         window = load_rows(step.storage, key, "window_kv",
                            _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window"))
         # The sequences' entries after the step, for this layer and the ones reusing it.
         sources = self._entries(key, att.ratio, step) if att.kv_source else None
-        for r, (run, sh, kp, keys) in enumerate(zip(step.runs, shared, spans, window.split([len(s) for s in spans]))):
+        if self.key_lists:
+            return att._output(self._attend_lists(att, x, q, qr, ang, step, shared, sources, window, starts, lens),
+                               ang)
+        out = []
+        for r, (run, sh, kp, keys) in enumerate(zip(runs, shared, kp.split(lens.tolist()),
+                                                    window.split(lens.tolist()))):
             rows = slice(run.lo, run.hi)
             t = step.positions[rows]
             allowed = (kp <= t.unsqueeze(1)) & (kp > t.unsqueeze(1) - att.window)
@@ -311,6 +326,57 @@ class PagedV41(nn.Module):
                 keys, allowed = att.add_entries(x[rows], qr[rows], ang[rows], ctx, sh, keys, allowed)
             out.append(att._attend(q[rows], keys, allowed))
         return att._output(torch.cat(out), ang)
+
+    def _attend_lists(self, att: Attention, x: torch.Tensor, q: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor,
+                      step: _Step, shared: list[SharedKV], sources: list[LayerCache] | None, window: torch.Tensor,
+                      starts: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        """``_attention``'s core for every sequence at once (``key_lists``): each query's keys as row lists into
+        the step's gathered window rows and the sequences' entries (``attention.attend_lists``). The top-k of an
+        index source is still selected per sequence, over that sequence's entries (the plain model's widths:
+        its discrete choices). [T, heads, D]."""
+        runs, w = step.runs, att.window
+        # Per query (run r, row i at position t = first + i): window rows max(start, t - W + 1) .. t, as rows of
+        # ``window`` (run r's span from base[r]).
+        per = np.array([run.hi - run.lo for run in runs], dtype=np.int64)
+        base = np.cumsum(lens) - lens
+        t = np.concatenate([np.arange(run.first, run.end) for run in runs])  # a run's rows are its positions
+        start, b = np.repeat(starts, per), np.repeat(base, per)
+        lo = np.maximum(start, t - w + 1)
+        cols = np.arange(w)
+        ids = np.where(cols[None, :] < (t - lo + 1)[:, None], (b + lo - start)[:, None] + cols[None, :], -1)
+        window_ids = to_device(ids, torch.int64, x.device)
+        if not att.ratio:
+            return attend_lists(q, att.attn_sink, window, window_ids)
+        for r, (run, sh) in enumerate(zip(runs, shared)):
+            if sources is not None:
+                sh.source, sh.ratio, sh.topk, sh.candidates = sources[r], att.ratio, None, None
+            rows = slice(run.lo, run.hi)
+            att.pick(x[rows], qr[rows], ang[rows], StepContext(step.positions[rows], run.first, {}, None,
+                                                               step.cache_qdq), sh)
+        entries, entry_ids = self._picked_rows(step, shared)
+        return attend_lists(q, att.attn_sink, window, window_ids, entries, entry_ids)
+
+    @staticmethod
+    def _picked_rows(step: _Step, shared: list[SharedKV]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequences' entries of the current KV source, concatenated [Re, D], and each query's top-k as rows
+        of them [T, K] (-1 = none). Built once per (source, top-k) and reused by the layers that reuse both."""
+        topks, sources = tuple(sh.topk for sh in shared), tuple(sh.source.entries for sh in shared)
+        memo = step.memo.get("picked")
+        if memo is not None and all(a is b for a, b in zip(memo[0], topks + sources)):
+            return memo[1], memo[2]
+        counts = np.array([e.shape[0] for e in sources], dtype=np.int64)
+        k = max(tk.shape[1] for tk in topks)
+        picked = torch.full((int(sum(tk.shape[0] for tk in topks)), k), -1, dtype=torch.long,
+                            device=sources[0].device)
+        for run, tk in zip(step.runs, topks):
+            if tk.shape[1]:
+                picked[run.lo:run.hi, :tk.shape[1]] = tk
+        base = to_device(np.repeat(np.cumsum(counts) - counts, [tk.shape[0] for tk in topks]), torch.int64,
+                         picked.device)
+        picked = torch.where(picked >= 0, picked + base.unsqueeze(1), -1)
+        entries = torch.cat(sources)
+        step.memo["picked"] = (topks + sources, entries, picked)
+        return entries, picked
 
     def _publish_entries(self, att: Attention, key: str, x: torch.Tensor, step: _Step) -> None:
         """A KV source: the entries the step's tokens close, with their index keys, into the history pool."""
@@ -385,7 +451,7 @@ def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, ca
         kw = dict(tokenizer=tokenizer, cache_qdq=cache_quantization, dspark=dspark)
         model = dummy_v41_on_device(cfg, dtype, device, ops, seed=seed, **kw) if load_format == "dummy" else \
             load_v41_on_device(model_dir, cfg, dtype, device, ops, **kw)
-        return PagedV41(model, decoder_replay, batch_invariant)
+        return PagedV41(model, decoder_replay, batch_invariant, key_lists=True)
     model, _ = load_v41_model(model_dir, dtype, cfg=cfg, tokenizer=tokenizer, cache_qdq=cache_quantization,
                               dspark=dspark, load_format=load_format, seed=seed, keep=keep)
     return PagedV41(model.eval(), decoder_replay, batch_invariant)
