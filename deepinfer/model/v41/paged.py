@@ -15,6 +15,10 @@ Engram hashes the token history. So V4.1 runs its own path here, on V4's index a
     gathered from the pools, with the plain model's own code (``Attention.add_entries``, ``Indexer.select``,
     ``_attend``): the same widths and the same operations as ``DeepseekV41.forward`` on one sequence, so the
     discrete choices (indexer top-k, candidate blocks) see what the plain model sees, tie order included.
+    The device build (``key_lists``) keeps the per-sequence top-k selection but attends for every sequence at
+    once, each query's keys given as row lists into the gathered rows (``attention.attend_lists``): the same
+    keys and formula in other reduction shapes (fp32 rounding apart), a few launches per layer instead of ~40
+    per sequence.
 
 With the DSpark drafter (``model.mtp``: speculative decoding) the step also stores the drafter's context
 rows of each of its positions (``DSpark.context_rows`` from the taps of ``dspark_target_layer_ids``) in the
@@ -35,8 +39,8 @@ reads the token ids from the history pool, where that layout keeps them.
 
 This is the engine's reference path (one sequence loop per compressed layer), on the CPU and, built by
 ``device.py``, on a GPU, where only the dense FP8 linears, the fused experts and the mHC coefficients are
-kernels so far (``bench/results/layer_sweep_v41.md``: launch-bound, the per-sequence loop grows with the
-batch). The forward makes no host sync: the per-sequence layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
+kernels so far (``bench/results/layer_sweep_v41.md``, measured before ``key_lists``: launch-bound, the
+per-sequence loop grew with the batch). The forward makes no host sync: the per-sequence layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
 (``StepIndex.host``), and the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
 ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows
 in the released formats: the step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and
