@@ -112,7 +112,7 @@ def test_key_lists_attention_equals_the_per_sequence_attention(tiny, kv_cache_dt
         engine.model.key_lists = lists
         outs = {}
         step = 0
-        while step in arrivals or engine.has_unfinished_requests() or step <= max(arrivals):
+        while engine.has_unfinished_requests() or step <= max(arrivals):
             for rid, ids in arrivals.get(step, ()):
                 engine.add_request(rid, ids, params)
             for out in engine.step():
@@ -120,6 +120,7 @@ def test_key_lists_attention_equals_the_per_sequence_attention(tiny, kv_cache_dt
                     outs[out.request_id] = out.outputs[0]
             step += 1
         assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+        assert len(outs) == len(prompts)
         got[lists] = outs
     for rid, plain in got[False].items():
         lists = got[True][rid]
