@@ -20,7 +20,7 @@ import torch
 
 from deepinfer import LLMEngine, SamplingParams
 from deepinfer.model.v41.cache_quant import PACKED, dequantize, qdq
-from deepinfer.testing.staggered import Arrivals, drain
+from deepinfer.testing.staggered import Arrivals, assert_same, drain
 from deepinfer.model.v41.loader import load_v41_model
 from tests.e2e.v41_tiny import write_tiny_v41
 
@@ -110,28 +110,13 @@ def test_key_lists_attention_equals_the_per_sequence_attention(tiny, kv_cache_dt
     for lists in (False, True):
         engine = _engine(path, max_num_batched_tokens=29, num_cache_blocks=4, kv_cache_dtype=kv_cache_dtype)
         engine.model.key_lists = lists
-        outs = {}
-        step = 0
-        while engine.has_unfinished_requests() or step <= max(arrivals):
-            for rid, ids in arrivals.get(step, ()):
-                engine.add_request(rid, ids, params)
-            for out in engine.step():
-                if out.finished:
-                    outs[out.request_id] = out.outputs[0]
-            step += 1
+        got[lists] = drain(engine, arrivals, params, logprobs=True, check_integrity=True)
         assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
-        assert len(outs) == len(prompts)
-        got[lists] = outs
-    for rid, plain in got[False].items():
-        lists = got[True][rid]
-        assert lists.token_ids == plain.token_ids, rid
-        for a, b in zip(lists.logprobs, plain.logprobs):
-            tok = next(iter(b))
-            bound = 2e-5 if kv_cache_dtype == "float32" else 0.2
-            assert abs(a[tok].logprob - b[tok].logprob) <= bound, (rid, a[tok].logprob, b[tok].logprob)
+        assert len(got[lists]) == len(prompts)
+    assert_same(got[True], got[False], 2e-5 if kv_cache_dtype == "float32" else 0.2)
     if kv_cache_dtype == "float32":
         for i, ids in enumerate(prompts):
-            assert list(got[True][f"r{i}"].token_ids) == reference(ids), f"prompt {i} ({len(ids)} tokens)"
+            assert got[True][f"r{i}"][0] == reference(ids), f"prompt {i} ({len(ids)} tokens)"
 
 
 def test_after_the_start_up_warm_up_equals_plain_greedy(tiny) -> None:

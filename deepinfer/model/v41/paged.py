@@ -312,28 +312,25 @@ class PagedV41(nn.Module):
         kp, seq = flat.split([int(lens.sum())] * 2)
         window = load_rows(step.storage, key, "window_kv",
                            _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window"))
-        # The sequences' entries after the step, for this layer and the ones reusing it.
-        sources = self._entries(key, att.ratio, step) if att.kv_source else None
+        if att.kv_source:  # the sequences' entries after the step, for this layer and the ones reusing it
+            for sh, source in zip(shared, self._entries(key, att.ratio, step)):
+                sh.source, sh.ratio, sh.topk, sh.candidates = source, att.ratio, None, None
         if self.key_lists:
-            return att._output(self._attend_lists(att, x, q, qr, ang, step, shared, sources, window, starts, lens),
-                               ang)
+            return att._output(self._attend_lists(att, x, q, qr, ang, step, shared, window, starts, lens), ang)
         out = []
-        for r, (run, sh, kp, keys) in enumerate(zip(runs, shared, kp.split(lens.tolist()),
-                                                    window.split(lens.tolist()))):
+        for run, sh, kp, keys in zip(runs, shared, kp.split(lens.tolist()), window.split(lens.tolist())):
             rows = slice(run.lo, run.hi)
             t = step.positions[rows]
             allowed = (kp <= t.unsqueeze(1)) & (kp > t.unsqueeze(1) - att.window)
             if att.ratio:
-                if sources is not None:
-                    sh.source, sh.ratio, sh.topk, sh.candidates = sources[r], att.ratio, None, None
                 ctx = StepContext(t, run.first, {}, None, step.cache_qdq)
                 keys, allowed = att.add_entries(x[rows], qr[rows], ang[rows], ctx, sh, keys, allowed)
             out.append(att._attend(q[rows], keys, allowed))
         return att._output(torch.cat(out), ang)
 
     def _attend_lists(self, att: Attention, x: torch.Tensor, q: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor,
-                      step: _Step, shared: list[SharedKV], sources: list[LayerCache] | None, window: torch.Tensor,
-                      starts: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+                      step: _Step, shared: list[SharedKV], window: torch.Tensor, starts: np.ndarray,
+                      lens: np.ndarray) -> torch.Tensor:
         """``_attention``'s core for every sequence at once (``key_lists``): each query's keys as row lists into
         the step's gathered window rows and the sequences' entries (``attention.attend_lists``). The top-k of an
         index source is still selected per sequence, over that sequence's entries (the plain model's widths:
@@ -351,9 +348,7 @@ class PagedV41(nn.Module):
         window_ids = to_device(ids, torch.int64, x.device)
         if not att.ratio:
             return attend_lists(q, att.attn_sink, window, window_ids)
-        for r, (run, sh) in enumerate(zip(runs, shared)):
-            if sources is not None:
-                sh.source, sh.ratio, sh.topk, sh.candidates = sources[r], att.ratio, None, None
+        for run, sh in zip(runs, shared):
             rows = slice(run.lo, run.hi)
             att.pick(x[rows], qr[rows], ang[rows], StepContext(step.positions[rows], run.first, {}, None,
                                                                step.cache_qdq), sh)
