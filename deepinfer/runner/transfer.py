@@ -19,7 +19,8 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float64: np.float6
 
 def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
-    """A 1-D tensor of ``values`` on ``device``, queued without a device sync (a plain tensor on the CPU)."""
+    """A tensor of ``values`` on ``device`` (1-D, or an array's shape), queued without a device sync (a plain
+    tensor on the CPU)."""
     if device.type == "cpu":
         # A list through numpy: its conversion of Python numbers is ~3x faster than torch.tensor's (the same
         # values; the CPU runner makes a few of these a step).
@@ -29,6 +30,7 @@ def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch
         if as_numpy is None:
             return torch.tensor(values, dtype=dtype)
         return torch.from_numpy(np.array(values, dtype=as_numpy))
-    host = torch.empty(len(values), dtype=dtype, pin_memory=True)
+    shape = values.shape if isinstance(values, np.ndarray) else (len(values),)
+    host = torch.empty(shape, dtype=dtype, pin_memory=True)
     host.numpy()[:] = values
     return host.to(device, non_blocking=True)

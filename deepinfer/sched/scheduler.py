@@ -288,9 +288,11 @@ class Scheduler:
             return 0
         want = draft_length(seq.draft_acceptance, spec.num_speculative_tokens) if spec.length_by_rate else \
             spec.num_speculative_tokens
-        # The chain writes MTP rows up to position first + n + proposals - 2, inside the model length (past the
-        # output limit they are proposed all the same: see above).
-        room = self.config.max_model_len - (seq.num_computed + n) + 1
+        # The next verify step feeds the drawn token at first + n and the drafts after it, so the last draft's
+        # position first + n + proposals stays inside the model length, as a slot's block table holds no more
+        # (past the output limit they are proposed all the same: see above). The MTP chain's rows, up to
+        # first + n + proposals - 2, are inside it then too.
+        room = self.config.max_model_len - 1 - (seq.num_computed + n)
         return max(0, min(want, room))
 
     def _extent(self, seq: Sequence, n: int) -> int:
