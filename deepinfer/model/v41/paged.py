@@ -68,11 +68,12 @@ from deepinfer.model.v41.attention import Attention, attend_lists
 from deepinfer.model.v41.cache import LayerCache
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.cache_rows import load_rows, store_rows
-from deepinfer.model.v41.context import SharedKV, StepContext
+from deepinfer.model.v41.context import SharedKV, SharedLists, StepContext
 from deepinfer.model.v41.invariant import token_steps
 from deepinfer.model.v41.model import DeepseekV41
 from deepinfer.model.v41.replay import DecoderReplay
 from deepinfer.model.v41.rope import angles, apply_rope
+from deepinfer.model.v41.select_lists import EntryLists, select_lists
 from deepinfer.ops.ref.step_rows import lookup
 from deepinfer.ops.table import OpTable
 from deepinfer.runner.transfer import to_device
@@ -108,7 +109,7 @@ class _Step:
     # replay's boundary), laid out on the host from the runs (a mask selection on the device is a host sync);
     # for r = 1, None: every token. None after ``narrowed`` (no KV source runs on a narrowed step).
     closing: dict[int, torch.Tensor | None] | None = None
-    # What layers of the step share (``PagedV41._picked_rows``: the top-k as rows of the entries, per source).
+    # What layers of the step share (``PagedV41._entry_lists``: per ratio, where each query's entries lie).
     memo: dict = field(default_factory=dict)
 
     @property
@@ -191,14 +192,15 @@ class PagedV41(nn.Module):
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)
         pre = mhc.one_hot_pre(x.shape[0], cfg.hc_mult, x.device)
         image_mask = torch.zeros_like(input_ids, dtype=torch.bool)  # text only (the intake refuses image ids)
-        shared = [SharedKV() for _ in step.runs]  # the CSA2 state each sequence hands from layer to layer
+        # The CSA2 state handed from layer to layer: each sequence's, or every sequence's at once (key lists).
+        shared = SharedLists() if self.key_lists else [SharedKV() for _ in step.runs]
         taps: list[torch.Tensor] = []
         kept = self._kept(step)
         sel = None  # the flat rows the decoder layers compute, when the replay narrows the step
         for i, block in enumerate(m.layers):
             if sel is None and i == self.replay.first_layer and kept is not None:
                 step, sel = step.narrowed(kept)
-                shared = [sh.narrowed(k) for sh, k in zip(shared, kept)]
+                shared = shared.narrowed(sel) if self.key_lists else [sh.narrowed(k) for sh, k in zip(shared, kept)]
                 streams, pre, image_mask, taps = streams[sel], pre[sel], image_mask[sel], [t[sel] for t in taps]
                 engram = engram[sel] if engram is not None else None
             rows = engram[:, block.engram.table_index] if hasattr(block, "engram") else None
@@ -294,8 +296,8 @@ class PagedV41(nn.Module):
         return self.model.hasher.rows_from_lookback(lookback)
 
     # ---- one layer's attention ------------------------------------------------------------------------
-    def _attention(self, att: Attention, key: str, x: torch.Tensor, step: _Step, shared: list[SharedKV]
-                   ) -> torch.Tensor:
+    def _attention(self, att: Attention, key: str, x: torch.Tensor, step: _Step,
+                   shared: list[SharedKV] | SharedLists) -> torch.Tensor:
         ang = step.angles[att.table]
         q, qr, kv = att.project(x, ang, step.round_rows)
         store_rows(step.storage, key, "window_kv", step.window_rows, kv)
@@ -313,8 +315,14 @@ class PagedV41(nn.Module):
         window = load_rows(step.storage, key, "window_kv",
                            _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window"))
         if att.kv_source:  # the sequences' entries after the step, for this layer and the ones reusing it
-            for sh, source in zip(shared, self._entries(key, att.ratio, step)):
-                sh.source, sh.ratio, sh.topk, sh.candidates = source, att.ratio, None, None
+            entries, index_keys, counts = self._entries(key, att.ratio, step)
+            if self.key_lists:
+                shared.entries, shared.index_keys, shared.ratio = entries, index_keys, att.ratio
+                shared.rows = shared.candidates = None
+            else:
+                for sh, e, k in zip(shared, entries.split(counts), index_keys.split(counts)):
+                    sh.source, sh.ratio = LayerCache(entries=e, index_keys=k), att.ratio
+                    sh.topk = sh.candidates = None
         if self.key_lists:
             return att._output(self._attend_lists(att, x, q, qr, ang, step, shared, window, starts, lens), ang)
         out = []
@@ -329,12 +337,12 @@ class PagedV41(nn.Module):
         return att._output(torch.cat(out), ang)
 
     def _attend_lists(self, att: Attention, x: torch.Tensor, q: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor,
-                      step: _Step, shared: list[SharedKV], window: torch.Tensor, starts: np.ndarray,
+                      step: _Step, shared: SharedLists, window: torch.Tensor, starts: np.ndarray,
                       lens: np.ndarray) -> torch.Tensor:
         """``_attention``'s core for every sequence at once (``key_lists``): each query's keys as row lists into
-        the step's gathered window rows and the sequences' entries (``attention.attend_lists``). The top-k of an
-        index source is still selected per sequence, over that sequence's entries (the plain model's widths:
-        its discrete choices). [T, heads, D]."""
+        the step's gathered window rows and the sequences' entries (``attention.attend_lists``), an index
+        source's top-k selected for every sequence at once as rows of those entries (``select_lists``: the
+        per-sequence choices), a reusing layer's the latest index source's. [T, heads, D]."""
         runs, w = step.runs, att.window
         # Per query (run r, row i at position t = first + i): window rows max(start, t - W + 1) .. t, as rows of
         # ``window`` (run r's span from base[r]).
@@ -348,34 +356,23 @@ class PagedV41(nn.Module):
         window_ids = to_device(ids, torch.int64, x.device)
         if not att.ratio:
             return attend_lists(q, att.attn_sink, window, window_ids)
-        for run, sh in zip(runs, shared):
-            rows = slice(run.lo, run.hi)
-            att.pick(x[rows], qr[rows], ang[rows], StepContext(step.positions[rows], run.first, {}, None,
-                                                               step.cache_qdq), sh)
-        entries, entry_ids = self._picked_rows(step, shared)
-        return attend_lists(q, att.attn_sink, window, window_ids, entries, entry_ids)
+        if shared.entries is None or shared.ratio != att.ratio:
+            raise ValueError(f"a ratio-{att.ratio} layer found no preceding KV source of that ratio")
+        if att.index_source:
+            shared.rows, shared.candidates = select_lists(att.indexer, x, qr, ang, step.cache_qdq, shared.index_keys,
+                                                          self._entry_lists(step, att.ratio), shared.candidates)
+        if shared.rows is None:
+            raise ValueError(f"a ratio-{att.ratio} layer found no preceding index source's top-k")
+        return attend_lists(q, att.attn_sink, window, window_ids, shared.entries, shared.rows)
 
     @staticmethod
-    def _picked_rows(step: _Step, shared: list[SharedKV]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequences' entries of the current KV source, concatenated [Re, D], and each query's top-k as rows
-        of them [T, K] (-1 = none). Built once per (source, top-k) and reused by the layers that reuse both."""
-        topks, sources = tuple(sh.topk for sh in shared), tuple(sh.source.entries for sh in shared)
-        memo = step.memo.get("picked")
-        if memo is not None and all(a is b for a, b in zip(memo[0], topks + sources)):
-            return memo[1], memo[2]
-        counts = np.array([e.shape[0] for e in sources], dtype=np.int64)
-        k = max(tk.shape[1] for tk in topks)
-        picked = torch.full((int(sum(tk.shape[0] for tk in topks)), k), -1, dtype=torch.long,
-                            device=sources[0].device)
-        for run, tk in zip(step.runs, topks):
-            if tk.shape[1]:
-                picked[run.lo:run.hi, :tk.shape[1]] = tk
-        base = to_device(np.repeat(np.cumsum(counts) - counts, [tk.shape[0] for tk in topks]), torch.int64,
-                         picked.device)
-        picked = torch.where(picked >= 0, picked + base.unsqueeze(1), -1)
-        entries = torch.cat(sources)
-        step.memo["picked"] = (topks + sources, entries, picked)
-        return entries, picked
+    def _entry_lists(step: _Step, ratio: int) -> EntryLists:
+        """Where each query's entries of a ratio-``ratio`` source lie (once per step and ratio)."""
+        key = ("entry_lists", ratio)
+        if key not in step.memo:
+            step.memo[key] = EntryLists.of([run.first for run in step.runs], [run.end for run in step.runs], ratio,
+                                           step.positions.device)
+        return step.memo[key]
 
     def _publish_entries(self, att: Attention, key: str, x: torch.Tensor, step: _Step) -> None:
         """A KV source: the entries the step's tokens close, with their index keys, into the history pool."""
@@ -410,18 +407,19 @@ class PagedV41(nn.Module):
         store_rows(step.storage, key, "index_keys", where, att.indexer.keys(latent, ang, step.round_rows))
 
     @staticmethod
-    def _entries(key: str, ratio: int, step: _Step) -> list[LayerCache]:
-        """Per run: its sequence's compressed entries and index keys of source ``key`` after the step (its first
-        ``end // ratio``), as the plain model's per-sequence cache holds them (read for all runs at once)."""
+    def _entries(key: str, ratio: int, step: _Step) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The compressed entries and index keys of source ``key`` after the step of every run's sequence (its
+        first ``end // ratio``, as the plain model's per-sequence cache holds them), concatenated in run order
+        (read for all runs at once; the rows laid out on the host, one copy), and their counts per run."""
         idx = step.index
         counts = [run.end // ratio for run in step.runs]
-        entry = torch.cat([torch.arange(n, device=idx.positions.device) for n in counts])
-        seq = torch.cat([torch.full((n,), run.seq, dtype=torch.long, device=entry.device)
-                         for n, run in zip(counts, step.runs)])
+        total = sum(counts)
+        entry = np.concatenate([np.arange(n) for n in counts] + [np.zeros(0, dtype=np.int64)])
+        flat = to_device(np.concatenate((entry, np.repeat([run.seq for run in step.runs], counts))), torch.int64,
+                         idx.positions.device)
+        entry, seq = flat[:total], flat[total:]
         rows = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
-        entries = load_rows(step.storage, key, "entries", rows).split(counts)
-        keys = load_rows(step.storage, key, "index_keys", rows).split(counts)
-        return [LayerCache(entries=e, index_keys=k) for e, k in zip(entries, keys)]
+        return load_rows(step.storage, key, "entries", rows), load_rows(step.storage, key, "index_keys", rows), counts
 
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,

@@ -1,0 +1,95 @@
+"""The indexer's top-k for every sequence of a step at once (the device build's ``PagedV41.key_lists``).
+
+``Indexer.select`` (``attention.py``) scores one sequence's queries against that sequence's index keys: the
+plain model's path and the CPU engine's. ``select_lists`` does it for all the step's queries in a number of
+ops that does not grow with the number of sequences: the index queries and head weights of all the step's
+tokens in one go (``Indexer.queries``, row by row), then, a chunk of queries at a time, each query's own
+sequence's index keys gathered as one list as wide as the step's widest sequence (slot j: that sequence's
+entry j, the sequences' entries concatenated in run order, ``EntryLists``), the same dot products, ReLU, head
+weights and sum over heads in the activation dtype (``Indexer.weigh``), the slots past the query's visible
+bound (t + 1) // r set to -inf (whatever row they gathered: never another sequence's score), the candidate
+blocks (``candidate_blocks`` on the padded scores) or the restriction to them, and the top-k.
+
+What equals what, per query, against ``Indexer.select`` on its sequence alone:
+  * the scores of its visible entries: the same operations on the same rows (a batched matmul instead of one
+    per sequence: the same dot products of ``index_head_dim`` terms; bitwise equal on the CPU in float32,
+    which ``tests/unit/test_v41_select_lists.py`` checks through the choices);
+  * the candidate mask over its sequence's entries: the slots past its sequence's width are -inf, so their
+    blocks are never kept, and ``min(topk_blocks, blocks)`` of the widest sequence is at least its own, so the
+    same finite blocks are kept (ties at the cut apart, as between any two implementations of top-k);
+  * the chosen entries: ``min(topk, E)`` of the widest sequence is at least its own ``min(topk, width)`` and
+    every extra pick is a -inf score, so the same finite entries are chosen (ties at the cut apart). They come
+    as ascending entry ids with every -1 after them; the per-sequence code's -1s stand where its top-k picked
+    non-finite entries (an order top-k leaves to the implementation). So the set of chosen entries is what is
+    equal, and it is all the attention reads (``attend_lists``: key lists; ``add_entries``: a mask).
+The result is given as what ``attend_lists`` reads: each query's chosen entries as rows of the concatenated
+entries (-1 = none), ``min(topk, E)`` per query.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.model.v41.attention import Indexer, candidate_blocks
+from deepinfer.runner.transfer import to_device
+
+
+@dataclass(frozen=True)
+class EntryLists:
+    """Where each of a step's queries finds its sequence's entries of a ratio-r KV source among the step's
+    sequences' entries concatenated in run order."""
+
+    width: int  # E: the most entries one of the step's sequences holds (a host value)
+    base: torch.Tensor  # [T] long: the row of the query's sequence's entry 0
+    visible: torch.Tensor  # [T] long: how many of its sequence's entries the query sees, (t + 1) // r
+
+    @classmethod
+    def of(cls, firsts: list[int], ends: list[int], ratio: int, device: torch.device) -> "EntryLists":
+        """From the runs' host positions: run i's queries are at positions ``firsts[i]`` .. ``ends[i] - 1``
+        and its sequence holds ``ends[i] // ratio`` entries (laid out on the host, one copy)."""
+        firsts, ends = np.asarray(firsts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        counts = ends // ratio
+        t = np.concatenate([np.arange(a, b) for a, b in zip(firsts, ends)] + [np.zeros(0, dtype=np.int64)])
+        base = np.repeat(np.cumsum(counts) - counts, ends - firsts)
+        flat = to_device(np.concatenate((base, (t + 1) // ratio)), torch.int64, device)
+        return cls(int(counts.max(initial=0)), flat[:t.size], flat[t.size:])
+
+
+def select_lists(indexer: Indexer, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, cache_qdq: bool,
+                 keys: torch.Tensor, lists: EntryLists, candidates: torch.Tensor | None = None,
+                 budget: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``Indexer.select`` for every query of a step at once: x [T, H], qr [T, q_lora], ang [T, rope / 2] of
+    the step's queries, ``keys`` [Re, d] the sequences' index keys concatenated as ``lists`` says, the
+    candidate mask [T, E] published by the candidate source (re-indexing layers after it). -> (each query's
+    chosen entries as rows of ``keys`` [T, min(topk, E)], ascending, -1 after them; the candidate mask: the
+    candidate source's own, else ``candidates`` as given). Queries go as many at a time as keep a chunk's
+    gathered keys and per-head scores under ``budget`` elements."""
+    t, width = x.shape[0], lists.width
+    if width == 0 or t == 0:
+        none = torch.zeros(t, width, dtype=torch.bool, device=x.device)
+        return torch.full((t, 0), -1, dtype=torch.long, device=x.device), \
+            none if indexer.candidate_source else candidates
+    if indexer.uses_candidates and (candidates is None or candidates.shape != (t, width)):
+        raise ValueError("a re-indexing layer after the candidate source found no candidates")
+    q, w = indexer.queries(x, qr, ang, cache_qdq)
+    slots = torch.arange(width, device=x.device)
+    k = min(indexer.topk, width)
+    chunk = max(1, budget // (width * max(indexer.dim, indexer.heads)))
+    rows, published = [], []
+    for a in range(0, t, chunk):
+        part = slice(a, a + chunk)
+        base, visible = lists.base[part].unsqueeze(-1), lists.visible[part].unsqueeze(-1)
+        allowed = slots < visible
+        own = keys[torch.where(allowed, base + slots, 0)]  # a slot past the bound reads row 0, masked below
+        scores = indexer.weigh(torch.einsum("shd,sed->she", q[part], own), w[part]).masked_fill(~allowed, -torch.inf)
+        if indexer.candidate_source:
+            published.append(candidate_blocks(scores, visible, indexer.topk_blocks, indexer.block) & allowed)
+        elif indexer.uses_candidates:
+            scores = scores.masked_fill(~candidates[part], -torch.inf)
+        chosen = scores.topk(k, dim=-1, sorted=False).indices
+        ids = torch.where(torch.isfinite(scores.gather(-1, chosen)), chosen, width).sort(dim=-1).values
+        rows.append(torch.where(ids < width, ids + base, -1))
+    return torch.cat(rows), torch.cat(published) if indexer.candidate_source else candidates
