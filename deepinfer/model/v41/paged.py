@@ -15,10 +15,13 @@ Engram hashes the token history. So V4.1 runs its own path here, on V4's index a
     gathered from the pools, with the plain model's own code (``Attention.add_entries``, ``Indexer.select``,
     ``_attend``): the same widths and the same operations as ``DeepseekV41.forward`` on one sequence, so the
     discrete choices (indexer top-k, candidate blocks) see what the plain model sees, tie order included.
-    The device build (``key_lists``) keeps the per-sequence top-k selection but attends for every sequence at
-    once, each query's keys given as row lists into the gathered rows (``attention.attend_lists``): the same
-    keys and formula in other reduction shapes (fp32 rounding apart), a few launches per layer instead of ~40
-    per sequence.
+    The device build (``key_lists``) runs the whole core for every sequence at once: the indexer's top-k of
+    all the step's queries, each scored against its own sequence's index keys (``select_lists``: the same
+    choices as the per-sequence code's, ties and last-bit roundings at the cut apart), handed from layer to
+    layer as rows of the sequences' concatenated entries (``SharedLists``), and the attention over each
+    query's keys given as row lists into the gathered rows (``attention.attend_lists``): the same keys and
+    formula in other reduction shapes (fp32 rounding apart). A compressed layer's ops no longer grow with the
+    number of sequences (before: ~100 torch ops per sequence in an index source, ~40 in every attention).
 
 With the DSpark drafter (``model.mtp``: speculative decoding) the step also stores the drafter's context
 rows of each of its positions (``DSpark.context_rows`` from the taps of ``dspark_target_layer_ids``) in the
@@ -37,15 +40,17 @@ decoder replay's bound can only raise), and emit no compressed entry, index key 
 before H: those history rows are shared cached blocks and stay exactly as first computed. Engram's lookback
 reads the token ids from the history pool, where that layout keeps them.
 
-This is the engine's reference path (one sequence loop per compressed layer), on the CPU and, built by
-``device.py``, on a GPU, where only the dense FP8 linears, the fused experts and the mHC coefficients are
-kernels so far (``bench/results/layer_sweep_v41.md``, measured before ``key_lists``: launch-bound, the
-per-sequence loop grew with the batch). The forward makes no host sync: the per-sequence layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
-(``StepIndex.host``), and the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
-``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows
-in the released formats: the step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and
-reads them back dequantized (``load_rows``), the same values as ``qdq``'s bit for bit. An unpacked layout
-keeps them in the activation dtype, rounded by the step itself when ``cache_qdq`` (``_Step.round_rows``).
+Without ``key_lists`` this is the engine's reference path on the CPU (one sequence loop per compressed layer).
+Built by ``device.py`` (with ``key_lists``) it runs on a GPU, where only the dense FP8 linears, the fused experts
+and the mHC coefficients are kernels so far (``bench/results/layer_sweep_v41.md``, measured before ``key_lists``:
+launch-bound, the per-sequence loops grew with the batch). The forward makes no host sync: the per-sequence layout
+(runs, spans, which tokens close an entry) comes from host values the runner hands over (``StepIndex.host``), and
+the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4
+index keys, NVFP4 compressed KV) is the model's ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's
+``kv_cache_dtype="auto"``) stores those rows in the released formats: the step hands them unrounded to
+``cache_rows.store_rows``, which quantizes them, and reads them back dequantized (``load_rows``), the same values
+as ``qdq``'s bit for bit. An unpacked layout keeps them in the activation dtype, rounded by the step itself when
+``cache_qdq`` (``_Step.round_rows``).
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ class _Step:
     # replay's boundary), laid out on the host from the runs (a mask selection on the device is a host sync);
     # for r = 1, None: every token. None after ``narrowed`` (no KV source runs on a narrowed step).
     closing: dict[int, torch.Tensor | None] | None = None
-    # What layers of the step share (``PagedV41._entry_lists``: per ratio, where each query's entries lie).
+    # What layers of the step share (``EntryLists`` per KV-source ratio, built by the first index source).
     memo: dict = field(default_factory=dict)
 
     @property
@@ -359,20 +364,15 @@ class PagedV41(nn.Module):
         if shared.entries is None or shared.ratio != att.ratio:
             raise ValueError(f"a ratio-{att.ratio} layer found no preceding KV source of that ratio")
         if att.index_source:
+            lists = step.memo.get(("entry_lists", att.ratio))  # where each query's entries lie, once per step
+            if lists is None:
+                lists = step.memo[("entry_lists", att.ratio)] = EntryLists.of(
+                    [run.first for run in runs], [run.end for run in runs], att.ratio, x.device)
             shared.rows, shared.candidates = select_lists(att.indexer, x, qr, ang, step.cache_qdq, shared.index_keys,
-                                                          self._entry_lists(step, att.ratio), shared.candidates)
+                                                          lists, shared.candidates)
         if shared.rows is None:
             raise ValueError(f"a ratio-{att.ratio} layer found no preceding index source's top-k")
         return attend_lists(q, att.attn_sink, window, window_ids, shared.entries, shared.rows)
-
-    @staticmethod
-    def _entry_lists(step: _Step, ratio: int) -> EntryLists:
-        """Where each query's entries of a ratio-``ratio`` source lie (once per step and ratio)."""
-        key = ("entry_lists", ratio)
-        if key not in step.memo:
-            step.memo[key] = EntryLists.of([run.first for run in step.runs], [run.end for run in step.runs], ratio,
-                                           step.positions.device)
-        return step.memo[key]
 
     def _publish_entries(self, att: Attention, key: str, x: torch.Tensor, step: _Step) -> None:
         """A KV source: the entries the step's tokens close, with their index keys, into the history pool."""

@@ -11,17 +11,20 @@ bound (t + 1) // r set to -inf (whatever row they gathered: never another sequen
 blocks (``candidate_blocks`` on the padded scores) or the restriction to them, and the top-k.
 
 What equals what, per query, against ``Indexer.select`` on its sequence alone:
-  * the scores of its visible entries: the same operations on the same rows (a batched matmul instead of one
-    per sequence: the same dot products of ``index_head_dim`` terms; bitwise equal on the CPU in float32,
-    which ``tests/unit/test_v41_select_lists.py`` checks through the choices);
+  * the scores of its visible entries: the same operations on the same rows, the dot products as one batched
+    matmul instead of one matmul per sequence (the same terms; their rounding may differ in the last bits:
+    float32 on the CPU does);
   * the candidate mask over its sequence's entries: the slots past its sequence's width are -inf, so their
     blocks are never kept, and ``min(topk_blocks, blocks)`` of the widest sequence is at least its own, so the
-    same finite blocks are kept (ties at the cut apart, as between any two implementations of top-k);
+    same finite blocks are kept;
   * the chosen entries: ``min(topk, E)`` of the widest sequence is at least its own ``min(topk, width)`` and
-    every extra pick is a -inf score, so the same finite entries are chosen (ties at the cut apart). They come
-    as ascending entry ids with every -1 after them; the per-sequence code's -1s stand where its top-k picked
-    non-finite entries (an order top-k leaves to the implementation). So the set of chosen entries is what is
-    equal, and it is all the attention reads (``attend_lists``: key lists; ``add_entries``: a mask).
+    every extra pick is a -inf score, so the same finite entries are chosen. They come as ascending entry ids
+    with every -1 after them; the per-sequence code's -1s stand where its top-k picked non-finite entries (an
+    order top-k leaves to the implementation). So the set of chosen entries is what is equal, and it is all
+    the attention reads (``attend_lists``: key lists; ``add_entries``: a mask).
+Both choices are the same unless two scores tie at the cut (the spec leaves ties to the implementation, and
+top-k breaks them by its own order over rows of other widths) or straddle it within the last bits' rounding:
+``tests/unit/test_v41_select_lists.py`` checks them equal on random float32 steps.
 The result is given as what ``attend_lists`` reads: each query's chosen entries as rows of the concatenated
 entries (-1 = none), ``min(topk, E)`` per query.
 """
