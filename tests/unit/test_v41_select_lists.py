@@ -3,10 +3,12 @@
 chosen entries per query and the same candidate mask, for tiny random configs (``tests/oracle/v41.py``'s
 schedule: a ratio-2 source, the ratio-1 candidate source and a re-indexing layer after it) and steps of
 several sequences of different lengths: one with no entries, sequences past the candidate blocks' reach (the
-restriction bites), chunked steps of many query rows, decode rows; queries in several chunks."""
+restriction bites), chunked steps of many query rows, decode rows; queries in several parts, gathered per
+query or (runs of many rows) scored against their sequence's keys at once."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -76,11 +78,12 @@ def _per_sequence(indexers: list[Indexer], runs, ratio, x, qr, pos, ang, keys, c
     return out
 
 
-def _batched(indexers: list[Indexer], runs, ratio, x, qr, pos, ang, keys, cache_qdq, budget):
+def _batched(indexers: list[Indexer], runs, ratio, x, qr, pos, ang, keys, cache_qdq, budget, shared_from):
     lists = EntryLists.of([a for a, _ in runs], [e for _, e in runs], ratio, x.device)
     out, candidates = [], None
     for ix in indexers:
-        rows, candidates = select_lists(ix, x, qr, ang, cache_qdq, torch.cat(keys), lists, candidates, budget)
+        rows, candidates = select_lists(ix, x, qr, ang, cache_qdq, torch.cat(keys), lists, candidates, budget,
+                                        shared_from)
         out.append((rows, candidates))
     return out
 
@@ -122,9 +125,11 @@ def test_batched_selection_equals_the_per_sequence_selection(setting, cache_qdq)
             runs = _runs(rng, ratio)
             step = _step(cfg, runs, ratio, g)
             want = _per_sequence(indexers, runs, ratio, *step, cache_qdq)
-            # budget: every query in one chunk, then a few per chunk
-            for budget in (1 << 26, 3 * 70 * max(cfg.index_head_dim, cfg.index_n_heads)):
-                got = _batched(indexers, runs, ratio, *step, cache_qdq, budget)
+            # Every query in one part, then a few per part; every row gathered, then runs of 4 rows or more
+            # against their own keys (a prefill chunk's way), in parts too.
+            for budget, shared_from in itertools.product((1 << 26, 3 * 70 * max(cfg.index_head_dim,
+                                                                                cfg.index_n_heads)), (64, 4)):
+                got = _batched(indexers, runs, ratio, *step, cache_qdq, budget, shared_from)
                 for w, gt in zip(want, got):
                     restricted += _assert_same(runs, ratio, step[-1], cfg.index_topk, w, gt)
     assert restricted > 0, "the candidate blocks must leave visible entries out somewhere"
@@ -141,3 +146,17 @@ def test_steps_without_entries() -> None:
     assert lists.width == 0 and rows.shape == (2, 0) and candidates is None
     rows, candidates = select_lists(_indexer(cfg, CANDIDATES, g), x, qr, ang, False, torch.cat(keys), lists)
     assert rows.shape == (2, 0) and candidates.shape == (2, 0)
+
+
+def test_parts_cover_every_row_once_in_order() -> None:
+    """Runs of ``shared_from`` rows or more (with entries) go against their own keys, the rest gathered; every
+    part within the budget."""
+    runs = [(0, 1), (10, 30), (40, 41), (50, 53), (5, 6), (0, 12)]
+    lists = EntryLists.of([a for a, _ in runs], [e for _, e in runs], 2, torch.device("cpu"))
+    assert lists.width == 26 and lists.counts.tolist() == [0, 15, 20, 26, 3, 6]
+    parts = lists.parts(budget=60, shared_from=3)  # 60 // 26 = 2 gathered rows a part
+    assert [(p.start, p.stop) for p, _ in parts] == [(0, 1), (1, 5), (5, 9), (9, 13), (13, 17), (17, 21),
+                                                     (21, 22), (22, 24), (24, 25), (25, 26), (26, 36), (36, 38)]
+    assert [run for _, run in parts] == [None] + [(0, 15)] * 5 + [None, (35, 26), (35, 26), None, (64, 6), (64, 6)]
+    parts = lists.parts(budget=60, shared_from=21)
+    assert [(p.start, p.stop, run) for p, run in parts] == [(a, min(a + 2, 38), None) for a in range(0, 38, 2)]
