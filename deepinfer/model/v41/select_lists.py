@@ -122,8 +122,9 @@ def select_lists(indexer: Indexer, x: torch.Tensor, qr: torch.Tensor, ang: torch
         visible = lists.visible[part].unsqueeze(-1)
         if run is None:  # each query's own sequence's keys gathered, slot j = its entry j
             base, n = lists.base[part].unsqueeze(-1), width
-            allowed = torch.arange(n, device=x.device) < visible
-            own = keys[torch.where(allowed, base + torch.arange(n, device=x.device), 0)]  # past the bound: row 0
+            slots = torch.arange(n, device=x.device)
+            allowed = slots < visible
+            own = keys[torch.where(allowed, base + slots, 0)]  # a slot past the bound reads row 0, masked below
             dots = torch.einsum("shd,sed->she", q[part], own)
         else:  # one run's rows against its sequence's keys
             base, n = run
