@@ -69,7 +69,10 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
-def test_exact_equals_off_batched_chunked_preempted(tiny, narrowed_steps) -> None:
+@pytest.mark.parametrize("key_lists", [False, True])
+def test_exact_equals_off_batched_chunked_preempted(tiny, narrowed_steps, key_lists) -> None:
+    """Per sequence (the CPU reference) and with the device build's key lists (``PagedV41.key_lists``: the
+    CSA2 state of every sequence at once, narrowed to the kept rows before the re-indexing layers 7 and 9)."""
     path, plain = tiny
     prompts = _prompts([5, 17, 62, 90, 122, 124, 126, 200, 230], seed=11)
     arrivals = {0: [(f"r{i}", p) for i, p in enumerate(prompts[:4])], 2: [(f"r{i}", p) for i, p in
@@ -79,6 +82,7 @@ def test_exact_equals_off_batched_chunked_preempted(tiny, narrowed_steps) -> Non
     for mode in ("off", "exact"):
         # 4 blocks of 128 positions for 9 sequences of up to 238: preemption and recomputation.
         engine = _engine(path, mode, num_cache_blocks=4)
+        engine.model.key_lists = key_lists
         runs[mode] = drain(engine, arrivals, params, logprobs=True, check_integrity=True)
         assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
         if mode == "off":

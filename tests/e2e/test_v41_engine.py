@@ -93,7 +93,8 @@ def test_batched_chunked_preempted_equals_plain_greedy(tiny, async_scheduling) -
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "auto"])
 def test_key_lists_attention_equals_the_per_sequence_attention(tiny, kv_cache_dtype) -> None:
     """The device build's attention core (``PagedV41.key_lists``: every sequence at once over per-query key
-    lists) against the CPU reference's per-sequence loop, under batching, chunked prefill and preemption.
+    lists, the indexer's top-k of every sequence at once, ``select_lists``) against the CPU reference's
+    per-sequence loop, under batching, chunked prefill and preemption.
     float32, no cache quantization: the same greedy tokens (the plain model's) and logprobs to fp32 rounding
     (bound 2e-5; measured 4.8e-6). With the released cache formats an fp32-rounding difference moves cache rows
     across FP8 / FP4 rounding boundaries, which the next layers amplify (measured: 3.4e-3 at the first token,

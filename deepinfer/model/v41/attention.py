@@ -83,6 +83,21 @@ class Indexer(nn.Module):
         k = apply_rope(self.k_norm(self.wk(latent)), ang)
         return qdq(k, "mxfp4") if do_qdq else k
 
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, cache_qdq: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [Q, H], qr [Q, q_lora] -> the rope'd index queries [Q, heads, d] (MXFP4-rounded with ``cache_qdq``)
+        and the head weights [Q, heads]: row by row, so any batch of rows gives each row the same values."""
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.dim)), ang)
+        w = self.weights_proj(x) * (self.dim ** -0.5 * self.heads ** -0.5)
+        return qdq(q, "mxfp4") if cache_qdq else q, w
+
+    @staticmethod
+    def weigh(dots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """dots [Q, heads, E] (queries . keys), w [Q, heads] -> scores [Q, E]."""
+        # ReLU, weight, then sum over heads in the activation dtype: the reference keeps these roundings
+        # ("promoting them can change the discrete top-k").
+        return (dots.relu() * w.unsqueeze(-1)).sum(dim=1)
+
     def select(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, ctx: StepContext, shared: SharedKV
                ) -> None:
         """Score the source's entries for every query, publish candidates / restrict to them, keep the top-k
@@ -94,15 +109,10 @@ class Indexer(nn.Module):
             if self.candidate_source:
                 shared.candidates = torch.empty(q_len, 0, dtype=torch.bool, device=x.device)
             return
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.dim)), ang)
-        q = qdq(q, "mxfp4") if ctx.cache_qdq else q
-        w = self.weights_proj(x) * (self.dim ** -0.5 * self.heads ** -0.5)
+        q, w = self.queries(x, qr, ang, ctx.cache_qdq)
         visible = ((ctx.positions + 1) // shared.ratio).unsqueeze(-1)
         allowed = torch.arange(width, device=x.device) < visible
-        scores = torch.einsum("shd,td->sht", q, keys)
-        # ReLU, weight, then sum over heads in the activation dtype: the reference keeps these roundings
-        # ("promoting them can change the discrete top-k").
-        scores = (scores.relu() * w.unsqueeze(-1)).sum(dim=1).masked_fill(~allowed, -torch.inf)
+        scores = self.weigh(torch.einsum("shd,td->sht", q, keys), w).masked_fill(~allowed, -torch.inf)
         if self.candidate_source:
             shared.candidates = candidate_blocks(scores, visible, self.topk_blocks, self.block) & allowed
         elif self.uses_candidates:

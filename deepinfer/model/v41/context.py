@@ -41,3 +41,22 @@ class SharedKV:
         """The state of the step's last ``kept`` queries (the decoder replay's rows)."""
         return SharedKV(self.source, self.ratio, None if self.topk is None else self.topk[-kept:],
                         None if self.candidates is None else self.candidates[-kept:])
+
+
+@dataclass
+class SharedLists:
+    """``SharedKV`` of every sequence of a step at once (the engine's ``key_lists``): the latest KV source's
+    entries and index keys of the step's sequences, concatenated in run order, its ratio, the latest index
+    source's top-k as rows of them per query (-1 = none) and the candidate mask the candidate source published
+    (per query, over the widest sequence's entries: ``select_lists``)."""
+
+    entries: torch.Tensor | None = None  # [Re, D]
+    index_keys: torch.Tensor | None = None  # [Re, d]
+    ratio: int = 0
+    rows: torch.Tensor | None = None  # [T, K] long
+    candidates: torch.Tensor | None = None  # [T, E] bool
+
+    def narrowed(self, sel: torch.Tensor) -> "SharedLists":
+        """The state of the step's query rows ``sel`` (the decoder replay's rows)."""
+        return SharedLists(self.entries, self.index_keys, self.ratio, None if self.rows is None else self.rows[sel],
+                           None if self.candidates is None else self.candidates[sel])

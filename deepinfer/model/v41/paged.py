@@ -15,10 +15,13 @@ Engram hashes the token history. So V4.1 runs its own path here, on V4's index a
     gathered from the pools, with the plain model's own code (``Attention.add_entries``, ``Indexer.select``,
     ``_attend``): the same widths and the same operations as ``DeepseekV41.forward`` on one sequence, so the
     discrete choices (indexer top-k, candidate blocks) see what the plain model sees, tie order included.
-    The device build (``key_lists``) keeps the per-sequence top-k selection but attends for every sequence at
-    once, each query's keys given as row lists into the gathered rows (``attention.attend_lists``): the same
-    keys and formula in other reduction shapes (fp32 rounding apart), a few launches per layer instead of ~40
-    per sequence.
+    The device build (``key_lists``) runs the whole core for every sequence at once: the indexer's top-k of
+    all the step's queries, each scored against its own sequence's index keys (``select_lists``: the same
+    choices as the per-sequence code's, ties and last-bit roundings at the cut apart), handed from layer to
+    layer as rows of the sequences' concatenated entries (``SharedLists``), and the attention over each
+    query's keys given as row lists into the gathered rows (``attention.attend_lists``): the same keys and
+    formula in other reduction shapes (fp32 rounding apart). A compressed layer's ops no longer grow with the
+    number of sequences (before: ~100 torch ops per sequence in an index source, ~40 in every attention).
 
 With the DSpark drafter (``model.mtp``: speculative decoding) the step also stores the drafter's context
 rows of each of its positions (``DSpark.context_rows`` from the taps of ``dspark_target_layer_ids``) in the
@@ -37,15 +40,17 @@ decoder replay's bound can only raise), and emit no compressed entry, index key 
 before H: those history rows are shared cached blocks and stay exactly as first computed. Engram's lookback
 reads the token ids from the history pool, where that layout keeps them.
 
-This is the engine's reference path (one sequence loop per compressed layer), on the CPU and, built by
-``device.py``, on a GPU, where only the dense FP8 linears, the fused experts and the mHC coefficients are
-kernels so far (``bench/results/layer_sweep_v41.md``, measured before ``key_lists``: launch-bound, the
-per-sequence loop grew with the batch). The forward makes no host sync: the per-sequence layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
-(``StepIndex.host``), and the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's
-``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows
-in the released formats: the step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and
-reads them back dequantized (``load_rows``), the same values as ``qdq``'s bit for bit. An unpacked layout
-keeps them in the activation dtype, rounded by the step itself when ``cache_qdq`` (``_Step.round_rows``).
+Without ``key_lists`` this is the engine's reference path on the CPU (one sequence loop per compressed layer).
+Built by ``device.py`` (with ``key_lists``) it runs on a GPU, where only the dense FP8 linears, the fused experts
+and the mHC coefficients are kernels so far (``bench/results/layer_sweep_v41.md``, measured before ``key_lists``:
+launch-bound, the per-sequence loops grew with the batch). The forward makes no host sync: the per-sequence layout
+(runs, spans, which tokens close an entry) comes from host values the runner hands over (``StepIndex.host``), and
+the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4
+index keys, NVFP4 compressed KV) is the model's ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's
+``kv_cache_dtype="auto"``) stores those rows in the released formats: the step hands them unrounded to
+``cache_rows.store_rows``, which quantizes them, and reads them back dequantized (``load_rows``), the same values
+as ``qdq``'s bit for bit. An unpacked layout keeps them in the activation dtype, rounded by the step itself when
+``cache_qdq`` (``_Step.round_rows``).
 """
 
 from __future__ import annotations
@@ -68,11 +73,12 @@ from deepinfer.model.v41.attention import Attention, attend_lists
 from deepinfer.model.v41.cache import LayerCache
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.cache_rows import load_rows, store_rows
-from deepinfer.model.v41.context import SharedKV, StepContext
+from deepinfer.model.v41.context import SharedKV, SharedLists, StepContext
 from deepinfer.model.v41.invariant import token_steps
 from deepinfer.model.v41.model import DeepseekV41
 from deepinfer.model.v41.replay import DecoderReplay
 from deepinfer.model.v41.rope import angles, apply_rope
+from deepinfer.model.v41.select_lists import EntryLists, select_lists
 from deepinfer.ops.ref.step_rows import lookup
 from deepinfer.ops.table import OpTable
 from deepinfer.runner.transfer import to_device
@@ -108,7 +114,7 @@ class _Step:
     # replay's boundary), laid out on the host from the runs (a mask selection on the device is a host sync);
     # for r = 1, None: every token. None after ``narrowed`` (no KV source runs on a narrowed step).
     closing: dict[int, torch.Tensor | None] | None = None
-    # What layers of the step share (``PagedV41._picked_rows``: the top-k as rows of the entries, per source).
+    # What layers of the step share (``EntryLists`` per KV-source ratio, built by the first index source).
     memo: dict = field(default_factory=dict)
 
     @property
@@ -191,14 +197,15 @@ class PagedV41(nn.Module):
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)
         pre = mhc.one_hot_pre(x.shape[0], cfg.hc_mult, x.device)
         image_mask = torch.zeros_like(input_ids, dtype=torch.bool)  # text only (the intake refuses image ids)
-        shared = [SharedKV() for _ in step.runs]  # the CSA2 state each sequence hands from layer to layer
+        # The CSA2 state handed from layer to layer: each sequence's, or every sequence's at once (key lists).
+        shared = SharedLists() if self.key_lists else [SharedKV() for _ in step.runs]
         taps: list[torch.Tensor] = []
         kept = self._kept(step)
         sel = None  # the flat rows the decoder layers compute, when the replay narrows the step
         for i, block in enumerate(m.layers):
             if sel is None and i == self.replay.first_layer and kept is not None:
                 step, sel = step.narrowed(kept)
-                shared = [sh.narrowed(k) for sh, k in zip(shared, kept)]
+                shared = shared.narrowed(sel) if self.key_lists else [sh.narrowed(k) for sh, k in zip(shared, kept)]
                 streams, pre, image_mask, taps = streams[sel], pre[sel], image_mask[sel], [t[sel] for t in taps]
                 engram = engram[sel] if engram is not None else None
             rows = engram[:, block.engram.table_index] if hasattr(block, "engram") else None
@@ -294,8 +301,8 @@ class PagedV41(nn.Module):
         return self.model.hasher.rows_from_lookback(lookback)
 
     # ---- one layer's attention ------------------------------------------------------------------------
-    def _attention(self, att: Attention, key: str, x: torch.Tensor, step: _Step, shared: list[SharedKV]
-                   ) -> torch.Tensor:
+    def _attention(self, att: Attention, key: str, x: torch.Tensor, step: _Step,
+                   shared: list[SharedKV] | SharedLists) -> torch.Tensor:
         ang = step.angles[att.table]
         q, qr, kv = att.project(x, ang, step.round_rows)
         store_rows(step.storage, key, "window_kv", step.window_rows, kv)
@@ -313,8 +320,14 @@ class PagedV41(nn.Module):
         window = load_rows(step.storage, key, "window_kv",
                            _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window"))
         if att.kv_source:  # the sequences' entries after the step, for this layer and the ones reusing it
-            for sh, source in zip(shared, self._entries(key, att.ratio, step)):
-                sh.source, sh.ratio, sh.topk, sh.candidates = source, att.ratio, None, None
+            entries, index_keys, counts = self._entries(key, att.ratio, step)
+            if self.key_lists:
+                shared.entries, shared.index_keys, shared.ratio = entries, index_keys, att.ratio
+                shared.rows = shared.candidates = None
+            else:
+                for sh, e, k in zip(shared, entries.split(counts), index_keys.split(counts)):
+                    sh.source, sh.ratio = LayerCache(entries=e, index_keys=k), att.ratio
+                    sh.topk = sh.candidates = None
         if self.key_lists:
             return att._output(self._attend_lists(att, x, q, qr, ang, step, shared, window, starts, lens), ang)
         out = []
@@ -329,12 +342,12 @@ class PagedV41(nn.Module):
         return att._output(torch.cat(out), ang)
 
     def _attend_lists(self, att: Attention, x: torch.Tensor, q: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor,
-                      step: _Step, shared: list[SharedKV], window: torch.Tensor, starts: np.ndarray,
+                      step: _Step, shared: SharedLists, window: torch.Tensor, starts: np.ndarray,
                       lens: np.ndarray) -> torch.Tensor:
         """``_attention``'s core for every sequence at once (``key_lists``): each query's keys as row lists into
-        the step's gathered window rows and the sequences' entries (``attention.attend_lists``). The top-k of an
-        index source is still selected per sequence, over that sequence's entries (the plain model's widths:
-        its discrete choices). [T, heads, D]."""
+        the step's gathered window rows and the sequences' entries (``attention.attend_lists``), an index
+        source's top-k selected for every sequence at once as rows of those entries (``select_lists``: the
+        per-sequence choices), a reusing layer's the latest index source's. [T, heads, D]."""
         runs, w = step.runs, att.window
         # Per query (run r, row i at position t = first + i): window rows max(start, t - W + 1) .. t, as rows of
         # ``window`` (run r's span from base[r]).
@@ -348,34 +361,18 @@ class PagedV41(nn.Module):
         window_ids = to_device(ids, torch.int64, x.device)
         if not att.ratio:
             return attend_lists(q, att.attn_sink, window, window_ids)
-        for run, sh in zip(runs, shared):
-            rows = slice(run.lo, run.hi)
-            att.pick(x[rows], qr[rows], ang[rows], StepContext(step.positions[rows], run.first, {}, None,
-                                                               step.cache_qdq), sh)
-        entries, entry_ids = self._picked_rows(step, shared)
-        return attend_lists(q, att.attn_sink, window, window_ids, entries, entry_ids)
-
-    @staticmethod
-    def _picked_rows(step: _Step, shared: list[SharedKV]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequences' entries of the current KV source, concatenated [Re, D], and each query's top-k as rows
-        of them [T, K] (-1 = none). Built once per (source, top-k) and reused by the layers that reuse both."""
-        topks, sources = tuple(sh.topk for sh in shared), tuple(sh.source.entries for sh in shared)
-        memo = step.memo.get("picked")
-        if memo is not None and all(a is b for a, b in zip(memo[0], topks + sources)):
-            return memo[1], memo[2]
-        counts = np.array([e.shape[0] for e in sources], dtype=np.int64)
-        k = max(tk.shape[1] for tk in topks)
-        picked = torch.full((int(sum(tk.shape[0] for tk in topks)), k), -1, dtype=torch.long,
-                            device=sources[0].device)
-        for run, tk in zip(step.runs, topks):
-            if tk.shape[1]:
-                picked[run.lo:run.hi, :tk.shape[1]] = tk
-        base = to_device(np.repeat(np.cumsum(counts) - counts, [tk.shape[0] for tk in topks]), torch.int64,
-                         picked.device)
-        picked = torch.where(picked >= 0, picked + base.unsqueeze(1), -1)
-        entries = torch.cat(sources)
-        step.memo["picked"] = (topks + sources, entries, picked)
-        return entries, picked
+        if shared.entries is None or shared.ratio != att.ratio:
+            raise ValueError(f"a ratio-{att.ratio} layer found no preceding KV source of that ratio")
+        if att.index_source:
+            lists = step.memo.get(("entry_lists", att.ratio))  # where each query's entries lie, once per step
+            if lists is None:
+                lists = step.memo[("entry_lists", att.ratio)] = EntryLists.of(
+                    [run.first for run in runs], [run.end for run in runs], att.ratio, x.device)
+            shared.rows, shared.candidates = select_lists(att.indexer, x, qr, ang, step.cache_qdq, shared.index_keys,
+                                                          lists, shared.candidates)
+        if shared.rows is None:
+            raise ValueError(f"a ratio-{att.ratio} layer found no preceding index source's top-k")
+        return attend_lists(q, att.attn_sink, window, window_ids, shared.entries, shared.rows)
 
     def _publish_entries(self, att: Attention, key: str, x: torch.Tensor, step: _Step) -> None:
         """A KV source: the entries the step's tokens close, with their index keys, into the history pool."""
@@ -410,18 +407,19 @@ class PagedV41(nn.Module):
         store_rows(step.storage, key, "index_keys", where, att.indexer.keys(latent, ang, step.round_rows))
 
     @staticmethod
-    def _entries(key: str, ratio: int, step: _Step) -> list[LayerCache]:
-        """Per run: its sequence's compressed entries and index keys of source ``key`` after the step (its first
-        ``end // ratio``), as the plain model's per-sequence cache holds them (read for all runs at once)."""
+    def _entries(key: str, ratio: int, step: _Step) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The compressed entries and index keys of source ``key`` after the step of every run's sequence (its
+        first ``end // ratio``, as the plain model's per-sequence cache holds them), concatenated in run order
+        (read for all runs at once; the rows laid out on the host, one copy), and their counts per run."""
         idx = step.index
         counts = [run.end // ratio for run in step.runs]
-        entry = torch.cat([torch.arange(n, device=idx.positions.device) for n in counts])
-        seq = torch.cat([torch.full((n,), run.seq, dtype=torch.long, device=entry.device)
-                         for n, run in zip(counts, step.runs)])
+        total = sum(counts)
+        entry = np.concatenate([np.arange(n) for n in counts] + [np.zeros(0, dtype=np.int64)])
+        flat = to_device(np.concatenate((entry, np.repeat([run.seq for run in step.runs], counts))), torch.int64,
+                         idx.positions.device)
+        entry, seq = flat[:total], flat[total:]
         rows = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
-        entries = load_rows(step.storage, key, "entries", rows).split(counts)
-        keys = load_rows(step.storage, key, "index_keys", rows).split(counts)
-        return [LayerCache(entries=e, index_keys=k) for e, k in zip(entries, keys)]
+        return load_rows(step.storage, key, "entries", rows), load_rows(step.storage, key, "index_keys", rows), counts
 
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
