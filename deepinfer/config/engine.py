@@ -330,12 +330,7 @@ def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: Engine
 
     if parallel.is_single:
         return
-    if launch.ranks_share_device and device != "cuda":
-        raise ValueError(f"ranks_share_device: puts every rank on one CUDA device; device={device!r} (on the CPU "
-                         "the ranks already share the machine); allowed: device='cuda', or ranks_share_device=False")
-    if launch.ranks_share_device and launched_by_torchrun():
-        raise ValueError("ranks_share_device: the engine starts the ranks that share the device itself; under "
-                         "torchrun (RANK, WORLD_SIZE in the environment) leave it out, or run without torchrun")
+    launch.check_shared_device(device, launched_by_torchrun())
     if args.async_scheduling and parallel.context_parallel_size > 1:
         # A step in flight leaves placeholders in the plans; a CP group's helpers run shares of known tokens only.
         raise ValueError("async_scheduling: not supported with context_parallel_size > 1 yet; allowed: false "

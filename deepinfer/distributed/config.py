@@ -153,6 +153,19 @@ class LaunchConfig:
                              "> 1) to share the device; one rank already runs the single-process engine")
         return self
 
+    def check_shared_device(self, device: str, under_launcher: bool) -> None:
+        """With ``ranks_share_device``: raise ValueError naming it unless the engine starts a CUDA world itself
+        (``under_launcher``: torchrun or another launcher started this rank)."""
+        if not self.ranks_share_device:
+            return
+        if device != "cuda":
+            raise ValueError(f"ranks_share_device: puts every rank on one CUDA device; device={device!r} (on the "
+                             "CPU the ranks already share the machine); allowed: device='cuda', or "
+                             "ranks_share_device=False")
+        if under_launcher:
+            raise ValueError("ranks_share_device: the engine starts the ranks that share the device itself; under "
+                             "torchrun (RANK, WORLD_SIZE in the environment) leave it out, or run without torchrun")
+
     def ranks_sharing_device(self, parallel: ParallelConfig) -> int:
         """How many ranks hold one device: the whole world with ``ranks_share_device``, else one."""
         return parallel.world_size if self.ranks_share_device else 1
