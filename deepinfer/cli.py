@@ -104,6 +104,9 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-port", type=int, default=None,
                    help="a free port on node 0 for the rendezvous (default: 29500 on several nodes, any free "
                         "port on one)")
+    g.add_argument("--ranks-share-device", action="store_true",
+                   help="one node only: run every rank on the first visible CUDA device, collectives over gloo "
+                        "through host memory (rehearses the multi-GPU path on one GPU; slower, not for serving)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -137,7 +140,7 @@ def _engine_args(a: argparse.Namespace) -> EngineArgs:
         context_parallel_size=a.context_parallel_size, context_parallel_min_tokens=a.context_parallel_min_tokens,
         enable_eplb=a.enable_eplb, eplb_config=a.eplb_config,
         nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr, master_port=a.master_port,
-        load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
+        ranks_share_device=a.ranks_share_device, load_format=a.load_format, hf_overrides=a.hf_overrides, speculative_config=a.speculative_config,
         kv_cache_dtype=a.kv_cache_dtype, v41_decoder_replay=a.v41_decoder_replay,
         v41_prefix_replay=a.v41_prefix_replay,
     )

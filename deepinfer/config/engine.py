@@ -80,6 +80,9 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    # Every rank of a one-node world on the one CUDA device, collectives over gloo through host memory
+    # (distributed/config.py LaunchConfig): rehearses the multi-GPU path on a single GPU; not a fast mode.
+    ranks_share_device: bool = False
     # Expert-parallel load balancing (config/eplb.py): redundant replicas of hot experts, re-placed every
     # step_interval steps. eplb_config: {"num_redundant_experts": N, "window_size": W, "step_interval": S,
     # "log_balancedness": bool} (or its JSON text); needs enable_expert_parallel.
@@ -205,7 +208,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {args.gpu_memory_utilization}")
         parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel,
                                   args.context_parallel_size, args.context_parallel_min_tokens).validate(model)
-        launch = LaunchConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port).validate(parallel)
+        launch = LaunchConfig(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                              args.ranks_share_device).validate(parallel)
         _check_parallel(parallel, launch, args, device)
         if speculative is not None and args.async_scheduling:
             _check_async_speculative(parallel)
@@ -326,12 +330,13 @@ def _check_parallel(parallel: ParallelConfig, launch: LaunchConfig, args: Engine
 
     if parallel.is_single:
         return
+    launch.check_shared_device(device, launched_by_torchrun())
     if args.async_scheduling and parallel.context_parallel_size > 1:
         # A step in flight leaves placeholders in the plans; a CP group's helpers run shares of known tokens only.
         raise ValueError("async_scheduling: not supported with context_parallel_size > 1 yet; allowed: false "
                          "(or context_parallel_size=1)")
     # Devices are counted per node; under torchrun each rank checks its LOCAL_RANK when it joins.
-    per_node = launch.ranks_per_node(parallel)
+    per_node = launch.ranks_per_node(parallel) // launch.ranks_sharing_device(parallel)  # devices wanted
     if device == "cuda" and not launched_by_torchrun() and per_node > torch.cuda.device_count():
         where = f" on each of {launch.nnodes} nodes" if launch.is_multi_node else ""
         raise ValueError(f"tensor_parallel_size x data_parallel_size: {per_node} devices wanted{where}, "

@@ -100,12 +100,20 @@ class LaunchConfig:
     Node 0's first rank is the engine (it serves); the other nodes only follow its steps.
 
     ``master_addr``/``master_port``: node 0's address, reachable from every node, and a free port there (the
-    rendezvous of torch.distributed). On one node they default to loopback and a free port."""
+    rendezvous of torch.distributed). On one node they default to loopback and a free port.
+
+    ``ranks_share_device``: every rank of a one-node world runs on the same CUDA device (the first visible one)
+    instead of one device each, and the model's collectives run over gloo, staged through host memory
+    (``collectives.py``; NCCL refuses two ranks on one device). It rehearses the multi-GPU code path -- the
+    sharded loading into the Triton layouts, the expert exchange, the TP sums, context parallelism -- on a
+    machine with one GPU; it is slower than one process on that GPU, never a way to serve faster. Each rank's
+    cache then sizes itself from its share of the device (``engine/sizing.py``)."""
 
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    ranks_share_device: bool = False
 
     def __post_init__(self) -> None:
         for name in ("nnodes", "node_rank"):
@@ -123,6 +131,11 @@ class LaunchConfig:
         if self.nnodes > 1 and self.master_addr is None:
             raise ValueError("master_addr: required with nnodes > 1 (the address of node 0, reachable from every "
                              "node)")
+        if not isinstance(self.ranks_share_device, bool):
+            raise ValueError(f"ranks_share_device: must be true or false, got {self.ranks_share_device!r}")
+        if self.ranks_share_device and self.nnodes > 1:
+            raise ValueError(f"ranks_share_device: every rank on one device needs a one-node world, got nnodes="
+                             f"{self.nnodes}; allowed: nnodes=1 (or ranks_share_device=False)")
 
     @property
     def is_multi_node(self) -> bool:
@@ -135,7 +148,27 @@ class LaunchConfig:
             raise ValueError(
                 f"nnodes: {world} ranks (tensor_parallel_size x data_parallel_size) cannot be split evenly over "
                 f"{self.nnodes} nodes; allowed: {', '.join(map(str, _divisors(world)))}")
+        if self.ranks_share_device and parallel.is_single:
+            raise ValueError("ranks_share_device: needs several ranks (tensor_parallel_size x data_parallel_size "
+                             "> 1) to share the device; one rank already runs the single-process engine")
         return self
+
+    def check_shared_device(self, device: str, under_launcher: bool) -> None:
+        """With ``ranks_share_device``: raise ValueError naming it unless the engine starts a CUDA world itself
+        (``under_launcher``: torchrun or another launcher started this rank)."""
+        if not self.ranks_share_device:
+            return
+        if device != "cuda":
+            raise ValueError(f"ranks_share_device: puts every rank on one CUDA device; device={device!r} (on the "
+                             "CPU the ranks already share the machine); allowed: device='cuda', or "
+                             "ranks_share_device=False")
+        if under_launcher:
+            raise ValueError("ranks_share_device: the engine starts the ranks that share the device itself; under "
+                             "torchrun (RANK, WORLD_SIZE in the environment) leave it out, or run without torchrun")
+
+    def ranks_sharing_device(self, parallel: ParallelConfig) -> int:
+        """How many ranks hold one device: the whole world with ``ranks_share_device``, else one."""
+        return parallel.world_size if self.ranks_share_device else 1
 
     def ranks_per_node(self, parallel: ParallelConfig) -> int:
         return parallel.world_size // self.nnodes

@@ -3,8 +3,10 @@ every sharded module (no module-level globals: two worlds' models can coexist in
 
 Environment (what ``torchrun`` sets, and what the engine sets for the workers it spawns): ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``. Read here, not in
-``deepinfer/env.py``: they are torch.distributed's variables, not deepinfer switches. Backend: NCCL on CUDA,
-gloo on the CPU.
+``deepinfer/env.py``: they are torch.distributed's variables, not deepinfer switches. Backend: NCCL on CUDA
+(one rank per device, ``LOCAL_RANK``'s), gloo on the CPU; gloo too when the ranks share one CUDA device
+(``LaunchConfig.ranks_share_device``: NCCL refuses two ranks on one device), the collectives then staging
+CUDA tensors through host memory (``collectives.py``).
 """
 
 from __future__ import annotations
@@ -132,15 +134,27 @@ class ParallelContext:
 
 
 def init_world(config: ParallelConfig, device: str = "cpu", env: WorldEnv | None = None,
-               timeout_s: float = 600.0) -> ParallelContext:
+               timeout_s: float = 600.0, share_device: bool = False) -> ParallelContext:
     """Join the world described by ``env`` (default: the environment) and build the TP and EP groups.
 
-    ``timeout_s`` bounds every collective: a rank that never arrives fails the others instead of hanging."""
+    ``timeout_s`` bounds every collective: a rank that never arrives fails the others instead of hanging.
+    ``share_device`` (``LaunchConfig.ranks_share_device``): every rank on CUDA device 0, over gloo."""
     env = env or WorldEnv.from_env()
     if env.world_size != config.world_size:
         raise ValueError(f"WORLD_SIZE: {env.world_size} processes, but tensor_parallel_size x data_parallel_size = "
                          f"{config.world_size}")
-    if device == "cuda":
+    if share_device:
+        if device != "cuda":
+            raise ValueError(f"ranks_share_device: puts every rank on one CUDA device, got device={device!r}; "
+                             "allowed: device='cuda'")
+        if env.ranks_on_node != env.world_size:
+            raise ValueError(f"ranks_share_device: needs the whole world on one node, but this node runs "
+                             f"{env.ranks_on_node} of {env.world_size} ranks (LOCAL_WORLD_SIZE)")
+        if torch.cuda.device_count() < 1:
+            raise ValueError("ranks_share_device: no CUDA device is visible")
+        torch.cuda.set_device(0)
+        dev, backend = torch.device("cuda", 0), "gloo"
+    elif device == "cuda":
         if env.local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK: {env.local_rank}, but this node has {torch.cuda.device_count()} visible "
                              "CUDA devices (one rank per device: start at most that many ranks per node)")

@@ -4,6 +4,9 @@ On CUDA without an explicit budget the cache gets what is left of ``gpu_memory_u
 memory after everything already resident (weights, CUDA context) and the activation peak of a profiling
 forward of ``max_num_batched_tokens`` tokens (the largest step the scheduler can plan). Decode graphs are
 captured afterwards from the remaining headroom (their batches are far smaller than a prefill step).
+When the ranks of a world share one device (``LaunchConfig.ranks_share_device``) each rank takes 1/ranks of
+that fraction, less what it holds itself (what its allocator reserved plus ``SHARED_RANK_OVERHEAD``): the
+device's free memory would count the other ranks' weights and caches, which come and go while it sizes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ _CPU_DEFAULT_BUDGET = 2 << 30  # 2 GiB when nothing else is said
 # Share of the cache budget that keeps cached block boundaries' window/state tails (prefix caching): a hit
 # needs them, and per boundary they cost several history blocks (bench/results/prefix_cache*.md).
 RETAINED_TAIL_FRACTION = 0.2
+# What a rank sharing its device holds beyond its allocator's reservation: its CUDA context, the kernels'
+# modules, cuBLAS workspaces (memory_reserved does not see them; about 0.5-1 GiB per process).
+SHARED_RANK_OVERHEAD = 1 << 30
 
 
 @torch.no_grad()
@@ -55,18 +61,31 @@ def profile_activation_bytes(model, config: EngineConfig, layout) -> int:
     return peak
 
 
+def device_cache_budget(total: int, in_use: int, utilization: float, activations: int, ranks: int = 1) -> int:
+    """Bytes of cache for one rank: its share (1/``ranks`` of the device's ``utilization`` x ``total``) less
+    what it already uses (``in_use``: on a device of its own everything resident, else its own holdings) and
+    its activation peak. Raises ValueError naming the field when nothing is left."""
+    share = int(total * utilization / ranks)
+    budget = share - in_use - activations
+    if budget <= 0:
+        whose = "" if ranks == 1 else f" (each of the {ranks} ranks sharing the device gets 1/{ranks} of it)"
+        fix = "raise it or lower max_num_batched_tokens" if ranks == 1 else \
+            "raise it, lower max_num_batched_tokens, or give cache_memory_gb / num_cache_blocks per rank"
+        raise ValueError(f"gpu_memory_utilization: {utilization} leaves no memory for the cache{whose} "
+                         f"({in_use / 2**30:.1f} GiB in use, activation peak {activations / 2**30:.2f} GiB of "
+                         f"{share / 2**30:.1f} GiB); {fix}")
+    return budget
+
+
 def _cuda_budget(config: EngineConfig, model, layout) -> int:
     activations = profile_activation_bytes(model, config, layout) if model is not None else 0
     free, total = torch.cuda.mem_get_info()
-    budget = int(total * config.cache.gpu_memory_utilization) - (total - free) - activations
-    log.info("cache budget %.2f GiB (total %.1f, in use %.1f, activation peak %.2f GiB, utilization %.2f)",
-             budget / 2**30, total / 2**30, (total - free) / 2**30, activations / 2**30,
-             config.cache.gpu_memory_utilization)
-    if budget <= 0:
-        raise ValueError(f"gpu_memory_utilization: {config.cache.gpu_memory_utilization} leaves no memory for the "
-                         f"cache ({(total - free) / 2**30:.1f} GiB in use, activation peak "
-                         f"{activations / 2**30:.2f} GiB of {total / 2**30:.1f} GiB); raise it or lower "
-                         "max_num_batched_tokens")
+    ranks = config.launch.ranks_sharing_device(config.parallel)
+    in_use = total - free if ranks == 1 else torch.cuda.memory_reserved() + SHARED_RANK_OVERHEAD
+    util = config.cache.gpu_memory_utilization
+    budget = device_cache_budget(total, in_use, util, activations, ranks)
+    log.info("cache budget %.2f GiB (total %.1f, in use %.1f, activation peak %.2f GiB, utilization %.2f, ranks on "
+             "the device %d)", budget / 2**30, total / 2**30, in_use / 2**30, activations / 2**30, util, ranks)
     return budget
 
 

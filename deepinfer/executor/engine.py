@@ -17,9 +17,9 @@ them before the acceptance, and the accepted tokens advance the matchers as on o
 With expert-parallel load balancing, every ``step_interval`` steps the experts are re-placed between two steps
 (``eplb.py``).
 
-Launch (``launch.py``): ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each); with
-``nnodes`` > 1, each node spawns its own share of the ranks; under ``torchrun`` (``RANK`` etc. set) it joins the
-world described there. Rank 0 returns the engine; every other rank serves orders until the engine shuts
+Launch (``launch.py``): ``launch_engine`` spawns ranks 1..W-1 on this machine (one device each, or all on one
+with ``ranks_share_device``); with ``nnodes`` > 1, each node spawns its own share of the ranks; under
+``torchrun`` (``RANK`` etc. set) it joins the world described there. Rank 0 returns the engine; every other rank serves orders until the engine shuts
 down and then its process exits, so the same command runs on every node.
 """
 

@@ -43,7 +43,8 @@ class RankWorker:
     def __init__(self, config: EngineConfig, env: WorldEnv) -> None:
         # With DEEPINFER_BATCH_INVARIANT (read once, into the config rank 0 sent) every rank runs the
         # batch-invariant op table and sums over ranks in rank order.
-        self.pctx = dataclasses.replace(init_world(config.parallel, config.device, env),
+        self.pctx = dataclasses.replace(init_world(config.parallel, config.device, env,
+                                                   share_device=config.launch.ranks_share_device),
                                         ordered_sums=config.batch_invariant)
         self.channel = Channel()
         # Built on the meta device as this rank's sharded module types, then only the rank's slices are read,
@@ -70,9 +71,11 @@ class RankWorker:
         sc, mc = config.scheduler, config.model
         batch = InputBatch(sc.max_num_seqs, cdiv(sc.max_model_len, config.cache.block_size), mc.vocab_size,
                            self.pctx.device)
-        # No decode graphs: the expert dispatch sizes its exchange on the host every step. With speculative
-        # decoding the rank verifies its own sequences' drafts and runs the MTP passes for them (the MTP layer
-        # is sharded like the layers; its window rows live in this rank's cache).
+        # No decode graphs: the expert dispatch sizes its exchange on the host every step, and a world whose
+        # ranks share one device stages every collective through host memory, which no graph can hold
+        # (distributed/collectives.py). With speculative decoding the rank verifies its own sequences' drafts and
+        # runs the MTP passes for them (the MTP layer is sharded like the layers; its window rows live in this
+        # rank's cache).
         self.speculative = config.speculative is not None
         self.runner = ModelRunner(self.model, self.storage, batch, speculative=self.speculative)
         self.reports = self.pctx.tp_rank == 0

@@ -145,7 +145,8 @@ class EPMoE(ExpertDispatch, MoE):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         p = self.pctx
-        shared = self._shared(x) if self.shared_experts is not None else None
+        # A rank without tokens (an empty step) has no shared-expert rows: its FP8 GEMMs are not launched on zero.
+        shared = self._shared(x) if self.shared_experts is not None and len(x) else None
         weights, indices = self._route(x, input_ids)
         sizes = [len(c) for c in torch.arange(len(x)).tensor_split(p.tp_size)]
         start = sum(sizes[: p.tp_rank])
