@@ -240,3 +240,17 @@ def test_decode_steps_keep_k_drafts_up_to_the_output_limit(tiny_dir, tiny_refere
     assert _tokens(_drain(engine, prompts, params)) == ref  # its own drafts (planted ones end with the reference)
     assert len(shapes) >= len(prompts) * 3
     assert all(n == k + 1 and d == k for _, n, d in shapes), shapes
+
+
+@pytest.mark.parametrize("k,async_scheduling", [(1, False), (3, False), (4, True)])
+def test_prompts_at_the_model_length_keep_their_drafts_inside_it(tiny_dir, k, async_scheduling) -> None:
+    """Sequences that end exactly at ``max_model_len``, a multiple of the block size (a slot's block table holds
+    no position past it): every verify step's drafts stay inside the length, and the tokens are the plain
+    engine's."""
+    kw = dict(max_model_len=256, max_num_batched_tokens=512)
+    prompts = _prompts(97, lengths=(254, 255, 250, 200))
+    params = [SamplingParams(temperature=0, max_tokens=256 - len(p), ignore_eos=True) for p in prompts]
+    want = _tokens(_drain(_engine(tiny_dir, **kw), prompts, params))
+    engine = _engine(tiny_dir, k, async_scheduling=async_scheduling, **kw)
+    assert _tokens(_drain(engine, prompts, params)) == want
+    assert engine.spec_stats.num_draft_tokens > 0
