@@ -5,6 +5,8 @@
     python bench/multi_gpu.py --tensor-parallel-size 2 --data-parallel-size 4 --enable-expert-parallel
     python bench/multi_gpu.py --data-parallel-size 4 --enable-expert-parallel --context-parallel-size 4 \
         --prefill 32768 --max-num-batched-tokens 8192                                    # + one long prompt, CP4
+    python bench/multi_gpu.py --data-parallel-size 2 --enable-expert-parallel --layers 2 --ranks-share-device \
+        --batches 1 8 --prefill 2048                                                     # one GPU, two ranks on it
     python bench/multi_gpu.py --model deepinfer/assets/demo --layers 2 --device cpu \\
         --data-parallel-size 2 --enable-expert-parallel --batches 1 2 --prefill 64 --tokens 4   # CPU smoke test
 
@@ -51,7 +53,9 @@ from deepinfer.engine.llm_engine import LLMEngine  # noqa: E402
 def _layout(a: argparse.Namespace) -> str:
     cp = f"-cp{a.context_parallel_size}" if a.context_parallel_size > 1 else ""
     mtp = f"-mtp{json.loads(a.speculative_config)['num_speculative_tokens']}" if a.speculative_config else ""
-    return f"tp{a.tensor_parallel_size}-dp{a.data_parallel_size}" + ("-ep" if a.enable_expert_parallel else "") + cp + mtp
+    shared = "-one-gpu" if a.ranks_share_device else ""
+    return (f"tp{a.tensor_parallel_size}-dp{a.data_parallel_size}" + ("-ep" if a.enable_expert_parallel else "") + cp
+            + mtp + shared)
 
 
 def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[dict]:
@@ -103,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (default: --prefill)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks-share-device", action="store_true",
+                   help="every rank on one GPU (a rehearsal of the multi-GPU path, not a performance figure)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     a = p.parse_args(argv)
 
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
                 context_parallel_min_tokens=a.context_parallel_min_tokens, max_num_seqs=max(a.batches),
                 max_num_batched_tokens=budget, max_model_len=max(a.prefill + 1, a.prompt_len + a.tokens) + 1,
                 gpu_memory_utilization=a.gpu_memory_utilization, seed=a.seed, load_progress=False,
-                speculative_config=a.speculative_config,
+                speculative_config=a.speculative_config, ranks_share_device=a.ranks_share_device,
                 hf_overrides={"num_hidden_layers": a.layers} if a.layers else None)
     t = time.perf_counter()
     llm = LLM(**args)

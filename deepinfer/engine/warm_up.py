@@ -12,8 +12,13 @@ of two or further apart than 2x). Each rung's prompt is run alone, so its prefil
 many tokens, and draws two tokens (one decode step after it, greedy and seeded sampling alternating). One
 prompt longer than the step budget adds a chunk that attends to an earlier chunk.
 
-Nothing of it stays: the prompts' cache blocks are dropped from the prefix cache, the counters the server
-reports are reset, and the draws are keyed by the warm-up's own request ids (no shared random state).
+On several data-parallel ranks (``executor/engine.py``) each rung sends one prompt to every DP rank at once (the
+engine gives each new request to the least loaded rank), so every rank compiles its variants, and the
+expert-parallel MoE sees the rung's count from each rank.
+
+Nothing of it stays: the prompts' cache blocks are dropped from the prefix cache (every DP rank's), the
+counters the server reports are reset, and the draws are keyed by the warm-up's own request ids (no shared
+random state).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ def prompt_lengths(max_num_batched_tokens: int, max_model_len: int, max_cached_t
 
 
 def warm_up(engine) -> None:
-    """Run the warm-up prompts through ``engine`` (an ``LLMEngine`` with nothing queued), one at a time."""
+    """Run the warm-up prompts through ``engine`` (an ``LLMEngine`` with nothing queued), one rung at a time:
+    one prompt alone, or one per DP rank of a ``ParallelLLMEngine``."""
     assert not engine.requests, "warm-up: the engine must be idle"
     started = time.perf_counter()
     sc = engine.config.scheduler
@@ -63,8 +69,9 @@ def warm_up(engine) -> None:
     lengths = prompt_lengths(sc.max_num_batched_tokens, sc.max_model_len, engine.intake.max_cached_tokens)
     for i, n in enumerate(lengths):
         params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.8, seq_seed=i)
-        prompt = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)], "cache_salt": _ID}
-        engine.add_request(f"{_ID}-{i}", prompt, params)
+        for d in range(engine.config.parallel.data_parallel_size):
+            prompt = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)], "cache_salt": _ID}
+            engine.add_request(f"{_ID}-{i}-{d}", prompt, params)
         while engine.has_unfinished_requests():
             engine.step()
     engine.step()  # async scheduling: nothing left in flight
@@ -75,10 +82,10 @@ def warm_up(engine) -> None:
 
 def _forget(engine) -> None:
     """Leave no trace of the warm-up: its cached blocks and the counters the server reports."""
-    engine.cache.reset_prefix_cache()
-    sched = engine.scheduler
-    if getattr(sched, "prefix", None) is not None:
-        sched.prefix_queries = sched.prefix_hits = 0
-    for pool in engine.cache.pools.values():
-        pool.num_evictions = 0
+    for sched in getattr(engine, "schedulers", (engine.scheduler,)):  # every DP rank's on several ranks
+        sched.cache.reset_prefix_cache()
+        if getattr(sched, "prefix", None) is not None:
+            sched.prefix_queries = sched.prefix_hits = 0
+        for pool in sched.cache.pools.values():
+            pool.num_evictions = 0
     engine.spec_stats = SpecDecodeStats(engine.spec_stats.num_speculative_tokens)

@@ -36,6 +36,7 @@ from deepinfer.config.v41 import V41Config
 from deepinfer.distributed.world import WorldEnv, close_world, launched_by_torchrun
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.intake import Intake
+from deepinfer.engine.warm_up import warm_up
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, build_output, finish
 from deepinfer.executor.eplb import EplbDriver
@@ -137,6 +138,9 @@ class ParallelLLMEngine(LLMEngine):
         self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
         self.context_parallel_chunks = 0  # prefill chunks run split over a CP group
         atexit.register(self.close)
+        if config.warm_up:
+            warm_up(self)
+            self.context_parallel_chunks = 0  # the warm-up's are not served chunks
 
     def _ask(self, order) -> list:
         """Every rank carries out ``order`` (between steps); their replies in rank order."""

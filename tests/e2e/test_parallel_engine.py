@@ -103,3 +103,32 @@ def test_data_parallel_prefix_hits_and_bounded_replay() -> None:
     for a, b in zip(got, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert max(abs(x - y) for x, y in zip(values(a), values(b))) < 1e-4
+
+
+def test_the_warm_up_runs_on_every_data_parallel_rank_and_leaves_no_trace(single, monkeypatch) -> None:
+    """``warm_up=True`` on DP2 + EP: each rung's prompts reach both DP ranks (so each compiles its kernels'
+    variants); afterwards no cached block, no request and zeroed counters on either rank, and the same tokens."""
+    owners: dict[str, int] = {}
+    add = ParallelLLMEngine.add_request
+
+    def recording(self, request_id, *a, **kw):
+        add(self, request_id, *a, **kw)
+        owners[request_id] = self._owner[request_id]
+
+    monkeypatch.setattr(ParallelLLMEngine, "add_request", recording)
+    threads = torch.get_num_threads()
+    engine = LLMEngine.from_engine_args(**ARGS, data_parallel_size=2, enable_expert_parallel=True, warm_up=True)
+    try:
+        rungs: dict[str, set[int]] = {}
+        for rid, dp in owners.items():
+            rungs.setdefault(rid.rsplit("-", 1)[0], set()).add(dp)
+        assert len(rungs) >= 5 and all(dps == {0, 1} for dps in rungs.values()), rungs
+        assert not engine.requests
+        for s in engine.schedulers:
+            assert sum(s.cache.num_cached_blocks().values()) == 0 and s.cache.num_requests == 0
+            assert s.prefix_queries == s.prefix_hits == 0
+        owners.clear()
+        assert _drain(engine) == single
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
