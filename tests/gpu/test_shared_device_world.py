@@ -17,6 +17,19 @@ compared positions within ``LOGPROB_TOLERANCE`` each and ``MEAN_TOLERANCE`` on a
 ``MIN_COMPARED`` of all positions must have been compared. A broken exchange fails that by far: with the
 routing weights of the expert-parallel combine permuted (bf16, CPU), 7 requests of 8 part at their first or
 second token, a quarter of the positions compared, 0.3 nats apart on average.
+
+TP2 gets a wider near tie (``TP_NEAR_TIE``): its differences are bf16 rounding, but the demo model's router
+turns them into whole expert swaps. Measured on the Triton path (the interpreter on the CPU; demo model,
+request r2's first 40 tokens in two chunks then 4 decode steps, teacher-forced): with every sublayer fed the
+one-process input, TP2's attention output is within 3e-3 (relative L2; at most 1 bf16 step) of the one
+process's and its MoE output within 7e-3 (the routed and the shared partials each rounded to bf16 before
+the fp32 sum, where the fused kernel rounds their sum once) -- as the CPU reference in bf16 (3e-3, 5e-3) --
+and no logprob moves more than 0.06 nats. Run freely, the drift reaches 1e-2 by layer 3, and the router's
+biased scores there have near ties 1e-3 apart: 3 tokens of 44 swapped an expert (layers 3 and 5), moving
+that token's MoE output by 0.4 and the margin between the reference's best two tokens by 0.56 nats while
+the chosen token's logprob moved 0.045 (the CPU reference's run, with no swap, moved margins by at most
+0.19). The GPU's TP2 world parted one request of eight at a margin of 0.59, its logprobs otherwise within
+bounds.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ CP_LENGTHS = (410, 9, 300, 260)
 LOGPROB_TOLERANCE = 0.5  # nats at one position: a few bf16 steps of the logits
 MEAN_TOLERANCE = 0.1  # nats, over all compared positions
 NEAR_TIE = 0.5  # nats between the reference's best two tokens where the world may pick the other one
+TP_NEAR_TIE = 1.0  # TP2: a routing swap moved a margin by 0.56 nats (docstring); about twice that
 MIN_COMPARED = 0.6  # share of all generated positions compared before any near-tie parting
 
 Result = dict[str, tuple[list[int], list[float], list[float]]]  # tokens, their logprobs, best-vs-second margin
@@ -81,7 +95,7 @@ def _cp_run(engine) -> Result:
     return _drain(engine, arrivals_by_step(_prompts(CP_LENGTHS, 5), {0: [0, 1, 2], 3: [3]}))
 
 
-def _assert_same(got: Result, want: Result) -> None:
+def _assert_same(got: Result, want: Result, near_tie: float = NEAR_TIE) -> None:
     assert sorted(got) == sorted(want)
     diffs, total = [], 0
     for rid, (tokens, logprobs, margins) in want.items():
@@ -90,7 +104,7 @@ def _assert_same(got: Result, want: Result) -> None:
         total += len(tokens)
         for i, (a, b) in enumerate(zip(g_tokens, tokens)):
             if a != b:  # only where the reference itself nearly tied; the rest of the request is not comparable
-                assert margins[i] < NEAR_TIE, (rid, i, a, b, margins[i])
+                assert margins[i] < near_tie, (rid, i, a, b, margins[i])
                 break
             diffs.append(abs(g_logprobs[i] - logprobs[i]))
             assert diffs[-1] < LOGPROB_TOLERANCE, (rid, i, g_logprobs[i], logprobs[i])
@@ -103,14 +117,15 @@ def single() -> Result:
     return single_thread_reference(ARGS, _four_process_run)
 
 
-@pytest.mark.parametrize("parallel", [dict(data_parallel_size=2, enable_expert_parallel=True),
-                                      dict(tensor_parallel_size=2)], ids=["dp2-ep", "tp2"])
-def test_shared_device_world_equals_single_process(single, parallel, monkeypatch) -> None:
+@pytest.mark.parametrize(("parallel", "near_tie"),
+                         [(dict(data_parallel_size=2, enable_expert_parallel=True), NEAR_TIE),
+                          (dict(tensor_parallel_size=2), TP_NEAR_TIE)], ids=["dp2-ep", "tp2"])
+def test_shared_device_world_equals_single_process(single, parallel, near_tie, monkeypatch) -> None:
     got, engine = run_world({**ARGS, **parallel, "ranks_share_device": True}, _four_process_run, monkeypatch)
     assert engine.config.launch.ranks_share_device
     preemptions = [s.num_preemptions for s in engine.schedulers]
     assert all(p > 0 for p in preemptions), f"preemption on every DP rank wanted, got {preemptions}"
-    _assert_same(got, single)
+    _assert_same(got, single, near_tie)
 
 
 def test_shared_device_context_parallel_equals_single_process(monkeypatch) -> None:
