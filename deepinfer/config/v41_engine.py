@@ -7,8 +7,9 @@ encoder-side replay of prefix hits (``v41_prefix_replay``, which prefix caching 
 on), ``hf_overrides`` (``config/v41_overrides.apply_v41_overrides``), dummy weights (``model/v41/dummy.py``) and
 ``DEEPINFER_BATCH_INVARIANT=1`` (every token alone, ``model/v41/invariant.py``; the two replays that compute
 differently by design are refused with it). On CUDA (``model/v41/device.py``: FP4 experts through V4's fused
-kernel, dense FP8 as ``FP8Dense32``) the step runs eagerly, without DSpark, the batch-invariant mode or a profiled
-cache budget (``check_v41_cuda``). On several ranks of the CPU (``model/v41/parallel.py``): data- and
+kernel, dense FP8 as ``FP8Dense32``) the step runs eagerly, with DSpark (every block drafted at once from
+device values, ``model/v41/dspark_lists.py``), without the batch-invariant mode or a profiled cache budget
+(``check_v41_cuda``). On several ranks of the CPU (``model/v41/parallel.py``): data- and
 tensor-parallel attention, expert- or tensor-parallel experts (``check_v41_parallel``, ``check_v41_ranks``). Not
 yet: V4.1's own GPU kernels; context parallelism, several nodes, expert load balancing and DSpark on several ranks.
 Each is refused here with the field and what is allowed.
@@ -105,9 +106,6 @@ def check_v41_cuda(args) -> None:
     where = f"{V41_WHAT} on cuda"
     if not args.enforce_eager:
         raise ValueError(f"enforce_eager: {where} runs its step eagerly (no CUDA graphs of it yet); allowed: True")
-    if args.speculative_config is not None:
-        raise ValueError(f"speculative_config: DSpark speculative decoding of {where} is not written yet; allowed "
-                         "on cuda: None (device='cpu' runs it)")
     if env.batch_invariant():
         raise ValueError(f"DEEPINFER_BATCH_INVARIANT: the batch-invariant mode of {where} is not written yet; "
                          "allowed on cuda: 0 (device='cpu' runs it)")
