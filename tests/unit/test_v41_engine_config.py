@@ -59,7 +59,6 @@ def test_v41_checkpoint_gets_its_config(v41_dir) -> None:
 @pytest.mark.parametrize("kw, field", [
     ({"device": "mps"}, "device"),
     ({"device": "cuda"}, "enforce_eager"),
-    ({"device": "cuda", "enforce_eager": True}, "num_cache_blocks"),
     ({"data_parallel_size": 2, "context_parallel_size": 2}, "context_parallel_size"),
     ({"tensor_parallel_size": 4}, "tensor_parallel_size"),  # the tiny model's o_groups is 2
     ({"data_parallel_size": 2, "nnodes": 2}, "nnodes"),
@@ -91,7 +90,7 @@ def test_v41_on_several_cpu_ranks_is_accepted(v41_dir, monkeypatch) -> None:
 
 
 def test_v41_on_cuda_refusals_name_what_is_allowed(v41_dir, monkeypatch) -> None:
-    """V4.1 on CUDA: eager only (DSpark and the batch-invariant mode included), the cache sized explicitly."""
+    """V4.1 on CUDA: eager only (DSpark, the batch-invariant mode and every way of sizing the cache included)."""
     from deepinfer.config.v41_engine import check_v41_engine_args
 
     ok = EngineArgs(model=str(v41_dir), device="cuda", enforce_eager=True, num_cache_blocks=8)
@@ -100,6 +99,8 @@ def test_v41_on_cuda_refusals_name_what_is_allowed(v41_dir, monkeypatch) -> None
                                      speculative_config={"method": "dspark", "num_speculative_tokens": 3}), "cuda")
     check_v41_engine_args(EngineArgs(model=str(v41_dir), device="cuda", enforce_eager=True, cache_memory_gb=2.0),
                           "cuda")
+    # Sized from gpu_memory_utilization: the largest step profiled (engine/profile_v41.py).
+    check_v41_engine_args(EngineArgs(model=str(v41_dir), device="cuda", enforce_eager=True), "cuda")
     with pytest.raises(ValueError, match=r"^enforce_eager: .*on cuda.*allowed: True"):
         check_v41_engine_args(EngineArgs(model=str(v41_dir), device="cuda", num_cache_blocks=8), "cuda")
     with pytest.raises(ValueError, match=r"^device: .*allowed: cpu, cuda"):
