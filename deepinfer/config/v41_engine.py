@@ -10,9 +10,10 @@ differently by design are refused with it). On CUDA (``model/v41/device.py``: FP
 kernel, dense FP8 as ``FP8Dense32``) the step runs eagerly, with DSpark (every block drafted at once from
 device values, ``model/v41/dspark_lists.py``), the batch-invariant mode (every token alone, the batch-invariant
 Triton table) and a cache sized from ``gpu_memory_utilization`` (the largest step profiled,
-``engine/profile_v41.py``); not with CUDA graphs (``check_v41_cuda``). On several ranks of the CPU (``model/v41/parallel.py``): data- and
-tensor-parallel attention, expert- or tensor-parallel experts (``check_v41_parallel``, ``check_v41_ranks``). Not
-yet: V4.1's own GPU kernels; context parallelism, several nodes, expert load balancing and DSpark on several ranks.
+``engine/profile_v41.py``); not with CUDA graphs (``check_v41_cuda``). On several ranks of the CPU
+(``model/v41/parallel.py``): data- and tensor-parallel attention, expert- or tensor-parallel experts
+(``check_v41_parallel``, ``check_v41_ranks``). Not yet: V4.1's own GPU kernels; context parallelism, several
+nodes, expert load balancing and DSpark on several ranks.
 Each is refused here with the field and what is allowed.
 """
 
