@@ -7,10 +7,13 @@ encoder-side replay of prefix hits (``v41_prefix_replay``, which prefix caching 
 on), ``hf_overrides`` (``config/v41_overrides.apply_v41_overrides``), dummy weights (``model/v41/dummy.py``) and
 ``DEEPINFER_BATCH_INVARIANT=1`` (every token alone, ``model/v41/invariant.py``; the two replays that compute
 differently by design are refused with it). On CUDA (``model/v41/device.py``: FP4 experts through V4's fused
-kernel, dense FP8 as ``FP8Dense32``) the step runs eagerly, without DSpark, the batch-invariant mode or a profiled
-cache budget (``check_v41_cuda``). On several ranks of the CPU (``model/v41/parallel.py``): data- and
-tensor-parallel attention, expert- or tensor-parallel experts (``check_v41_parallel``, ``check_v41_ranks``). Not
-yet: V4.1's own GPU kernels; context parallelism, several nodes, expert load balancing and DSpark on several ranks.
+kernel, dense FP8 as ``FP8Dense32``) the step runs eagerly, with DSpark (every block drafted at once from
+device values, ``model/v41/dspark_lists.py``), the batch-invariant mode (every token alone, the batch-invariant
+Triton table) and a cache sized from ``gpu_memory_utilization`` (the largest step profiled,
+``engine/profile_v41.py``); not with CUDA graphs (``check_v41_cuda``). On several ranks of the CPU
+(``model/v41/parallel.py``): data- and tensor-parallel attention, expert- or tensor-parallel experts
+(``check_v41_parallel``, ``check_v41_ranks``). Not yet: V4.1's own GPU kernels; context parallelism, several
+nodes, expert load balancing and DSpark on several ranks.
 Each is refused here with the field and what is allowed.
 """
 
@@ -98,24 +101,11 @@ V41_DEVICES = ("cpu", "cuda")
 
 
 def check_v41_cuda(args) -> None:
-    """What V4.1 on CUDA does not do yet (``model/v41/device.py`` runs its step eagerly, its own kernels
-    unwritten): each refused with the field and what is allowed there."""
-    from deepinfer import env
-
+    """What V4.1 on CUDA does not do yet (``model/v41/device.py`` runs its step eagerly: no CUDA graphs of it),
+    refused with the field and what is allowed there."""
     where = f"{V41_WHAT} on cuda"
     if not args.enforce_eager:
         raise ValueError(f"enforce_eager: {where} runs its step eagerly (no CUDA graphs of it yet); allowed: True")
-    if args.speculative_config is not None:
-        raise ValueError(f"speculative_config: DSpark speculative decoding of {where} is not written yet; allowed "
-                         "on cuda: None (device='cpu' runs it)")
-    if env.batch_invariant():
-        raise ValueError(f"DEEPINFER_BATCH_INVARIANT: the batch-invariant mode of {where} is not written yet; "
-                         "allowed on cuda: 0 (device='cpu' runs it)")
-    if args.num_cache_blocks is None and args.cache_memory_gb is None:
-        # The CUDA budget subtracts a profiled activation peak (engine/sizing.py); V4.1's profile step is not
-        # written, and a budget without it would leave the step no room.
-        raise ValueError(f"num_cache_blocks: {where} needs the cache sized explicitly (its activation profile is "
-                         "not written); allowed: a block count, or cache_memory_gb")
 
 
 def check_v41_engine_args(args, device: str) -> None:

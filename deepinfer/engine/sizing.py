@@ -2,7 +2,8 @@
 
 On CUDA without an explicit budget the cache gets what is left of ``gpu_memory_utilization`` x total
 memory after everything already resident (weights, CUDA context) and the activation peak of a profiling
-forward of ``max_num_batched_tokens`` tokens (the largest step the scheduler can plan). Decode graphs are
+forward of ``max_num_batched_tokens`` tokens (the largest step the scheduler can plan; V4.1's in
+``profile_v41.py``). Decode graphs are
 captured afterwards from the remaining headroom (their batches are far smaller than a prefill step).
 When the ranks of a world share one device (``LaunchConfig.ranks_share_device``) each rank takes 1/ranks of
 that fraction, less what it holds itself (what its allocator reserved plus ``SHARED_RANK_OVERHEAD``): the
@@ -41,22 +42,37 @@ SHARED_RANK_OVERHEAD = 1 << 30
 def profile_activation_bytes(model, config: EngineConfig, layout) -> int:
     """Peak bytes a forward of ``max_num_batched_tokens`` tokens allocates beyond what is resident.
 
-    The step is all padding (a throw-away one-block storage, no sequence rows): it runs every layer's
-    projections, MoE and kernels at full width, with entry columns sized for ``max_model_len``.
+    V4: the step is all padding (a throw-away one-block storage, no sequence rows): it runs every layer's
+    projections, MoE and kernels at full width, with entry columns sized for ``max_model_len``. V4.1: the
+    largest step its scheduler could plan (``profile_v41.py``: the most sequences, each at the longest length).
     """
-    sc = config.scheduler
-    scratch = KVStorage(layout, {p: 1 for p in POOLS}, config.dtype, config.device)
-    index = build_step_index(ForwardBatch(()), scratch, model.cfg.sliding_window, num_tokens=sc.max_num_batched_tokens,
-                             num_seqs=1, max_len=sc.max_model_len).to(config.device)
+    if isinstance(config.model, V41Config):
+        from deepinfer.engine.profile_v41 import run_largest_v41_step
+
+        return peak_bytes(lambda: run_largest_v41_step(model, config, layout))
+
+    def run() -> None:
+        sc = config.scheduler
+        scratch = KVStorage(layout, {p: 1 for p in POOLS}, config.dtype, config.device)
+        index = build_step_index(ForwardBatch(()), scratch, model.cfg.sliding_window,
+                                 num_tokens=sc.max_num_batched_tokens, num_seqs=1,
+                                 max_len=sc.max_model_len).to(config.device)
+        ids = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long, device=config.device)
+        streams = model(ids, None, scratch, index)
+        model.logits(streams[-sc.max_num_seqs:])
+
+    return peak_bytes(run)
+
+
+def peak_bytes(run) -> int:
+    """Peak bytes ``run()`` allocates on the current CUDA device beyond what was allocated before it; what it
+    made is freed when it returns."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ids = torch.zeros(sc.max_num_batched_tokens, dtype=torch.long, device=config.device)
-    streams = model(ids, None, scratch, index)
-    model.logits(streams[-sc.max_num_seqs:])
+    run()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    del scratch, index, ids, streams
     torch.cuda.empty_cache()
     return peak
 

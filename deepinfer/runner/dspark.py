@@ -22,12 +22,18 @@ sequence whose work has ``num_proposals``. What differs is where the drafter's s
     ``DEEPINFER_ENABLE_MTP_VARLEN=1``, the prefix whose confidence-head survival stays above the threshold
     (``model/v41/speculative.verify_length``, possibly none).
 
-This is the CPU reference path, like V4.1's step: one block per sequence, and the accepted counts and
-drawn tokens are read to the host once per step to place each block (the GPU path would move positions by
-the accepted counts on the device, as the MTP chain does).
+Two paths draft the same blocks. The CPU reference (the plain model's step) drafts one block per sequence
+with ``DSpark.draft``, reading the accepted counts and drawn tokens to the host once per step to place each
+block. The device build (``PagedV41.key_lists``) drafts every proposer's block at once from device values
+(``dspark_lists.draft_lists``): the base position and anchor token move by the accepted counts on the device,
+each block's W context slots are looked up there, and the verify length is counted there
+(``verify_lengths``), so proposing reads nothing back, as V4's MTP chain does not; the drafts reach the host
+with the step's emitted tokens in its one packed copy (``Readback``).
 """
 
 from __future__ import annotations
+
+from itertools import chain
 
 import numpy as np
 import torch
@@ -37,9 +43,11 @@ from deepinfer.kv.storage import KVStorage
 from deepinfer.model.step_index import StepIndex
 from deepinfer.model.v41.cache_rows import load_rows
 from deepinfer.model.v41.paged import PagedV41
-from deepinfer.model.v41.speculative import verify_length
+from deepinfer.model.v41.dspark_lists import draft_lists
+from deepinfer.model.v41.speculative import verify_length, verify_lengths
 from deepinfer.ops.ref.step_rows import lookup
 from deepinfer.runner.input_batch import InputBatch
+from deepinfer.runner.transfer import to_device
 from deepinfer.sampling.params import GREEDY_TEMPERATURE_EPS
 from deepinfer.sampling.rng import SALT_TARGET, gumbel_noise
 from deepinfer.sched.plan import SeqWork
@@ -71,6 +79,8 @@ class DSparkDrafter:
         props = [(d, i, w) for d, (i, w) in enumerate(drawing) if w.num_proposals]
         if not props:
             return None
+        if self.model.key_lists:
+            return self._propose_lists(index, props, firsts, slots, tokens, kept)
         dev = tokens.device
         d_idx = torch.tensor([d for d, _, _ in props], dtype=torch.int64, device=dev)
         accepted_kept = kept[d_idx] if kept is not None else torch.tensor(
@@ -89,6 +99,35 @@ class DSparkDrafter:
             n = verify_length(block.confidence, w.num_proposals, self.varlen)
             out[j, :n] = block.tokens[:n]
         return out
+
+    def _propose_lists(self, index: StepIndex, props: list[tuple[int, int, SeqWork]], firsts: np.ndarray,
+                       slots: list[int], tokens: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        """``propose`` of the device build: every proposer's block at once, nothing read back."""
+        m, dev = len(props), tokens.device
+        counts = np.fromiter((w.num_proposals for _, _, w in props), dtype=np.int64, count=m)
+        # One upload: [drawing index | table row | first draw's row | newest row's position before the accepted
+        # draws (p = that + emitted) | slot | draws | proposals].
+        host = np.concatenate([np.fromiter(chain.from_iterable(
+            (d, i, firsts[d], w.first_pos + w.num_tokens - w.num_samples - 1, slots[i], w.num_samples)
+            for d, i, w in props), dtype=np.int64, count=6 * m).reshape(m, 6).T.ravel(), counts])
+        d_idx, seq, first_draw, before, slot, draws, num = to_device(host, torch.int64, dev).view(7, m)
+        emitted = kept[d_idx] if kept is not None else draws
+        p = before + emitted  # the newest token's row
+        pos = p.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)
+        rows = lookup(index.window_table, seq, pos, index.block_size)
+        if dev.type == "cpu" and bool(((pos >= 0) & (rows < 0)).any()):  # a device trusts the manager (paged.py)
+            raise IndexError("dspark context: a needed cache block was released or is missing")
+        flat = rows.clamp_min(0).flatten()
+        context = [load_rows(self.storage, dspark_key(s), "window_kv", flat) for s in range(len(self.model.model.mtp))]
+        temperature, seeds = self.batch.draft_params(slot)
+        sampled = any(self.batch.sampling[slots[i]].temperature >= GREEDY_TEMPERATURE_EPS for _, i, _ in props)
+        mm = self.model.model
+        block = draft_lists(mm.mtp, mm.embed, mm.head, context, rows >= 0, p, tokens[first_draw + emitted - 1],
+                            mm.cache_qdq, temperature, seeds, sampled)
+        width = int(counts.max())
+        n = verify_lengths(block.confidence[:, :width], num, self.varlen)
+        cols = torch.arange(width, device=dev)
+        return torch.where(cols < n.unsqueeze(1), block.tokens[:, :width], -1)
 
     def _context(self, index: StepIndex, seq: int, p: int) -> list[torch.Tensor]:
         """Each stage's context rows of positions (p - W, p] of the step's sequence ``seq``."""

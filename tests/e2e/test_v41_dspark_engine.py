@@ -80,8 +80,9 @@ class DraftCheck:
     replaced by its reference continuation (with an error at a random draft, or none)."""
 
     def __init__(self, engine: LLMEngine, plain, k: int, varlen: bool, reference: dict, plant: float,
-                 seed: int) -> None:
+                 seed: int, device: str = "cpu") -> None:
         self.plain, self.k, self.varlen, self.reference, self.plant = plain, k, varlen, reference, plant
+        self.device = device  # the plain model's
         self.rng = random.Random(seed)
         self.checked = self.full = 0
         self.drew: set[str] = set()  # the sequences the last step drew for: their drafts are fresh
@@ -108,14 +109,15 @@ class DraftCheck:
 
     def _check(self, seq) -> None:
         ids = list(seq.token_ids)
+        dev = self.device
         cache = self.plain.new_cache()
-        self.plain(torch.tensor(ids[:-1]), cache)
+        self.plain(torch.tensor(ids[:-1], device=dev), cache)
         kw = {}
         if seq.params.temperature > 0:  # the target's seeded noise at the drafted positions
             block = self.plain.cfg.dspark.block_size
-            drafted = torch.arange(len(ids), len(ids) + block)  # positions of the drafts' tokens
+            drafted = torch.arange(len(ids), len(ids) + block, device=dev)  # positions of the drafts' tokens
             kw = dict(temperature=seq.params.temperature,
-                      noise=gumbel_noise(torch.full((block,), seq.seed), drafted, VOCAB, SALT_TARGET))
+                      noise=gumbel_noise(torch.full((block,), seq.seed, device=dev), drafted, VOCAB, SALT_TARGET))
         block = self.plain.propose(ids[-1], cache, **kw)
         want = verify_length(block.confidence, self.k, self.varlen)
         got = seq.drafts

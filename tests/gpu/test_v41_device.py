@@ -15,6 +15,8 @@ sequence, in a cache too small for all of them (preemption and recomputation), t
   * the step's forward launches without a host sync (``torch.cuda.set_sync_debug_mode("error")``): the step's
     per-sequence layout comes from the runner's host values (``StepIndex.host``), not from the device.
   * the fused experts against the plain per-expert loop on the same FP4 weights (float32, a stated bound).
+  * without a cache size the engine sizes its cache from ``gpu_memory_utilization`` (the largest step profiled)
+    and generates the plain model's tokens.
 
 With ``TRITON_INTERPRET=1`` the float32 engine test and the experts test run on the CPU (the engine's CPU run
 given the device build, with the reference op table), on fewer prompts.
@@ -179,6 +181,35 @@ def test_step_forward_has_no_host_sync(checkpoint, device, monkeypatch) -> None:
     prompts = _prompts(5)
     got = drain(engine, {0: [(f"r{i}", p) for i, p in enumerate(prompts[:6])]}, GREEDY)
     assert len(got) == 6
+
+
+def test_engine_sized_from_gpu_memory_utilization_starts_and_generates(checkpoint, device, monkeypatch) -> None:
+    """No num_cache_blocks / cache_memory_gb: the cache is what ``gpu_memory_utilization`` leaves after what is
+    resident and the profiled peak of the largest step (``engine/profile_v41.py``); the engine then runs as one
+    sized by hand (float32 tokens equal the plain model's). The utilization leaves ~4 GiB above what the device
+    holds now, so the test does not take the device."""
+    if device != "cuda":
+        pytest.skip("the profile reads CUDA's allocator (tests/unit/test_v41_sizing.py runs its step on the CPU)")
+    from deepinfer.engine import sizing
+
+    peaks = []
+    profile = sizing.profile_activation_bytes
+
+    def recorded(*args):
+        peaks.append(profile(*args))
+        return peaks[-1]
+
+    monkeypatch.setattr(sizing, "profile_activation_bytes", recorded)
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(0.9, (total - free + (4 << 30)) / total)
+    engine = _engine(checkpoint, device, monkeypatch, num_cache_blocks=None, gpu_memory_utilization=utilization)
+    assert len(peaks) == 1 and peaks[0] > 0
+    assert engine.facts.num_blocks["history"] >= 8  # every prompt fits at once (no preemption needed)
+    prompts = _prompts(5)[:6]
+    got = drain(engine, {0: [(f"r{i}", p) for i, p in enumerate(prompts)]}, GREEDY)
+    plain = _plain(checkpoint, device, torch.float32)
+    for i, ids in enumerate(prompts):
+        assert got[f"r{i}"] == plain.greedy(torch.tensor(ids, device=device), MAX_TOKENS), f"prompt {i}"
 
 
 @pytest.mark.interpret_ok

@@ -25,6 +25,7 @@ that the drafts before it were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ from deepinfer.config.v41 import V41Config, V41LayerRole
 from deepinfer.model.linear import Embedding, Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.v41 import mhc
-from deepinfer.model.v41.attention import Attention
+from deepinfer.model.v41.attention import Attention, attend_lists
 from deepinfer.model.v41.cache import LayerCache, write_rows
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.moe import MoE
@@ -77,6 +78,15 @@ class DSparkAttention(Attention):
         keys = torch.cat((context.to(x.dtype), self.kv_rows(x, ang, cache_qdq)))
         allowed = torch.ones(x.shape[0], keys.shape[0], dtype=torch.bool, device=x.device)
         return self._output(self._attend(q, keys, allowed), ang)
+
+    def block_lists(self, x: torch.Tensor, ang: torch.Tensor, context: torch.Tensor, key_ids: torch.Tensor,
+                    cache_qdq: bool) -> torch.Tensor:
+        """``block`` for many blocks at once: their rows x [m B, H] at angles ``ang``, ``context`` [R, D] the
+        blocks' context rows, ``key_ids`` [m B, W + B] each row's keys as rows of ``context`` followed by the
+        blocks' own KV rows (R + j B + b: block j's row b; -1: none) -> [m B, H]."""
+        q = apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (self.heads, self.head_dim)), ang)
+        keys = torch.cat((context.to(x.dtype), self.kv_rows(x, ang, cache_qdq)))
+        return self._output(attend_lists(q, self.attn_sink, keys, key_ids), ang)
 
 
 class MarkovHead(nn.Module):
@@ -136,8 +146,14 @@ class DSparkStage(nn.Module):
     def forward(self, streams: torch.Tensor, pre_in: torch.Tensor, ang: torch.Tensor, context: torch.Tensor,
                 cache_qdq: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The backbone's block step (model.Block) with the block attention and no Engram."""
+        return self.run(streams, pre_in, lambda h: self.attn.block(h, ang, context, cache_qdq))
+
+    def run(self, streams: torch.Tensor, pre_in: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with the attention given as ``attend`` (normed rows [T, H] -> [T, H]): one block's
+        (``DSparkAttention.block``) or many blocks' at once (``block_lists``, ``dspark_lists.py``)."""
         attn_mix = self._mix("attn", streams)
-        out = self.attn.block(self.attn_norm(mhc.collapse(streams, pre_in)), ang, context, cache_qdq)
+        out = attend(self.attn_norm(mhc.collapse(streams, pre_in)))
         streams = mhc.expand(out, streams, attn_mix)
         ffn_mix = self._mix("ffn", streams)
         text = torch.zeros(streams.shape[0], dtype=torch.bool, device=streams.device)

@@ -64,6 +64,17 @@ def verify_length(confidence: torch.Tensor, num_tokens: int, varlen: bool, min_r
     return int((survival >= min_reach).sum())
 
 
+def verify_lengths(confidence: torch.Tensor, num_tokens: torch.Tensor, varlen: bool,
+                   min_reach: float = MIN_REACH) -> torch.Tensor:
+    """``verify_length`` of many blocks on the device: confidence [m, B], num_tokens [m] int64 (1 .. B) ->
+    [m] int64, the same count per block (the survival of its first k drafts, in the same float64 order)."""
+    if not varlen:
+        return num_tokens
+    survival = torch.cumprod(confidence.double(), dim=1)
+    cols = torch.arange(confidence.shape[1], device=confidence.device)
+    return ((survival >= min_reach) & (cols < num_tokens.unsqueeze(1))).sum(dim=1)
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeRun:
     tokens: list[int]
