@@ -41,7 +41,8 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.progress import abort, build_output, finish
 from deepinfer.executor.eplb import EplbDriver
 from deepinfer.executor.launch import follow, node_worlds, spawn_ranks
-from deepinfer.executor.messages import CollectContextHistory, ContextHistory, Ready, RunStep, Shutdown
+from deepinfer.executor.messages import (ClearExpertLoad, CollectContextHistory, ContextHistory, Ready, RunStep,
+                                         Shutdown)
 from deepinfer.executor.rank import RankWorker, rank_main
 from deepinfer.executor.remote_tiers import RemoteTiers
 from deepinfer.executor.tier_messages import CloseTiers, CollectTierStats, TierReply, TierWork
@@ -135,12 +136,15 @@ class ParallelLLMEngine(LLMEngine):
         self.build_output = build_output  # as LLMEngine.build_output (the server's core installs deltas)
         self._owner: dict[str, int] = {}  # request id -> DP rank
         self._closed = False
-        self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
+        self.eplb = None  # set after the warm-up: its steps neither count towards a rebalance nor trigger one
         self.context_parallel_chunks = 0  # prefill chunks run split over a CP group
         atexit.register(self.close)
         if config.warm_up:
             warm_up(self)
             self.context_parallel_chunks = 0  # the warm-up's are not served chunks
+            if config.eplb is not None:
+                self._ask(ClearExpertLoad())  # nor do its expert loads count towards the first placement
+        self.eplb = EplbDriver(config.eplb) if config.eplb is not None else None
 
     def _ask(self, order) -> list:
         """Every rank carries out ``order`` (between steps); their replies in rank order."""

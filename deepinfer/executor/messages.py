@@ -61,6 +61,12 @@ class CollectExpertLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class ClearExpertLoad:
+    """Between steps: every rank reports its expert load counters, then zeroes them (after the start-up
+    warm-up, whose prompts are not traffic the placement should follow)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ExpertLoad:
     """A rank's counts, per MoE layer: (token, expert) pairs per logical expert over the window, and pairs
     sent to each physical slot since the placement was last set."""
@@ -106,6 +112,6 @@ class Shutdown:
     pass
 
 
-MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, CollectContextHistory,
+MESSAGES = (Ready, RunStep, StepDone, CollectExpertLoad, ClearExpertLoad, ExpertLoad, MoveExperts, ExpertsMoved, CollectContextHistory,
             ContextHistory, Shutdown)
 MESSAGES += TIER_MESSAGES  # the cache tiers' orders and replies (tier_messages.py)

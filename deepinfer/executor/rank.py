@@ -20,8 +20,8 @@ from deepinfer.distributed.world import WorldEnv, close_world, init_world
 from deepinfer.engine.llm_engine import load_v41_step
 from deepinfer.engine.sizing import build_cache
 from deepinfer.executor.channel import Channel
-from deepinfer.executor.messages import (CollectContextHistory, CollectExpertLoad, ContextHistory, ExpertLoad,
-                                         ExpertsMoved, MoveExperts, Ready, RunStep, Shutdown, StepDone)
+from deepinfer.executor.messages import (ClearExpertLoad, CollectContextHistory, CollectExpertLoad, ContextHistory,
+                                         ExpertLoad, ExpertsMoved, MoveExperts, Ready, RunStep, Shutdown, StepDone)
 from deepinfer.executor.rank_tiers import RankTiers
 from deepinfer.executor.tier_messages import TIER_ORDERS
 from deepinfer.kv.block_budget import cdiv
@@ -87,8 +87,10 @@ class RankWorker:
         """Carry out one order of the engine; returns this rank's reply."""
         if isinstance(order, RunStep):
             return self.run(order)
-        if isinstance(order, CollectExpertLoad):
+        if isinstance(order, (CollectExpertLoad, ClearExpertLoad)):
             window, slots = self.balancer.report()
+            if isinstance(order, ClearExpertLoad):
+                self.balancer.clear()
             return ExpertLoad(self.pctx.rank, tuple(map(tuple, window)), tuple(map(tuple, slots)))
         if isinstance(order, MoveExperts):
             self.balancer.apply(order.placements)

@@ -17,6 +17,7 @@ import torch
 from deepinfer.assets import demo_model_dir
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.executor.engine import ParallelLLMEngine
+from deepinfer.executor.messages import CollectExpertLoad
 from deepinfer.sampling import SamplingParams
 from deepinfer.testing.make_checkpoint import PRESETS, write_random_checkpoint
 from deepinfer.testing.skewed_router import skew_router
@@ -52,13 +53,18 @@ def _drain(engine: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
-def test_eplb_engine_equals_single_process(args, caplog) -> None:
+@pytest.fixture(scope="module")
+def want(args) -> dict[str, list[int]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of the world (tiny GEMMs: threads only contend)
     try:
-        want = _drain(LLMEngine.from_engine_args(**args))
+        return _drain(LLMEngine.from_engine_args(**args))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_eplb_engine_equals_single_process(args, want, caplog) -> None:
+    threads = torch.get_num_threads()
     engine = LLMEngine.from_engine_args(**args, data_parallel_size=2, enable_expert_parallel=True, **EPLB)
     try:
         assert isinstance(engine, ParallelLLMEngine)
@@ -73,3 +79,25 @@ def test_eplb_engine_equals_single_process(args, caplog) -> None:
     assert history[0].measured < 0.75 < history[1].measured  # flatter measured load once re-placed
     assert history[0].expected_after > history[0].expected_before
     assert sum("EPLB at step" in r.getMessage() for r in caplog.records) == len(history)
+
+
+def test_the_warm_up_leaves_no_expert_load_and_no_rebalance(args, want) -> None:
+    """The start-up warm-up's prompts are not traffic: after it every rank's load counters are zero, no
+    rebalance has run (the interval is 2 steps, the warm-up runs more) and the step count starts at 0; the
+    engine then draws the single-process tokens and rebalances on its own traffic."""
+    threads = torch.get_num_threads()
+    engine = LLMEngine.from_engine_args(**args, data_parallel_size=2, enable_expert_parallel=True, warm_up=True,
+                                        **EPLB)
+    try:
+        reports = engine._ask(CollectExpertLoad())
+        assert len(reports) == 2
+        assert all(sum(map(sum, r.window)) == 0 and sum(map(sum, r.slots)) == 0 for r in reports)
+        assert engine.eplb.steps == 0 and engine.eplb.history == []
+        got = _drain(engine)
+        reports = engine._ask(CollectExpertLoad())
+        history = engine.eplb.history
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    assert got == want
+    assert sum(sum(map(sum, r.window)) for r in reports) > 0 and len(history) >= 3

@@ -125,6 +125,9 @@ class ExpertBalancer:
         placement), this rank's counts."""
         return self.window.window_loads(), self.window.slot_loads()
 
+    def clear(self) -> None:
+        self.window.clear()
+
     def apply(self, placements: tuple[ExpertPlacement, ...]) -> None:
         if len(placements) != len(self.layers):
             raise ValueError(f"expert load balancing: {len(placements)} placements for {len(self.layers)} layers")

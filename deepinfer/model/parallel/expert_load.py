@@ -44,3 +44,9 @@ class ExpertLoadWindow:
 
     def placement_changed(self) -> None:
         self.physical.zero_()
+
+    def clear(self) -> None:
+        """Forget every count (the window starts again at its first row)."""
+        self.logical.zero_()
+        self.physical.zero_()
+        self.cursor = 0
