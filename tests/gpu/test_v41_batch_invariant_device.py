@@ -18,14 +18,13 @@ import random
 import pytest
 import torch
 
-from deepinfer import LLMEngine, SamplingParams
+from deepinfer import LLMEngine
 from tests.e2e.test_batch_invariant import _alone, _drain
+from tests.e2e.test_v41_batch_invariant import VOCAB, _params, _requests
 from tests.e2e.v41_tiny import write_tiny_v41
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-VOCAB = 4096  # the demo tokenizer's
-MAX_TOKENS = 8
 # Each token runs as a step of its own in the mode (prefill at decode speed, ~800 eager launches a layer): the
 # CPU analogue's three prompts (the longest crosses a block), with a cache of 2 blocks preempting.
 LENGTHS = [1, 20, 131]
@@ -55,18 +54,6 @@ def _engine(path, dtype: str, invariant: bool = True, **kw) -> LLMEngine:
 def _prompts(seed: int = 3, lengths: list[int] = LENGTHS) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
-
-
-def _params(i: int) -> SamplingParams:
-    if i % 2:
-        return SamplingParams(temperature=0.9, top_p=0.9, seed=1000 + i, max_tokens=MAX_TOKENS, logprobs=2,
-                              ignore_eos=True)
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True)
-
-
-def _requests(prompts, order=None) -> list:
-    order = range(len(prompts)) if order is None else order
-    return [(str(i), prompts[i], _params(i)) for i in order]
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
