@@ -257,7 +257,7 @@ def cmd_info(a: argparse.Namespace) -> int:
             max_model_len=a.max_model_len or min(max_position_embeddings, 8192),
             max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
             gpu_memory_utilization=a.gpu_memory_utilization, context_parallel_size=a.context_parallel_size,
-            context_parallel_min_tokens=a.context_parallel_min_tokens)
+            context_parallel_min_tokens=a.context_parallel_min_tokens, ranks_share_device=a.ranks_share_device)
 
     if is_v41_config(read_config_json(model_dir)):  # DeepSeek-V4.1: its layer plan, cache and memory plan
         from deepinfer.config.v41 import V41Config
@@ -331,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per sequence")
     i.add_argument("--block-size", type=int, default=256, help="cache block size in tokens")
     i.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory to use")
+    i.add_argument("--ranks-share-device", action="store_true",
+                   help="plan every rank on one device, each with 1/ranks of it (as the engine's flag runs them)")
     i.add_argument("--device-memory-gib", type=float, default=None,
                    help="memory of one device (default: the visible CUDA device, else an H200's 140 GiB)")
     i.set_defaults(func=cmd_info)

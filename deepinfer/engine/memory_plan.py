@@ -60,6 +60,8 @@ class Deployment:
     gpu_memory_utilization: float = 0.9
     context_parallel_size: int = 1
     context_parallel_min_tokens: int = 1024
+    # Every rank on one device (``LaunchConfig.ranks_share_device``): each rank plans 1/world of it.
+    ranks_share_device: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs", "max_model_len",
@@ -77,6 +79,14 @@ class Deployment:
         return self.tensor_parallel_size * self.data_parallel_size
 
     @property
+    def ranks_per_device(self) -> int:
+        return self.world_size if self.ranks_share_device else 1
+
+    @property
+    def devices(self) -> int:
+        return 1 if self.ranks_share_device else self.world_size
+
+    @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
                               self.context_parallel_size, self.context_parallel_min_tokens)
@@ -86,6 +96,7 @@ class Deployment:
 class MemoryPlan:
     deployment: Deployment
     device_bytes: int  # memory of one device
+    # The figures below are one rank's: per device, or per rank when the ranks share one device.
     weight_bytes: int  # per device (the largest share when experts do not divide evenly)
     expert_bytes: int  # of weight_bytes: routed experts
     activation_bytes: int  # per device, estimated
@@ -100,10 +111,11 @@ class MemoryPlan:
         d = self.deployment
         return {
             "tensor_parallel_size": d.tensor_parallel_size, "data_parallel_size": d.data_parallel_size,
-            "enable_expert_parallel": d.enable_expert_parallel, "devices": d.world_size,
-            "per_device_gib": {
+            "enable_expert_parallel": d.enable_expert_parallel, "devices": d.devices,
+            **({"ranks_share_device": True} if d.ranks_share_device else {}),
+            "per_rank_gib" if d.ranks_share_device else "per_device_gib": {
                 "device": round(self.device_bytes / GIB, 2),
-                "usable": round(self.device_bytes * d.gpu_memory_utilization / GIB, 2),
+                "usable": round(self.device_bytes * d.gpu_memory_utilization / d.ranks_per_device / GIB, 2),
                 "weights": round(self.weight_bytes / GIB, 2),
                 "of_which_routed_experts": round(self.expert_bytes / GIB, 2),
                 "activations_estimate": round(self.activation_bytes / GIB, 2),
@@ -115,6 +127,11 @@ class MemoryPlan:
             "fits": self.fits,
             **({"reason": self.reason} if self.reason else {}),
         }
+
+
+# What to change when ranks sharing one device do not fit it (more ranks only divide it further).
+SHARED_DEVICE_HINT = ("fewer layers (--hf-overrides '{\"num_hidden_layers\": N}' with --load-format dummy), a lower "
+                      "--max-model-len or --max-num-batched-tokens, or fewer ranks")
 
 
 def device_memory_bytes() -> int:
@@ -216,14 +233,18 @@ def fit(d: Deployment, device_bytes: int, weights: int, experts: int, acts: int,
         cache_dtype_bytes: int, *, spec_slack: int = 0, cp: ContextParallelPlan | None = None) -> MemoryPlan:
     """The fit check of one device holding ``weights`` and ``acts`` bytes: what is left of
     ``gpu_memory_utilization`` after them and the reserve goes to the cache pools of ``layout``, split as the
-    engine splits a budget (``blocks_for_budget``); it must hold one ``max_model_len`` sequence."""
-    usable = int(device_bytes * d.gpu_memory_utilization)
+    engine splits a budget (``blocks_for_budget``); it must hold one ``max_model_len`` sequence. Ranks sharing
+    the device (``ranks_share_device``) each get 1/world of ``gpu_memory_utilization``, as the engine sizes
+    them (``engine/sizing.py``), and each holds its own reserve (a CUDA context per process)."""
+    n = d.ranks_per_device
+    usable = int(device_bytes * d.gpu_memory_utilization / n)
     cache = usable - weights - acts - RESERVED_BYTES
     reason, tokens = "", 0
     if cache <= 0:
+        whose = "device" if n == 1 else f"rank ({n} ranks share the device)"
         reason = (f"weights {weights / GIB:.1f} GiB + activations ~{acts / GIB:.1f} GiB + reserved "
-                  f"{RESERVED_BYTES / GIB:.0f} GiB per device exceed {usable / GIB:.1f} GiB usable "
-                  f"({d.gpu_memory_utilization} of {device_bytes / GIB:.1f} GiB)")
+                  f"{RESERVED_BYTES / GIB:.0f} GiB per {whose} exceed {usable / GIB:.1f} GiB usable "
+                  f"({d.gpu_memory_utilization}{'' if n == 1 else f' / {n}'} of {device_bytes / GIB:.1f} GiB)")
     else:
         try:
             counts = blocks_for_budget(layout, cache, cache_dtype_bytes, d.max_num_seqs, d.max_model_len,
@@ -258,7 +279,9 @@ def describe(cfg: ModelConfig, d: Deployment, device_bytes: int,
     specs = specs if specs is not None else parameter_specs(cfg)
     p = plan(cfg, d, device_bytes, specs=specs)
     out = p.as_dict()
-    if not p.fits:
+    if not p.fits and d.ranks_share_device:
+        out["suggestion"] = SHARED_DEVICE_HINT
+    elif not p.fits:
         alt = smallest_fitting(cfg, d, device_bytes, specs=specs)
         out["suggestion"] = (
             f"--tensor-parallel-size {alt.tensor_parallel_size} --data-parallel-size {alt.data_parallel_size}"

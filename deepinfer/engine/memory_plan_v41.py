@@ -133,6 +133,9 @@ def bytes_per_token(layout: CacheLayout) -> dict[str, float]:
 
 def unsupported(d: Deployment) -> str:
     """Why the engine cannot run V4.1 as ``d`` asks ("" when it can)."""
+    if d.ranks_share_device and d.world_size > 1:  # check_v41_ranks: several ranks run on the CPU only
+        return ("ranks_share_device: DeepSeek-V4.1 on several ranks runs on the CPU so far (its device experts are "
+                "not split over ranks); allowed: one rank")
     try:
         check_v41_parallel(tensor_parallel_size=d.tensor_parallel_size, data_parallel_size=d.data_parallel_size,
                            context_parallel_size=d.context_parallel_size)
@@ -260,9 +263,9 @@ def describe_v41(cfg: V41Config, d: Deployment, device_bytes: int, specs: Specs 
     out["cache_positions_kept_per_sequence"] = {WINDOW: layout.tail(WINDOW) + 1, STATE: layout.tail(STATE) + 1}
     if cfg.num_nextn_predict_layers > 0:
         out["dspark"] = _dspark_dict(cfg, d, device_bytes, specs)
-    out["note"] = ("per device as one device holding the checkpoint's formats needs it; the engine runs V4.1 on "
-                   "its CPU reference path so far (device cuda is refused), which dequantizes the weights as it "
-                   "reads them: weights_dequantized_gib at dtype bfloat16")
+    out["note"] = ("per device as one device holding the checkpoint's formats needs it (device cuda: the device "
+                   "build keeps them); the CPU reference path dequantizes the weights as it reads them: "
+                   "weights_dequantized_gib at dtype bfloat16")
     if d.world_size > 1:
         out["note"] += ("; several ranks run on device cpu only so far (V4.1's device experts are not split over "
                         "ranks)")

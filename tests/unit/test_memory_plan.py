@@ -181,3 +181,28 @@ def test_cli_prints_the_context_parallel_plan(capsys) -> None:
                  "--context-parallel-min-tokens", "256", "--max-num-batched-tokens", "1024"]) == 0
     cp = json.loads(capsys.readouterr().out)["memory_plan"]["context_parallel"]
     assert (cp["context_parallel_size"], cp["min_chunk_tokens"], cp["share_tokens_per_rank"]) == (2, 256, 512)
+
+
+def test_ranks_sharing_one_device_each_plan_a_share_of_it(capsys) -> None:
+    """``ranks_share_device``: the world's ranks on one device, each with 1/world of ``gpu_memory_utilization``
+    (as ``engine/sizing.py`` sizes them) and its own reserve; the same weights per rank as on devices of their
+    own. V4-Flash on one H200 does not fit that way, and more devices are not the suggestion."""
+    from deepinfer.cli import main
+    from deepinfer.engine.memory_plan import SHARED_DEVICE_HINT
+
+    cfg = ModelConfig.from_model_dir(demo_model_dir())
+    spread = Deployment(data_parallel_size=2, enable_expert_parallel=True)
+    shared = dataclasses.replace(spread, ranks_share_device=True)
+    a, b = plan(cfg, spread, H200), plan(cfg, shared, H200)
+    assert a.weight_bytes == b.weight_bytes and a.activation_bytes == b.activation_bytes
+    assert a.cache_bytes - b.cache_bytes == int(H200 * 0.9) - int(H200 * 0.9 / 2)
+    assert b.fits and 0 < b.cache_tokens < a.cache_tokens
+    assert b.as_dict()["devices"] == 1 and b.as_dict()["per_rank_gib"]["usable"] == 63.0
+    flash = ModelConfig.from_model_dir(shapes_dir("v4-flash"))
+    out = describe(flash, dataclasses.replace(shared, data_parallel_size=4), H200)
+    assert not out["fits"] and "per rank (4 ranks share the device)" in out["reason"]
+    assert out["suggestion"] == SHARED_DEVICE_HINT
+    assert main(["info", "--device-memory-gib", "140", "-dp", "2", "--enable-expert-parallel",
+                 "--ranks-share-device"]) == 0
+    plan_out = json.loads(capsys.readouterr().out)["memory_plan"]
+    assert plan_out["ranks_share_device"] and plan_out["per_rank_gib"]["usable"] == 63.0
