@@ -1,4 +1,4 @@
-"""The ``deepinfer`` command: ``generate``, ``chat``, ``serve``, ``info``, ``eval``, ``bench serve``.
+"""The ``deepinfer`` command: ``generate``, ``chat``, ``serve``, ``info``, ``eval``, ``bench serve``, ``router``.
 
     deepinfer generate "def fibonacci(n):" --max-tokens 64 --temperature 0
     deepinfer chat --thinking
@@ -342,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.benchmarks.options import add_bench_parser
 
     add_bench_parser(sub).set_defaults(func=cmd_bench_serve)  # deepinfer bench serve: a serving benchmark client
+    from deepinfer.router.cli import add_router_parser
+
+    add_router_parser(sub)  # deepinfer router: one endpoint in front of several replicas
     return p
 
 

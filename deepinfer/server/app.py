@@ -31,7 +31,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from deepinfer.assets import demo_model_dir
-from deepinfer.chat import chat_prompt
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.server.async_engine import AsyncEngine, EngineClosed, RequestStream
@@ -41,7 +40,7 @@ from deepinfer.server.completions import CompletionBuilder
 from deepinfer.server.errors import (ApiError, api_error_handler, bad_request, error_body, http_error_handler,
                                      internal_error_handler, not_found_model, parse_body, read_body)
 from deepinfer.server.metrics import RequestCounterMiddleware, ServerMetrics
-from deepinfer.server.prompts import check_context, resolve_completion_prompts
+from deepinfer.server.prompts import check_context, render_chat, resolve_completion_prompts
 from deepinfer.server.protocol import ChatBuilder, ChatCompletionRequest, CompletionRequest
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -199,12 +198,6 @@ async def _finals(request: Request, stream: RequestStream) -> list[RequestOutput
         stream.close()  # client gone (or any error): abort and free the cache now
 
 
-def _render_chat(req: ChatCompletionRequest, tokenizer, thinking: bool) -> dict[str, Any]:
-    """DeepSeek-V4 prompt text and ids (as llm.py: the text carries BOS, so no special tokens are added)."""
-    return chat_prompt(tokenizer, req.messages, thinking=thinking, tools=req.active_tools(),
-                       reasoning_effort=req.effort(), response_format=req.schema())
-
-
 def build_app(engine: LLMEngine | EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     state = ServerState(engine, served_model_name or default_model_name(engine), api_key or None,
@@ -255,7 +248,7 @@ def build_app(engine: LLMEngine | EngineClient, *, served_model_name: str | None
         state.check_model(req.model)
         thinking, params = req.thinking(), req.sampling_params()
         try:  # rendering and tokenizing a long conversation is CPU work: keep it off the event loop
-            prompt = await asyncio.to_thread(_render_chat, req, state.tokenizer, thinking)
+            prompt = await asyncio.to_thread(render_chat, req, state.tokenizer, thinking)
         except ValueError as e:
             raise bad_request(e) from None
         limit, limit_name = req.completion_limit()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.chat import chat_prompt
 from deepinfer.server.errors import ApiError
 from deepinfer.tokenizer import Tokenizer
 
@@ -41,6 +42,13 @@ class ResolvedPrompt:
     engine_prompt: dict[str, Any]  # {"prompt": text or None, "prompt_token_ids": ids}: add_request's input
     num_tokens: int
     echo: PromptEcho | None = None
+
+
+def render_chat(req, tokenizer: Tokenizer, thinking: bool) -> dict[str, Any]:
+    """A ``ChatCompletionRequest``'s DeepSeek-V4 prompt text and ids (as llm.py: the text carries BOS, so no
+    special tokens are added). The server's, and the router's to key a chat by the ids the replica will see."""
+    return chat_prompt(tokenizer, req.messages, thinking=thinking, tools=req.active_tools(),
+                       reasoning_effort=req.effort(), response_format=req.schema())
 
 
 def resolve_completion_prompts(prompts: Sequence[str | list[int]], tokenizer: Tokenizer, vocab_size: int, *,
