@@ -76,6 +76,7 @@ from deepinfer.ops.ref import compress_emit as ref_emit
 from deepinfer.ops.ref import compress_state as ref_state
 from deepinfer.ops.ref import fp8_linear as ref_fp8
 from deepinfer.ops.ref import indexer_topk as ref_index
+from deepinfer.ops.ref import key_lists as ref_key_lists
 from deepinfer.ops.ref import linear as ref_linear
 from deepinfer.ops.ref import mhc as ref_mhc
 from deepinfer.ops.ref import mhc_v41 as ref_mhc_v41
@@ -83,6 +84,7 @@ from deepinfer.ops.ref import moe as ref_route
 from deepinfer.ops.ref import moe_experts as ref_moe
 from deepinfer.ops.ref import pointwise as ref_pointwise
 from deepinfer.ops.ref import rope_norm as ref_rn
+from deepinfer.ops.ref import rope_v41 as ref_rope_v41
 from deepinfer.ops.ref import sparse_attention as ref_attn
 from deepinfer.ops.ref import step_rows as ref_rows
 from deepinfer.ops.ref import swiglu as ref_swiglu
@@ -126,9 +128,21 @@ class OpTable:
     token_mask: Callable = ref_mask.token_mask
     # FP8 linear with 32x32-block scales (DeepSeek-V4.1's dense weights): x, weight, scale, pow2_scales -> y.
     fp8_linear_b32: Callable = partial(ref_fp8.fp8_linear, block=(32, 32))
+    # ... block-diagonal (V4.1's wo_a): x [G, M, K], weight [G*r, K], scale, pow2_scales -> [G, M, r].
+    fp8_linear_b32_grouped: Callable = ref_fp8.fp8_linear_b32_grouped
     # DeepSeek-V4.1's mHC coefficients from a site's logits: logits [T,(2+N)N] fp32, N, iters, eps -> (pre, post,
     # comb) fp32 (ops/ref/mhc_v41.py).
     v41_mix_finish: Callable = ref_mhc_v41.mix_finish
+    # ... a site's collapse (streams [T,N,H], pre [T,N] -> [T,H]) and expansion (out, streams, post, comb ->
+    # [T,N,H]), fp32 inside.
+    v41_collapse: Callable = ref_mhc_v41.collapse
+    v41_expand: Callable = ref_mhc_v41.expand
+    # DeepSeek-V4.1's RoPE from fp32 angles: values [T, (heads,) C], ang [T, R/2], inverse -> a new tensor
+    # (ops/ref/rope_v41.py).
+    v41_rope: Callable = ref_rope_v41.apply_rope
+    # DeepSeek-V4.1's attention core over key lists: q, sink, window, window_ids[, entries, entry_ids] -> out
+    # (ops/ref/key_lists.py).
+    v41_attend_lists: Callable = ref_key_lists.attend_lists
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
 
@@ -173,12 +187,14 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
     from deepinfer.ops.triton import fp8_linear as tri_fp8
     from deepinfer.ops.triton import fp8_linear_b32 as tri_fp8_b32
     from deepinfer.ops.triton import indexer_topk as tri_index
+    from deepinfer.ops.triton import key_lists as tri_lists
     from deepinfer.ops.triton import linear as tri_linear
     from deepinfer.ops.triton import mhc as tri_mhc
     from deepinfer.ops.triton import mhc_v41 as tri_mhc_v41
     from deepinfer.ops.triton import moe_experts as tri_moe
     from deepinfer.ops.triton import moe_route as tri_route
     from deepinfer.ops.triton import rope_norm as tri_rn
+    from deepinfer.ops.triton import rope_v41 as tri_rope_v41
     from deepinfer.ops.triton import sparse_attention as tri_attn
     from deepinfer.ops.triton import step_rows as tri_rows
     from deepinfer.ops.triton import swiglu as tri_swiglu
@@ -208,7 +224,10 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    moe_route=tri_route.moe_route, swiglu=tri_swiglu.swiglu,
                    fp4_expert_layout=tri_fp4.expert_layout, step_rows=tri_rows.step_rows,
                    linear=partial(tri_linear.linear, tuning=tuning), tuning=tuning, token_mask=tri_mask.token_mask,
-                   fp8_linear_b32=tri_fp8_b32.fp8_linear_b32, v41_mix_finish=tri_mhc_v41.mix_finish)
+                   fp8_linear_b32=tri_fp8_b32.fp8_linear_b32,
+                   fp8_linear_b32_grouped=tri_fp8_b32.fp8_linear_b32_grouped, v41_mix_finish=tri_mhc_v41.mix_finish,
+                   v41_collapse=tri_mhc_v41.collapse, v41_expand=tri_mhc_v41.expand,
+                   v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning))
     if not tuning.batch_invariant:
         return table
     # Batch-invariant (``tuning.invariant()``): the tuning already fixes the FP8 GEMMs' K segments and

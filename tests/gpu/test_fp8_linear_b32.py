@@ -76,3 +76,41 @@ def test_row_does_not_depend_on_the_other_rows(device) -> None:
     other = x.clone()
     other[:5] = torch.randn(5, 128, generator=torch.Generator().manual_seed(5)).to(device)
     assert torch.equal(fp8_linear_b32(x, w, s)[7], fp8_linear_b32(other, w, s)[7])
+
+
+def _check_grouped(g: int, m: int, r: int, k: int, dtype: torch.dtype, device: str, seed: int) -> None:
+    """One grouped launch = the G per-group launches bit for bit (the same tiles), and the reference's values."""
+    from deepinfer.ops.ref.fp8_linear import fp8_linear_b32_grouped as ref_grouped
+    from deepinfer.ops.triton.fp8_linear_b32 import fp8_linear_b32, fp8_linear_b32_grouped
+
+    w, s = _weights(g * r, k, seed, device)
+    x = torch.randn(g, m, k, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    out = fp8_linear_b32_grouped(x, w, s)
+    assert out.shape == (g, m, r) and out.dtype == dtype
+    for i in range(g):
+        one = fp8_linear_b32(x[i].contiguous(), w[i * r:(i + 1) * r], s[i * r // 32:(i + 1) * r // 32])
+        assert torch.equal(out[i], one), f"group {i}"
+    ref = ref_grouped(x.float(), w, s)
+    assert rel_err(out, ref) <= (1e-5 if dtype == torch.float32 else 2**-8)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g, m, r, k", [(2, 3, 64, 96), (4, 17, 32, 64)])
+def test_grouped_small(g, m, r, k, dtype, device) -> None:
+    _check_grouped(g, m, r, k, dtype, device, seed=g * 11 + m)
+
+
+@pytest.mark.parametrize("m", [1, 8, 128, 4096])
+def test_grouped_v41_flash_wo_a(m, device) -> None:
+    """V4.1-Flash's wo_a: 8 groups of 1024 outputs over 4096 inputs (64 heads x 512 / 8)."""
+    _check_grouped(8, m, 1024, 4096, torch.bfloat16, device, seed=m)
+
+
+@pytest.mark.interpret_ok
+def test_grouped_refuses_groups_that_straddle_scale_blocks(device) -> None:
+    from deepinfer.ops.triton.fp8_linear_b32 import fp8_linear_b32_grouped
+
+    w, s = _weights(96, 64, 0, device)
+    with pytest.raises(ValueError, match="^weight: 96 rows in 2 groups of a multiple of 32"):
+        fp8_linear_b32_grouped(torch.randn(2, 3, 64, device=device), w, s)

@@ -21,7 +21,8 @@ from deepinfer.model.v41.cache import LayerCache, write_rows
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.context import SharedKV, StepContext
 from deepinfer.model.v41.rope import angles as rope_angles
-from deepinfer.model.v41.rope import apply_rope
+from deepinfer.ops.ref.key_lists import attend_lists  # noqa: F401 (the paged step's reference core)
+from deepinfer.ops.table import REF, OpTable
 
 
 class Compressor(nn.Module):
@@ -66,6 +67,9 @@ class Indexer(nn.Module):
     """``attn.indexer.``: wq_b [heads * d, q_lora], weights_proj [heads, H]; KV sources also wk [d, D] and
     k_norm [d] (the index keys of their entries)."""
 
+    # The RoPE op (``ops.v41_rope``): the device build sets the device's table.
+    ops: OpTable = REF
+
     def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         role = cfg.role(layer)
@@ -80,14 +84,14 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.dim, cfg.rms_norm_eps)
 
     def keys(self, latent: torch.Tensor, ang: torch.Tensor, do_qdq: bool) -> torch.Tensor:
-        k = apply_rope(self.k_norm(self.wk(latent)), ang)
+        k = self.ops.v41_rope(self.k_norm(self.wk(latent)), ang)
         return qdq(k, "mxfp4") if do_qdq else k
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, cache_qdq: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [Q, H], qr [Q, q_lora] -> the rope'd index queries [Q, heads, d] (MXFP4-rounded with ``cache_qdq``)
         and the head weights [Q, heads]: row by row, so any batch of rows gives each row the same values."""
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.dim)), ang)
+        q = self.ops.v41_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.dim)), ang)
         w = self.weights_proj(x) * (self.dim ** -0.5 * self.heads ** -0.5)
         return qdq(q, "mxfp4") if cache_qdq else q, w
 
@@ -127,6 +131,10 @@ class Attention(nn.Module):
     """Checkpoint names under ``layers.N.attn.``: wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink,
     compressor.* (KV sources), indexer.* (index sources)."""
 
+    # The RoPE and key-list attention ops (``ops.v41_rope``, ``ops.v41_attend_lists``): the device build sets
+    # the device's table.
+    ops: OpTable = REF
+
     def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype, role: V41LayerRole | None = None) -> None:
         """``role``: what the layer owns (default: the schedule's ``cfg.role(layer)``)."""
         super().__init__()
@@ -159,7 +167,7 @@ class Attention(nn.Module):
         latent, first = latent[cached:], first + cached
         if latent.shape[0] or lc.entries is None:
             ang = rope_angles(self.rope, torch.arange(first, first + latent.shape[0], device=x.device) * self.ratio)
-            entries = apply_rope(latent, ang)
+            entries = self.ops.v41_rope(latent, ang)
             lc.entries = write_rows(lc.entries, first, qdq(entries, "nvfp4") if ctx.cache_qdq else entries)
             lc.index_keys = write_rows(lc.index_keys, first, self.indexer.keys(latent, ang, ctx.cache_qdq))
         visible = ctx.end // self.ratio  # a replay's cache holds entries past the step: it sees them as a cold run
@@ -183,8 +191,8 @@ class Attention(nn.Module):
         """x [Q, H] -> rope'd queries [Q, heads, D], the normed q latent [Q, q_lora] (the indexer's input) and
         the rope'd window K=V rows [Q, D] as cached (FP8-rounded with ``cache_qdq``)."""
         qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ang)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), ang)
+        q = self.ops.v41_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ang)
+        kv = self.ops.v41_rope(self.kv_norm(self.wkv(x)), ang)
         return q, qr, qdq(kv, "fp8") if cache_qdq else kv
 
     def add_entries(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, ctx: StepContext, shared: SharedKV,
@@ -210,7 +218,7 @@ class Attention(nn.Module):
     def _output(self, out: torch.Tensor, ang: torch.Tensor) -> torch.Tensor:
         """[Q, heads, D] attention output -> [Q, H]: inverse rope at the query positions, grouped low-rank wo_a,
         wo_b."""
-        out = apply_rope(out, ang, inverse=True)
+        out = self.ops.v41_rope(out, ang, inverse=True)
         grouped = self.wo_a.grouped(out.reshape(out.shape[0], self.groups, -1).transpose(0, 1))
         return self.wo_b(grouped.transpose(0, 1).flatten(1))
 
@@ -229,30 +237,3 @@ class Attention(nn.Module):
         logits = torch.einsum("shd,td->hst", q.float(), keys.float()) * self.head_dim ** -0.5
         probs = (logits + bias).softmax(dim=-1)
         return torch.einsum("hst,td->shd", probs, keys.float()).to(q.dtype)
-
-
-def attend_lists(q: torch.Tensor, sink: torch.Tensor, window: torch.Tensor, window_ids: torch.Tensor,
-                 entries: torch.Tensor | None = None, entry_ids: torch.Tensor | None = None,
-                 chunk: int = 256) -> torch.Tensor:
-    """``Attention._attend`` for many sequences at once, each query's keys given as lists of rows: q [L, heads,
-    D]; window [Rw, D] with window_ids [L, W] (rows of ``window``, -1 = none), optionally entries [Re, D] with
-    entry_ids [L, K]. Softmax over each query's listed keys plus the sink logit (denominator only), K = V, fp32
-    inside, the keys in list order (window rows by position, then entries by id: the per-sequence order less
-    the keys a query does not see). Queries go ``chunk`` at a time (a chunk's keys are gathered: [chunk, W + K,
-    D])."""
-    outs = []
-    scale = q.shape[-1] ** -0.5
-    with_entries = entries is not None and entries.shape[0] > 0 and entry_ids.shape[1] > 0
-    for a in range(0, q.shape[0], chunk):
-        ids = window_ids[a:a + chunk]
-        keys, valid = window[ids.clamp(min=0)], ids >= 0
-        if with_entries:
-            e = entry_ids[a:a + chunk]
-            keys, valid = torch.cat((keys, entries[e.clamp(min=0)]), dim=1), torch.cat((valid, e >= 0), dim=1)
-        keys = keys.float()
-        logits = torch.einsum("lhd,lkd->lhk", q[a:a + chunk].float(), keys) * scale
-        logits = logits.masked_fill(~valid.unsqueeze(1), -torch.inf)
-        sinks = sink.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
-        probs = torch.cat((logits, sinks), dim=-1).softmax(dim=-1)[..., :-1]
-        outs.append(torch.einsum("lhk,lkd->lhd", probs, keys))
-    return torch.cat(outs).to(q.dtype)

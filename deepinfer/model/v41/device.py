@@ -12,6 +12,8 @@ What each weight becomes:
     (``fp8_dense.py``, the op table's ``fp8_linear_b32``): half the bytes of a bf16 copy, which decode reads.
     With float16 activations (no kernel for them) they are dequantized to plain ``Linear`` weights instead.
   * Engram tables, embedding, head, norms, mHC and the rest: what the plain loader holds (``loader.py``).
+The op table runs the norms, RoPE, the mHC coefficients and the key-list attention core (``ops.rms_norm``,
+``v41_rope``, ``v41_mix_finish``, ``v41_attend_lists``): one launch each on CUDA.
 FP8 routed experts (``expert_dtype="fp8"``) stay the plain per-expert loop, dequantized. Of the plain model's
 modules only the compressors' fp32 projections, the indexer's own, the router, the Engram tables and the head
 hold dequantized or unquantized values.
@@ -36,6 +38,8 @@ from deepinfer.model.device import FusedFP4Experts, _parent
 from deepinfer.model.linear import Linear
 from deepinfer.model.quant import scale_to_float
 from deepinfer.model.v41.engram import EngramHasher, compressed_token_map
+from deepinfer.model.norm import RMSNorm
+from deepinfer.model.v41.attention import Attention, Indexer
 from deepinfer.model.v41.fp8_dense import BLOCK, FP8Dense32
 from deepinfer.model.v41.dspark import DSparkStage
 from deepinfer.model.v41.model import Block, DeepseekV41
@@ -104,7 +108,8 @@ def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device
             if routed.pending():
                 raise ValueError(f"{prefix}: experts {routed.pending()} got only one of w1 / w3")
     for module in model.modules():
-        if isinstance(module, (Block, DSparkStage)):  # their mHC coefficients: one kernel on CUDA
+        # One kernel each on CUDA: the mHC coefficients of a site, RMSNorm, RoPE, the key-list attention core.
+        if isinstance(module, (Block, DSparkStage, Attention, Indexer, RMSNorm)):
             module.ops = ops
     if cfg.active_engram_layers:
         model.hasher = EngramHasher(cfg, *compressed_token_map(tokenizer)).to(device)

@@ -35,11 +35,11 @@ from deepinfer.config.v41 import V41Config, V41LayerRole
 from deepinfer.model.linear import Embedding, Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.v41 import mhc
-from deepinfer.model.v41.attention import Attention, attend_lists
+from deepinfer.model.v41.attention import Attention
 from deepinfer.model.v41.cache import LayerCache, write_rows
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.moe import MoE
-from deepinfer.model.v41.rope import angles, apply_rope
+from deepinfer.model.v41.rope import angles
 from deepinfer.ops.table import REF, OpTable
 
 _WINDOW_ONLY = V41LayerRole(ratio=0, kv_source=False, index_source=False, candidate_source=False,
@@ -69,12 +69,12 @@ class DSparkAttention(Attention):
 
     def kv_rows(self, x: torch.Tensor, ang: torch.Tensor, cache_qdq: bool) -> torch.Tensor:
         """[T, H] -> [T, D] window KV rows (rope'd at ``ang``'s positions, FP8-rounded like the window cache)."""
-        kv = apply_rope(self.kv_norm(self.wkv(x)), ang)
+        kv = self.ops.v41_rope(self.kv_norm(self.wkv(x)), ang)
         return qdq(kv, "fp8") if cache_qdq else kv
 
     def block(self, x: torch.Tensor, ang: torch.Tensor, context: torch.Tensor, cache_qdq: bool) -> torch.Tensor:
         """The block's rows x [B, H] at angles ``ang`` over ``context`` [C, D] and themselves -> [B, H]."""
-        q = apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (self.heads, self.head_dim)), ang)
+        q = self.ops.v41_rope(self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (self.heads, self.head_dim)), ang)
         keys = torch.cat((context.to(x.dtype), self.kv_rows(x, ang, cache_qdq)))
         allowed = torch.ones(x.shape[0], keys.shape[0], dtype=torch.bool, device=x.device)
         return self._output(self._attend(q, keys, allowed), ang)
@@ -84,9 +84,9 @@ class DSparkAttention(Attention):
         """``block`` for many blocks at once: their rows x [m B, H] at angles ``ang``, ``context`` [R, D] the
         blocks' context rows, ``key_ids`` [m B, W + B] each row's keys as rows of ``context`` followed by the
         blocks' own KV rows (R + j B + b: block j's row b; -1: none) -> [m B, H]."""
-        q = apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (self.heads, self.head_dim)), ang)
+        q = self.ops.v41_rope(self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (self.heads, self.head_dim)), ang)
         keys = torch.cat((context.to(x.dtype), self.kv_rows(x, ang, cache_qdq)))
-        return self._output(attend_lists(q, self.attn_sink, keys, key_ids), ang)
+        return self._output(self.ops.v41_attend_lists(q, self.attn_sink, keys, key_ids), ang)
 
 
 class MarkovHead(nn.Module):
@@ -153,12 +153,12 @@ class DSparkStage(nn.Module):
         """``forward`` with the attention given as ``attend`` (normed rows [T, H] -> [T, H]): one block's
         (``DSparkAttention.block``) or many blocks' at once (``block_lists``, ``dspark_lists.py``)."""
         attn_mix = self._mix("attn", streams)
-        out = attend(self.attn_norm(mhc.collapse(streams, pre_in)))
-        streams = mhc.expand(out, streams, attn_mix)
+        out = attend(self.attn_norm(mhc.collapse(streams, pre_in, self.ops)))
+        streams = mhc.expand(out, streams, attn_mix, self.ops)
         ffn_mix = self._mix("ffn", streams)
         text = torch.zeros(streams.shape[0], dtype=torch.bool, device=streams.device)
-        out = self.ffn(self.ffn_norm(mhc.collapse(streams, attn_mix.pre)), text)
-        return mhc.expand(out, streams, ffn_mix), ffn_mix.pre
+        out = self.ffn(self.ffn_norm(mhc.collapse(streams, attn_mix.pre, self.ops)), text)
+        return mhc.expand(out, streams, ffn_mix, self.ops), ffn_mix.pre
 
 
 class DSpark(nn.ModuleList):

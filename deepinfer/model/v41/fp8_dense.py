@@ -51,15 +51,12 @@ class FP8Dense32(nn.Module):
         """x [G, T, in] -> [G, T, out/G]: group g uses weight rows [g*r, (g+1)*r)."""
         g = x.shape[0]
         r = self.out_features // g
-        outs = []
+        if r % BLOCK == 0:  # every group holds whole scale blocks: one launch (``ops.fp8_linear_b32_grouped``)
+            return self.ops.fp8_linear_b32_grouped(x, self.weight_fp8, self.weight_scale, pow2_scales=True)
+        outs = []  # the groups' rows straddle scale blocks (tiny test configs): each group's rows dequantized
         for i in range(g):
             rows = slice(i * r, (i + 1) * r)
-            if r % BLOCK == 0:
-                s = self.weight_scale[i * r // BLOCK : (i + 1) * r // BLOCK]
-                outs.append(self.ops.fp8_linear_b32(x[i].contiguous(), self.weight_fp8[rows].contiguous(), s,
-                                                    pow2_scales=True))
-            else:  # the group's rows straddle a scale block (tiny test configs): its rows dequantized
-                s = self.weight_scale.repeat_interleave(BLOCK, 0)[rows].repeat_interleave(BLOCK, 1)
-                w = self.weight_fp8[rows].float() * s[:, : x.shape[-1]]
-                outs.append((x[i].float() @ w.t()).to(x.dtype))
+            s = self.weight_scale.repeat_interleave(BLOCK, 0)[rows].repeat_interleave(BLOCK, 1)
+            w = self.weight_fp8[rows].float() * s[:, : x.shape[-1]]
+            outs.append((x[i].float() @ w.t()).to(x.dtype))
         return torch.stack(outs)

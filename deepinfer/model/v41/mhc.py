@@ -39,16 +39,15 @@ def mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     return Mix(*ops.v41_mix_finish(logits, n, iters, hc_eps))
 
 
-def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """sum_j pre_j * X_j in fp32 -> streams' dtype; [T, N, H], [T, N] -> [T, H]."""
-    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+def collapse(streams: torch.Tensor, pre: torch.Tensor, ops: OpTable = REF) -> torch.Tensor:
+    """sum_j pre_j * X_j in fp32 -> streams' dtype; [T, N, H], [T, N] -> [T, H] (``ops.v41_collapse``)."""
+    return ops.v41_collapse(streams, pre)
 
 
-def expand(out: torch.Tensor, streams: torch.Tensor, m: Mix) -> torch.Tensor:
-    """new_k = post_k * out + sum_j comb[j, k] * X_j in fp32 -> out's dtype; [T, H], [T, N, H] -> [T, N, H]."""
-    update = m.post.unsqueeze(-1) * out.unsqueeze(-2)
-    mixed = (m.comb.unsqueeze(-1) * streams.unsqueeze(-2)).sum(1)
-    return (update + mixed).to(out.dtype)
+def expand(out: torch.Tensor, streams: torch.Tensor, m: Mix, ops: OpTable = REF) -> torch.Tensor:
+    """new_k = post_k * out + sum_j comb[j, k] * X_j in fp32 -> out's dtype; [T, H], [T, N, H] -> [T, N, H]
+    (``ops.v41_expand``)."""
+    return ops.v41_expand(out, streams, m.post, m.comb)
 
 
 def one_hot_pre(tokens: int, n: int, device: torch.device) -> torch.Tensor:

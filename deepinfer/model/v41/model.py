@@ -72,11 +72,11 @@ class Block(nn.Module):
         if taps is not None:
             taps.append(streams.mean(dim=1))
         attn_mix = self._mix("attn", streams)
-        out = attend(self.attn_norm(mhc.collapse(streams, pre_in)))
-        streams = mhc.expand(out, streams, attn_mix)
+        out = attend(self.attn_norm(mhc.collapse(streams, pre_in, self.ops)))
+        streams = mhc.expand(out, streams, attn_mix, self.ops)
         ffn_mix = self._mix("ffn", streams)
-        out = self.ffn(self.ffn_norm(mhc.collapse(streams, attn_mix.pre)), image_mask)
-        return mhc.expand(out, streams, ffn_mix), ffn_mix.pre
+        out = self.ffn(self.ffn_norm(mhc.collapse(streams, attn_mix.pre, self.ops)), image_mask)
+        return mhc.expand(out, streams, ffn_mix, self.ops), ffn_mix.pre
 
 
 class DeepseekV41(nn.Module):

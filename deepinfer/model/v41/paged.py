@@ -69,7 +69,7 @@ from deepinfer.kv.spec_v41 import ENGRAM_KEY, dspark_key
 from deepinfer.kv.storage import KVStorage
 from deepinfer.model.step_index import StepIndex
 from deepinfer.model.v41 import mhc
-from deepinfer.model.v41.attention import Attention, attend_lists
+from deepinfer.model.v41.attention import Attention
 from deepinfer.model.v41.cache import LayerCache
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.cache_rows import load_rows, store_rows
@@ -77,7 +77,7 @@ from deepinfer.model.v41.context import SharedKV, SharedLists, StepContext
 from deepinfer.model.v41.invariant import token_steps
 from deepinfer.model.v41.model import DeepseekV41
 from deepinfer.model.v41.replay import DecoderReplay
-from deepinfer.model.v41.rope import angles, apply_rope
+from deepinfer.model.v41.rope import angles
 from deepinfer.model.v41.select_lists import EntryLists, select_lists
 from deepinfer.ops.ref.step_rows import lookup
 from deepinfer.ops.table import OpTable
@@ -135,6 +135,17 @@ class _Step:
         return _Step(self.index, self.storage, self.window_rows[sel], self.state_rows[sel], tuple(runs),
                      {k: a[sel] for k, a in self.angles.items()}, self.cache_qdq, self.positions[sel],
                      None if self.emit_from is None else self.emit_from[sel]), sel
+
+
+@dataclass(frozen=True)
+class _WindowSpans:
+    """The window keys of a step's runs (``PagedV41._window_spans``): run r's positions [starts[r], starts[r] +
+    lens[r]) as rows of the gathered window, flat ``positions`` [sum lens] and their window-pool ``rows``."""
+
+    starts: np.ndarray
+    lens: np.ndarray
+    positions: torch.Tensor
+    rows: torch.Tensor
 
 
 def _resident(rows: torch.Tensor, wanted: torch.Tensor, what: str) -> torch.Tensor:
@@ -300,6 +311,26 @@ class PagedV41(nn.Module):
         lookback = torch.where(back < 0, -1, ids[rows, 0].long())
         return self.model.hasher.rows_from_lookback(lookback)
 
+    @staticmethod
+    def _window_spans(w: int, step: _Step) -> "_WindowSpans":
+        """Where every run's window keys lie (the same for each layer of the step: computed by the first)."""
+        spans = step.memo.get(("window", w))
+        if spans is not None:
+            return spans
+        idx, runs = step.index, step.runs
+        # Window keys: positions (first - W, end), of which each query sees (t - W, t]; none below window_from.
+        # Every sequence's rows are read at once (one gather, one dequantization of packed rows), then split.
+        # The spans are laid out on the host (the runs' positions are host facts): one copy, no per-run op.
+        starts = np.array([max(run.window_from, run.first - w + 1) for run in runs], dtype=np.int64)
+        lens = np.array([run.end for run in runs], dtype=np.int64) - starts
+        flat = to_device(np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)] +
+                                        [np.repeat([run.seq for run in runs], lens)]), torch.int64,
+                         idx.positions.device)
+        kp, seq = flat.split([int(lens.sum())] * 2)
+        rows = _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, "window")
+        spans = step.memo[("window", w)] = _WindowSpans(starts, lens, kp, rows)
+        return spans
+
     # ---- one layer's attention ------------------------------------------------------------------------
     def _attention(self, att: Attention, key: str, x: torch.Tensor, step: _Step,
                    shared: list[SharedKV] | SharedLists) -> torch.Tensor:
@@ -309,16 +340,9 @@ class PagedV41(nn.Module):
         if att.kv_source:
             self._publish_entries(att, key, x, step)
         idx, runs = step.index, step.runs
-        # Window keys: positions (first - W, end), of which each query sees (t - W, t]; none below window_from.
-        # Every sequence's rows are read at once (one gather, one dequantization of packed rows), then split.
-        # The spans are laid out on the host (the runs' positions are host facts): one copy, no per-run op.
-        starts = np.array([max(run.window_from, run.first - att.window + 1) for run in runs], dtype=np.int64)
-        lens = np.array([run.end for run in runs], dtype=np.int64) - starts
-        flat = to_device(np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)] +
-                                        [np.repeat([run.seq for run in runs], lens)]), torch.int64, x.device)
-        kp, seq = flat.split([int(lens.sum())] * 2)
-        window = load_rows(step.storage, key, "window_kv",
-                           _resident(lookup(idx.window_table, seq, kp, idx.block_size), kp >= 0, f"{key} window"))
+        spans = self._window_spans(att.window, step)
+        window = load_rows(step.storage, key, "window_kv", spans.rows)
+        starts, lens, kp = spans.starts, spans.lens, spans.positions
         if att.kv_source:  # the sequences' entries after the step, for this layer and the ones reusing it
             entries, index_keys, counts = self._entries(key, att.ratio, step)
             if self.key_lists:
@@ -329,7 +353,7 @@ class PagedV41(nn.Module):
                     sh.source, sh.ratio = LayerCache(entries=e, index_keys=k), att.ratio
                     sh.topk = sh.candidates = None
         if self.key_lists:
-            return att._output(self._attend_lists(att, x, q, qr, ang, step, shared, window, starts, lens), ang)
+            return att._output(self._attend_lists(att, x, q, qr, ang, step, shared, window, spans), ang)
         out = []
         for run, sh, kp, keys in zip(runs, shared, kp.split(lens.tolist()), window.split(lens.tolist())):
             rows = slice(run.lo, run.hi)
@@ -342,25 +366,26 @@ class PagedV41(nn.Module):
         return att._output(torch.cat(out), ang)
 
     def _attend_lists(self, att: Attention, x: torch.Tensor, q: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor,
-                      step: _Step, shared: SharedLists, window: torch.Tensor, starts: np.ndarray,
-                      lens: np.ndarray) -> torch.Tensor:
+                      step: _Step, shared: SharedLists, window: torch.Tensor, spans: _WindowSpans) -> torch.Tensor:
         """``_attention``'s core for every sequence at once (``key_lists``): each query's keys as row lists into
         the step's gathered window rows and the sequences' entries (``attention.attend_lists``), an index
         source's top-k selected for every sequence at once as rows of those entries (``select_lists``: the
         per-sequence choices), a reusing layer's the latest index source's. [T, heads, D]."""
         runs, w = step.runs, att.window
-        # Per query (run r, row i at position t = first + i): window rows max(start, t - W + 1) .. t, as rows of
-        # ``window`` (run r's span from base[r]).
-        per = np.array([run.hi - run.lo for run in runs], dtype=np.int64)
-        base = np.cumsum(lens) - lens
-        t = np.concatenate([np.arange(run.first, run.end) for run in runs])  # a run's rows are its positions
-        start, b = np.repeat(starts, per), np.repeat(base, per)
-        lo = np.maximum(start, t - w + 1)
-        cols = np.arange(w)
-        ids = np.where(cols[None, :] < (t - lo + 1)[:, None], (b + lo - start)[:, None] + cols[None, :], -1)
-        window_ids = to_device(ids, torch.int64, x.device)
+        window_ids = step.memo.get(("window_ids", w))  # the same for every layer of the step
+        if window_ids is None:
+            # Per query (run r, row i at position t = first + i): window rows max(start, t - W + 1) .. t, as rows
+            # of ``window`` (run r's span from base[r]).
+            per = np.array([run.hi - run.lo for run in runs], dtype=np.int64)
+            base = np.cumsum(spans.lens) - spans.lens
+            t = np.concatenate([np.arange(run.first, run.end) for run in runs])  # a run's rows are its positions
+            start, b = np.repeat(spans.starts, per), np.repeat(base, per)
+            lo = np.maximum(start, t - w + 1)
+            cols = np.arange(w)
+            ids = np.where(cols[None, :] < (t - lo + 1)[:, None], (b + lo - start)[:, None] + cols[None, :], -1)
+            window_ids = step.memo[("window_ids", w)] = to_device(ids, torch.int32, x.device)
         if not att.ratio:
-            return attend_lists(q, att.attn_sink, window, window_ids)
+            return att.ops.v41_attend_lists(q, att.attn_sink, window, window_ids)
         if shared.entries is None or shared.ratio != att.ratio:
             raise ValueError(f"a ratio-{att.ratio} layer found no preceding KV source of that ratio")
         if att.index_source:
@@ -372,7 +397,7 @@ class PagedV41(nn.Module):
                                                           lists, shared.candidates)
         if shared.rows is None:
             raise ValueError(f"a ratio-{att.ratio} layer found no preceding index source's top-k")
-        return attend_lists(q, att.attn_sink, window, window_ids, shared.entries, shared.rows)
+        return att.ops.v41_attend_lists(q, att.attn_sink, window, window_ids, shared.entries, shared.rows)
 
     def _publish_entries(self, att: Attention, key: str, x: torch.Tensor, step: _Step) -> None:
         """A KV source: the entries the step's tokens close, with their index keys, into the history pool."""
@@ -401,7 +426,7 @@ class PagedV41(nn.Module):
             return
         entry = pos // ratio
         ang = angles(att.rope, entry * ratio)
-        entries = apply_rope(latent, ang)
+        entries = att.ops.v41_rope(latent, ang)
         where = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
         store_rows(step.storage, key, "entries", where, qdq(entries, "nvfp4") if step.round_rows else entries)
         store_rows(step.storage, key, "index_keys", where, att.indexer.keys(latent, ang, step.round_rows))
@@ -411,14 +436,16 @@ class PagedV41(nn.Module):
         """The compressed entries and index keys of source ``key`` after the step of every run's sequence (its
         first ``end // ratio``, as the plain model's per-sequence cache holds them), concatenated in run order
         (read for all runs at once; the rows laid out on the host, one copy), and their counts per run."""
-        idx = step.index
         counts = [run.end // ratio for run in step.runs]
-        total = sum(counts)
-        entry = np.concatenate([np.arange(n) for n in counts] + [np.zeros(0, dtype=np.int64)])
-        flat = to_device(np.concatenate((entry, np.repeat([run.seq for run in step.runs], counts))), torch.int64,
-                         idx.positions.device)
-        entry, seq = flat[:total], flat[total:]
-        rows = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
+        rows = step.memo.get(("entry_rows", ratio))  # the same for every KV source of this ratio in the step
+        if rows is None:
+            idx, total = step.index, sum(counts)
+            entry = np.concatenate([np.arange(n) for n in counts] + [np.zeros(0, dtype=np.int64)])
+            flat = to_device(np.concatenate((entry, np.repeat([run.seq for run in step.runs], counts))),
+                             torch.int64, idx.positions.device)
+            entry, seq = flat[:total], flat[total:]
+            rows = step.memo[("entry_rows", ratio)] = _resident(
+                lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
         return load_rows(step.storage, key, "entries", rows), load_rows(step.storage, key, "index_keys", rows), counts
 
 

@@ -8,15 +8,19 @@ scaling, no mscale) for every rope of a layer with ratio > 0.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from deepinfer.config.model import RopeConfig
+from deepinfer.ops.ref.rope_v41 import apply_rope  # noqa: F401 (the plain model's rotation)
 
 
+@functools.lru_cache(maxsize=64)
 def frequencies(rope: RopeConfig, device: torch.device | None = None) -> torch.Tensor:
-    """[rope_dim / 2] fp32 angular frequencies; YaRN blends freq / factor into the low-frequency dims."""
+    """[rope_dim / 2] fp32 angular frequencies; YaRN blends freq / factor into the low-frequency dims. Cached
+    per (table, device): a step asks for them a few times (~15 launches each with YaRN); read-only."""
     dim = rope.rope_dim
     freqs = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     if rope.yarn_factor is None:
@@ -31,16 +35,3 @@ def frequencies(rope: RopeConfig, device: torch.device | None = None) -> torch.T
 def angles(rope: RopeConfig, positions: torch.Tensor) -> torch.Tensor:
     """positions [T] -> fp32 angles [T, rope_dim / 2]."""
     return positions.float().unsqueeze(-1) * frequencies(rope, positions.device)
-
-
-def apply_rope(values: torch.Tensor, ang: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last 2 * ang.shape[-1] channels of values [T, C] or [T, heads, C] (conjugate if inverse)."""
-    rot = ang.shape[-1] * 2
-    pairs = torch.view_as_complex(values[..., -rot:].float().unflatten(-1, (-1, 2)).contiguous())
-    turn = torch.polar(torch.ones_like(ang), ang)
-    if values.dim() == 3:
-        turn = turn.unsqueeze(1)
-    if inverse:
-        turn = turn.conj()
-    rotated = torch.view_as_real(pairs * turn).flatten(-2).to(values.dtype)
-    return torch.cat((values[..., :-rot], rotated), dim=-1)

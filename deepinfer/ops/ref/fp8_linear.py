@@ -25,6 +25,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return (x.float() @ w.t()).to(x.dtype)
 
 
+def fp8_linear_b32_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2_scales: bool = False
+                           ) -> torch.Tensor:
+    """32x32-block scales, block-diagonal: x [G, M, K] -> [G, M, r], group g = x[g] @ dequant(weight)[g*r:(g+1)*r].T
+    (r = N / G, a multiple of 32: a group's rows hold whole scale blocks)."""
+    g, r = x.shape[0], weight.shape[0] // x.shape[0]
+    if weight.shape[0] % g or r % 32:
+        raise ValueError(f"weight: {weight.shape[0]} rows in {g} groups of a multiple of 32 rows expected")
+    return torch.stack([fp8_linear(x[i], weight[i * r:(i + 1) * r], scale[i * r // 32:(i + 1) * r // 32],
+                                   block=(32, 32)) for i in range(g)])
+
+
 def fp8_linear_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int,
                        pow2_scales: bool = False) -> torch.Tensor:
     """Block-diagonal: x [M, G*K] -> [M, G*r], group g = x[:, g*K:(g+1)*K] @ dequant(weight)[g*r:(g+1)*r].T."""

@@ -31,3 +31,16 @@ def mix_finish(logits: torch.Tensor, n: int, iters: int, hc_eps: float
     pre = torch.sigmoid(logits[:, :n]) + hc_eps
     post = 2 * torch.sigmoid(logits[:, n:2 * n])
     return pre, post, sinkhorn(logits[:, 2 * n:].unflatten(-1, (n, n)), iters, hc_eps)
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_j pre_j * X_j in fp32 -> streams' dtype; [T, N, H], [T, N] -> [T, H]."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(1).to(streams.dtype)
+
+
+def expand(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """new_k = post_k * out + sum_j comb[j, k] * X_j in fp32 -> out's dtype; [T, H], [T, N, H], [T, N], [T, N, N]
+    -> [T, N, H]."""
+    update = post.unsqueeze(-1) * out.unsqueeze(-2)
+    mixed = (comb.unsqueeze(-1) * streams.unsqueeze(-2)).sum(1)
+    return (update + mixed).to(out.dtype)

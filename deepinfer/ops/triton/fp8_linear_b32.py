@@ -30,15 +30,19 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_b32_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+def _fp8_b32_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, group_n,
+                    stride_xg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_FP32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    # Grouped (block-diagonal) products: output columns [g * group_n, (g + 1) * group_n) read input group g
+    # (a tile never straddles two groups: group_n is a multiple of BLOCK_N). Plain: group_n = N, one group.
+    x_group = x_ptr + ((pid_n * BLOCK_N) // group_n).to(tl.int64) * stride_xg
+    x_rows = x_group + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + (offs_n // 32).to(tl.int64)[:, None] * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -97,6 +101,35 @@ def fp8_linear_b32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, p
     bm, bn, bk = _tiles(m, n)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fp8_b32_kernel[grid](x, weight, scale, y, m, n, x.shape[1], x.stride(0), weight.stride(0), scale.stride(0),
-                          y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                          y.stride(0), n, 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                           DOT_FP32=x.dtype == torch.float32 or _INTERPRET)
     return y
+
+
+def fp8_linear_b32_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2_scales: bool = True
+                           ) -> torch.Tensor:
+    """Block-diagonal, one launch: x [G, M, K] -> [G, M, r] (a view of an [M, G * r] result), group g =
+    ``fp8_linear_b32(x[g], weight[g*r:(g+1)*r], scale[g*r/32:(g+1)*r/32])``, the same tiles hence the same bits
+    as those G launches; r a multiple of 32 (``ops/ref/fp8_linear.fp8_linear_b32_grouped``)."""
+    g, m, k = x.shape
+    n = weight.shape[0]
+    r = n // g
+    check_args(x[0], weight, scale)
+    if not pow2_scales:
+        raise ValueError("pow2_scales: the 32x32-block kernel folds the scales into bf16 weights, exact only for "
+                         "power-of-two scales; allowed: True (UE8M0 checkpoints)")
+    if n % g or r % SCALE_BLOCK:
+        raise ValueError(f"weight: {n} rows in {g} groups of a multiple of {SCALE_BLOCK} rows expected")
+    bm, bn, bk = _tiles(m, r)  # a group's own tiles: the bits of its own launch
+    if r % bn:  # a tile would straddle two groups (small test shapes): a launch per group
+        return torch.stack([fp8_linear_b32(x[i], weight[i * r:(i + 1) * r], scale[i * r // 32:(i + 1) * r // 32])
+                            for i in range(g)])
+    x = x if x.stride(2) == 1 and x.stride(1) == k else x.contiguous()
+    weight, scale = weight.contiguous(), scale.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _fp8_b32_kernel[grid](x, weight, scale, y, m, n, k, x.stride(1), weight.stride(0), scale.stride(0),
+                              y.stride(0), r, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                              DOT_FP32=x.dtype == torch.float32 or _INTERPRET)
+    return y.view(m, g, r).transpose(0, 1)

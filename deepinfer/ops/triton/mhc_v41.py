@@ -12,11 +12,17 @@ specialisation key (one binary for every step).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.ops.triton.mhc import _sinkhorn_rounds
+from deepinfer.ops.triton.rounding import round_to
+
+# Triton's CPU interpreter truncates fp32 -> bf16 (``rounding.py``): the stores pre-round there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["iters"])
@@ -54,3 +60,77 @@ def mix_finish(logits: torch.Tensor, n: int, iters: int, hc_eps: float
         _finish_kernel[(t,)](logits, pre, post, comb, iters, float(hc_eps), N=n, NP=triton.next_power_of_2(n),
                              num_warps=1)
     return pre, post, comb
+
+
+# Channels per program of the collapse / expansion: [N, 1024] fp32 tiles, 8 values per thread at 4 warps.
+STREAM_BLOCK_H = 1024
+
+
+@triton.jit
+def _collapse_kernel(x_ptr, pre_ptr, y_ptr, H, stride_xt, stride_xn, N: tl.constexpr, BLOCK_H: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(N):  # in stream order, each product rounded, as the reference's sum over N
+        x = tl.load(x_ptr + t * stride_xt + j * stride_xn + offs, mask=hm, other=0.0).to(tl.float32)
+        acc += tl.load(pre_ptr + t * N + j) * x
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    tl.store(y_ptr + t * H + offs, round_to(acc, DT, INTERPRET).to(DT), mask=hm)
+
+
+@triton.jit
+def _expand_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, H, stride_xt, stride_xn, N: tl.constexpr,
+                   NP: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = offs < H
+    k = tl.arange(0, NP)
+    km = k < N
+    out = tl.load(o_ptr + t * H + offs, mask=hm, other=0.0).to(tl.float32)
+    mixed = tl.zeros([NP, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(N):  # stream j into every stream k: comb[j, k] * X_j, summed in stream order
+        x = tl.load(x_ptr + t * stride_xt + j * stride_xn + offs, mask=hm, other=0.0).to(tl.float32)
+        c = tl.load(comb_ptr + t * N * N + j * N + k, mask=km, other=0.0)
+        mixed += c[:, None] * x[None, :]
+    post = tl.load(post_ptr + t * N + k, mask=km, other=0.0)
+    y = post[:, None] * out[None, :] + mixed
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    tl.store(y_ptr + (t * N + k[:, None]) * H + offs[None, :], round_to(y, DT, INTERPRET).to(DT),
+             mask=km[:, None] & hm[None, :])
+
+
+def _stream_rows(streams: torch.Tensor) -> torch.Tensor:
+    """[T, N, H] with unit channel stride (the first layer's streams are one row expanded: stride 0 over N)."""
+    return streams if streams.stride(2) == 1 else streams.contiguous()
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_j pre_j * X_j in fp32 -> streams' dtype, one launch (``ops/ref/mhc_v41.collapse``); each product
+    rounded and summed in stream order without FMA contraction, as the reference's separate kernels."""
+    t, n, h = streams.shape
+    assert pre.shape == (t, n) and pre.dtype == torch.float32, (tuple(pre.shape), pre.dtype)
+    x = _stream_rows(streams)
+    y = torch.empty((t, h), dtype=streams.dtype, device=streams.device)
+    if t:
+        _collapse_kernel[(t, triton.cdiv(h, STREAM_BLOCK_H))](x, pre.contiguous(), y, h, x.stride(0), x.stride(1),
+                                                              N=n, BLOCK_H=STREAM_BLOCK_H, INTERPRET=_INTERPRET,
+                                                              num_warps=4, enable_fp_fusion=False)
+    return y
+
+
+def expand(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """new_k = post_k * out + sum_j comb[j, k] * X_j in fp32 -> out's dtype [T, N, H], one launch
+    (``ops/ref/mhc_v41.expand``)."""
+    t, n, h = streams.shape
+    assert out.shape == (t, h) and post.shape == (t, n) and comb.shape == (t, n, n)
+    x = _stream_rows(streams)
+    y = torch.empty((t, n, h), dtype=out.dtype, device=out.device)
+    if t:
+        _expand_kernel[(t, triton.cdiv(h, STREAM_BLOCK_H))](x, out.contiguous(), post.float().contiguous(),
+                                                            comb.float().contiguous(), y, h, x.stride(0),
+                                                            x.stride(1), N=n, NP=triton.next_power_of_2(n),
+                                                            BLOCK_H=STREAM_BLOCK_H, INTERPRET=_INTERPRET,
+                                                            num_warps=4, enable_fp_fusion=False)
+    return y
