@@ -72,6 +72,7 @@ from functools import partial
 import torch
 
 from deepinfer.ops.ref import batch_invariant as ref_bi
+from deepinfer.ops.ref import cache_rows_v41 as ref_cache_rows
 from deepinfer.ops.ref import compress_emit as ref_emit
 from deepinfer.ops.ref import compress_state as ref_state
 from deepinfer.ops.ref import fp8_linear as ref_fp8
@@ -143,6 +144,10 @@ class OpTable:
     # DeepSeek-V4.1's attention core over key lists: q, sink, window, window_ids[, entries, entry_ids] -> out
     # (ops/ref/key_lists.py).
     v41_attend_lists: Callable = ref_key_lists.attend_lists
+    # DeepSeek-V4.1's packed cache rows: store (table, where, values, fmt), load (table, where, fmt, channels,
+    # dtype) -> values (ops/ref/cache_rows_v41.py).
+    v41_store_packed: Callable = ref_cache_rows.store_packed
+    v41_load_packed: Callable = ref_cache_rows.load_packed
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
 
@@ -181,6 +186,7 @@ REF_BATCH_INVARIANT = dataclasses.replace(
 def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
     """The Triton table with ``tuning`` bound into its kernels (default: the measured choices with this
     process's current CUDA device's SM count)."""
+    from deepinfer.ops.triton import cache_rows_v41 as tri_cache_rows
     from deepinfer.ops.triton import compress_emit as tri_emit
     from deepinfer.ops.triton import compress_state as tri_state
     from deepinfer.ops.triton import fp4_codes as tri_fp4
@@ -227,6 +233,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    fp8_linear_b32=tri_fp8_b32.fp8_linear_b32,
                    fp8_linear_b32_grouped=tri_fp8_b32.fp8_linear_b32_grouped, v41_mix_finish=tri_mhc_v41.mix_finish,
                    v41_collapse=tri_mhc_v41.collapse, v41_expand=tri_mhc_v41.expand,
+                   v41_store_packed=tri_cache_rows.store_packed, v41_load_packed=tri_cache_rows.load_packed,
                    v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning))
     if not tuning.batch_invariant:
         return table

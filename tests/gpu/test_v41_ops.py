@@ -117,3 +117,45 @@ def test_attend_lists_small(re, k, dtype, device) -> None:
 @pytest.mark.parametrize("L,re,k", [(1, 0, 0), (32, 0, 0), (1, 1024, 512), (8, 4096, 512), (128, 512, 256)])
 def test_attend_lists_v41_shapes(L, re, k, dtype, device) -> None:
     _check_attention(L, 64, 512, max(256, L * 128), 128, re, k, dtype, device, seed=5)
+
+
+def _check_fp8_rows(n: int, c: int, dtype, device, seed: int, store: bool = True) -> None:
+    from deepinfer.ops.ref import cache_rows_v41 as ref_rows
+    from deepinfer.ops.triton import cache_rows_v41 as tri_rows
+
+    g = _gen(seed)
+    scale = torch.randn(n, 1, generator=g).mul(4).exp()  # rows over ~e^+-12: every scale exponent path
+    values = (torch.randn(n, c, generator=g) * scale)
+    values[0] = 0.0  # amax 0: the 1e-4 floor
+    values[1, :32] = 1e-30  # a tiny group beside normal ones
+    values = values.to(dtype).to(device)
+    rows = 3 * n + 5
+    where = torch.randperm(rows, generator=g)[:n].to(device)
+    # Rows not written hold e4m3 1.0 codes and 2^-71 scales (a cache never holds a scale below 2^-22, so no
+    # product is subnormal).
+    got = torch.full((rows, c + c // 32), 0x38, dtype=torch.uint8, device=device)
+    want = got.clone()
+    tri_rows.store_packed(got, where, values, "fp8")
+    ref_rows.store_packed(want, where, values, "fp8")
+    if store:
+        assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
+    read = torch.randint(0, rows, (2 * n,), generator=g).to(device)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        a = tri_rows.load_packed(want, read, "fp8", c, out_dtype)
+        b = ref_rows.load_packed(want, read, "fp8", c, out_dtype)
+        assert a.dtype == out_dtype and torch.equal(a, b)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_rows_small(dtype, device) -> None:
+    # This Triton's interpreter converts fp32 -> e4m3 by truncation (as it does to bf16, ``rounding.py``): a
+    # value just below a rounding boundary keeps the lower code, so the stored bytes are compared on CUDA only
+    # (whose conversion rounds to nearest even); the read is exact everywhere.
+    _check_fp8_rows(6, 96, dtype, device, seed=6, store=device != "cpu")
+
+
+@pytest.mark.parametrize("n", [1, 128, 4096])
+def test_fp8_rows_v41_flash(n, device) -> None:
+    """V4.1-Flash's window rows: 512 channels (16 scale bytes), decode and prefill row counts."""
+    _check_fp8_rows(max(n, 2), 512, torch.bfloat16, device, seed=n)

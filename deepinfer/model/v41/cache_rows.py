@@ -12,20 +12,27 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kv.storage import KVStorage
-from deepinfer.model.v41.cache_quant import ROUNDING_OF, dequantize, quantize
+from deepinfer.model.v41.cache_quant import ROUNDING_OF
+from deepinfer.ops.table import REF, OpTable
 
 
-def store_rows(storage: KVStorage, key: str, name: str, where: torch.Tensor, values: torch.Tensor) -> None:
-    """Write ``values`` [N, C] into rows ``where`` [N] of tensor ``name`` of layer ``key``."""
+def store_rows(storage: KVStorage, key: str, name: str, where: torch.Tensor, values: torch.Tensor,
+               ops: OpTable = REF) -> None:
+    """Write ``values`` [N, C] into rows ``where`` [N] of tensor ``name`` of layer ``key`` (packed rows by
+    ``ops.v41_store_packed``: one kernel for FP8 on CUDA)."""
     spec = storage.spec(key, name)
     rows = storage.get(key, name)
-    rows[where] = quantize(values, ROUNDING_OF[spec.dtype]) if spec.packed is not None else values
-
-
-def load_rows(storage: KVStorage, key: str, name: str, where: torch.Tensor) -> torch.Tensor:
-    """Rows ``where`` of tensor ``name`` of layer ``key`` as values [N, C] (the activation dtype when packed)."""
-    spec = storage.spec(key, name)
-    rows = storage.get(key, name)[where]
     if spec.packed is None:
-        return rows
-    return dequantize(rows, ROUNDING_OF[spec.dtype], spec.width, storage.model_dtype)
+        rows[where] = values
+    else:
+        ops.v41_store_packed(rows, where, values, ROUNDING_OF[spec.dtype])
+
+
+def load_rows(storage: KVStorage, key: str, name: str, where: torch.Tensor, ops: OpTable = REF) -> torch.Tensor:
+    """Rows ``where`` of tensor ``name`` of layer ``key`` as values [N, C] (the activation dtype when packed,
+    read by ``ops.v41_load_packed``)."""
+    spec = storage.spec(key, name)
+    rows = storage.get(key, name)
+    if spec.packed is None:
+        return rows[where]
+    return ops.v41_load_packed(rows, where, ROUNDING_OF[spec.dtype], spec.width, storage.model_dtype)

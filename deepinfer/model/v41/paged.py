@@ -336,12 +336,12 @@ class PagedV41(nn.Module):
                    shared: list[SharedKV] | SharedLists) -> torch.Tensor:
         ang = step.angles[att.table]
         q, qr, kv = att.project(x, ang, step.round_rows)
-        store_rows(step.storage, key, "window_kv", step.window_rows, kv)
+        store_rows(step.storage, key, "window_kv", step.window_rows, kv, att.ops)
         if att.kv_source:
             self._publish_entries(att, key, x, step)
         idx, runs = step.index, step.runs
         spans = self._window_spans(att.window, step)
-        window = load_rows(step.storage, key, "window_kv", spans.rows)
+        window = load_rows(step.storage, key, "window_kv", spans.rows, att.ops)
         starts, lens, kp = spans.starts, spans.lens, spans.positions
         if att.kv_source:  # the sequences' entries after the step, for this layer and the ones reusing it
             entries, index_keys, counts = self._entries(key, att.ratio, step)
