@@ -5,7 +5,7 @@ V4's profile runs an all-padding step: its kernels read row lists of fixed width
 padding tokens have the largest step's shapes. V4.1's step (``model/v41/paged.py``) lays its work out per
 sequence from host facts and gathers what each sequence reads: its window rows, and per KV source every
 compressed entry and index key up to its end (``PagedV41._entries``), which the layers reusing the source hold
-on to; each query's keys in chunks (``attention.attend_lists``). What it allocates grows with the tokens, the
+on to; each query's keys in chunks (``ops.v41_attend_lists``; the reference's). What it allocates grows with the tokens, the
 sequences and their lengths, so its largest step is the one the scheduler could plan with the most of all three:
 ``min(max_num_seqs, max_num_batched_tokens)`` sequences ending at ``max_model_len``, the first with every token
 the others leave (a prefill chunk at the end of a long prompt, at most ``max_model_len``), the others one each

@@ -114,3 +114,13 @@ def test_grouped_refuses_groups_that_straddle_scale_blocks(device) -> None:
     w, s = _weights(96, 64, 0, device)
     with pytest.raises(ValueError, match="^weight: 96 rows in 2 groups of a multiple of 32"):
         fp8_linear_b32_grouped(torch.randn(2, 3, 64, device=device), w, s)
+
+
+@pytest.mark.interpret_ok
+def test_grouped_reads_a_transposed_input(device) -> None:
+    """wo_a's input is [T, G, K] seen as [G, T, K] (a transpose, not a copy): the same result as a copy."""
+    from deepinfer.ops.triton.fp8_linear_b32 import fp8_linear_b32_grouped
+
+    w, s = _weights(4 * 32, 64, 1, device)
+    x = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(2)).to(device).transpose(0, 1)
+    assert torch.equal(fp8_linear_b32_grouped(x, w, s), fp8_linear_b32_grouped(x.contiguous(), w, s))

@@ -159,3 +159,23 @@ def test_fp8_rows_small(dtype, device) -> None:
 def test_fp8_rows_v41_flash(n, device) -> None:
     """V4.1-Flash's window rows: 512 channels (16 scale bytes), decode and prefill row counts."""
     _check_fp8_rows(max(n, 2), 512, torch.bfloat16, device, seed=n)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,inter", [(3, 40), (1, 2304), (64, 2304)])
+def test_swiglu_v41(t, inter, dtype, device) -> None:
+    """V4.1's expert activation: clamps at +-limit on both sides of the range, fp32 inside, one rounding."""
+    from deepinfer.ops.ref.swiglu import swiglu_v41 as ref_swiglu
+    from deepinfer.ops.triton.swiglu import swiglu_v41
+
+    g = _gen(t + inter)
+    gate = (torch.randn(t, inter, generator=g) * 6).to(dtype).to(device)
+    up = (torch.randn(t, inter, generator=g) * 6).to(dtype).to(device)
+    out, want = swiglu_v41(gate, up, 7.0), ref_swiglu(gate, up, 7.0)
+    assert out.dtype == dtype and out.shape == want.shape
+    if dtype == torch.float32:
+        assert rel_err(out, want) <= 1e-6, rel_err(out, want)
+    else:
+        assert (out != want).float().mean().item() <= 1e-2 and rel_err(out, want) <= 4e-3
+    assert rel_err(swiglu_v41(gate, up, 3.0), want) > 1e-2  # the clamp matters at these values

@@ -21,7 +21,6 @@ from deepinfer.model.v41.cache import LayerCache, write_rows
 from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.context import SharedKV, StepContext
 from deepinfer.model.v41.rope import angles as rope_angles
-from deepinfer.ops.ref.key_lists import attend_lists  # noqa: F401 (the paged step's reference core)
 from deepinfer.ops.table import REF, OpTable
 
 

@@ -12,8 +12,11 @@ What each weight becomes:
     (``fp8_dense.py``, the op table's ``fp8_linear_b32``): half the bytes of a bf16 copy, which decode reads.
     With float16 activations (no kernel for them) they are dequantized to plain ``Linear`` weights instead.
   * Engram tables, embedding, head, norms, mHC and the rest: what the plain loader holds (``loader.py``).
-The op table runs the norms, RoPE, the mHC coefficients and the key-list attention core (``ops.rms_norm``,
-``v41_rope``, ``v41_mix_finish``, ``v41_attend_lists``): one launch each on CUDA.
+The op table runs the norms, RoPE, the mHC coefficients, collapse and expansion, the key-list attention core,
+the FP8 window rows, the router and the experts' activation (``ops.rms_norm``, ``v41_rope``, ``v41_mix_finish``,
+``v41_collapse`` / ``v41_expand``, ``v41_attend_lists``, ``v41_store_packed`` / ``v41_load_packed``,
+``moe_route``, ``v41_swiglu``): one launch each on CUDA. The router's gate weight is held in fp32 (the GEMM
+runs in fp32 either way; no per-step upcast of it).
 FP8 routed experts (``expert_dtype="fp8"``) stay the plain per-expert loop, dequantized. Of the plain model's
 modules only the compressors' fp32 projections, the indexer's own, the router, the Engram tables and the head
 hold dequantized or unquantized values.
@@ -43,7 +46,7 @@ from deepinfer.model.v41.attention import Attention, Indexer
 from deepinfer.model.v41.fp8_dense import BLOCK, FP8Dense32
 from deepinfer.model.v41.dspark import DSparkStage
 from deepinfer.model.v41.model import Block, DeepseekV41
-from deepinfer.model.v41.moe import MoE
+from deepinfer.model.v41.moe import Expert, MoE
 from deepinfer.model.v41.names import scale_name, storage_format
 from deepinfer.ops.table import OpTable
 
@@ -108,9 +111,11 @@ def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device
             if routed.pending():
                 raise ValueError(f"{prefix}: experts {routed.pending()} got only one of w1 / w3")
     for module in model.modules():
-        # One kernel each on CUDA: the mHC coefficients of a site, RMSNorm, RoPE, the key-list attention core.
-        if isinstance(module, (Block, DSparkStage, Attention, Indexer, RMSNorm)):
+        # Their op-table entries (module docstring): one kernel each on CUDA.
+        if isinstance(module, (Block, DSparkStage, Attention, Indexer, RMSNorm, MoE, Expert)):
             module.ops = ops
+        if isinstance(module, MoE):  # its router GEMM runs in fp32: the weight held so, not upcast every step
+            module.gate.weight.data = module.gate.weight.data.float()
     if cfg.active_engram_layers:
         model.hasher = EngramHasher(cfg, *compressed_token_map(tokenizer)).to(device)
     return model.eval()

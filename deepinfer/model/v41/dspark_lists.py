@@ -11,7 +11,7 @@ The arithmetic is ``draft``'s: embedding, the stages (``DSparkStage.run``), the 
 sequential Markov head and the confidence head; the draft pick is the MTP chain's ``pick_drafts`` (argmax for
 greedy rows, argmax of logits / T plus the target's (seed, position) Gumbel noise for seeded ones: ``draft``'s
 ``noise`` formula, in the same float64 order). What differs is the attention's shape: each block row attends
-to its block's listed keys (``DSparkAttention.block_lists``, ``attention.attend_lists``), W context slots of
+to its block's listed keys (``DSparkAttention.block_lists``, ``ops.v41_attend_lists``), W context slots of
 which those before position 0 are masked, where ``draft`` concatenates exactly the existing rows; the same keys
 and formula, fp32 rounding apart.
 """

@@ -13,10 +13,14 @@ from torch import nn
 from deepinfer.config.v41 import V41Config
 from deepinfer.model.linear import Linear
 from deepinfer.ops.ref.moe import route
+from deepinfer.ops.table import REF, OpTable
 
 
 class Expert(nn.Module):
     """Checkpoint names: ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+
+    # The fp32 clamped SwiGLU (``ops.v41_swiglu``): the device build sets the device's table.
+    ops: OpTable = REF
 
     def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -26,9 +30,7 @@ class Expert(nn.Module):
         self.w3 = Linear(hidden, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).float().clamp(max=self.limit)
-        up = self.w3(x).float().clamp(min=-self.limit, max=self.limit)
-        return self.w2((torch.nn.functional.silu(gate) * up).to(x.dtype))
+        return self.w2(self.ops.v41_swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class Gate(nn.Module):
@@ -42,6 +44,9 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
+    # The router after the gate GEMM (``ops.moe_route``, text tokens): the device build sets the device's table.
+    ops: OpTable = REF
+
     def __init__(self, cfg: V41Config, dtype: torch.dtype, experts: int | None = None, top_k: int | None = None
                  ) -> None:
         """``experts``/``top_k``: the routed experts and how many each token picks (default: the backbone's;
@@ -57,13 +62,20 @@ class MoE(nn.Module):
         # The experts stacked as one FP4 module on a device (``device.py``: ``FusedFP4Experts``); None: the loop.
         self.routed: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
-        """x [T, H], image_mask [T] bool -> [T, H]."""
+    def select(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, expert ids [T, k]); ``image_mask`` [T] bool, or None when the step
+        has no image span (every token takes ``gate.bias``: one routing launch on a device)."""
         c = self.cfg
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
+        if image_mask is None:
+            return self.ops.moe_route(logits, "sqrtsoftplus", self.top_k, c.norm_topk_prob, c.routed_scaling_factor,
+                                      bias=self.gate.bias)
         bias = torch.where(image_mask.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
-        weights, indices = route(logits, "sqrtsoftplus", self.top_k, c.norm_topk_prob,
-                                 c.routed_scaling_factor, bias=bias)
+        return route(logits, "sqrtsoftplus", self.top_k, c.norm_topk_prob, c.routed_scaling_factor, bias=bias)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        """x [T, H], image_mask [T] bool (None: no image span) -> [T, H]."""
+        weights, indices = self.select(x, image_mask)
         out = self.shared_experts(x).float()
         if self.routed is not None:  # the routed sum in x.dtype (V4's combine), added to the shared in fp32
             return (out + self.routed(x, indices, weights).float()).to(x.dtype)

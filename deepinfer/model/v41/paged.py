@@ -19,7 +19,7 @@ Engram hashes the token history. So V4.1 runs its own path here, on V4's index a
     all the step's queries, each scored against its own sequence's index keys (``select_lists``: the same
     choices as the per-sequence code's, ties and last-bit roundings at the cut apart), handed from layer to
     layer as rows of the sequences' concatenated entries (``SharedLists``), and the attention over each
-    query's keys given as row lists into the gathered rows (``attention.attend_lists``): the same keys and
+    query's keys given as row lists into the gathered rows (``ops.v41_attend_lists``): the same keys and
     formula in other reduction shapes (fp32 rounding apart). A compressed layer's ops no longer grow with the
     number of sequences (before: ~100 torch ops per sequence in an index source, ~40 in every attention).
 
@@ -169,7 +169,7 @@ class PagedV41(nn.Module):
         / exact), applied to the sequences whose step reads only their last row (``StepIndex.last_row_only``).
         ``batch_invariant``: every token runs alone, the head on one row at a time (``invariant.py``).
         ``key_lists``: the attention core runs for all sequences at once over per-query key lists
-        (``attention.attend_lists``: a few launches per layer instead of ~40 per sequence; the device build),
+        (``ops.v41_attend_lists``: one kernel on CUDA per layer instead of ~40 per sequence; the device build),
         else per sequence with the plain model's code (the CPU reference: its bits)."""
         super().__init__()
         self.model = model
@@ -207,7 +207,7 @@ class PagedV41(nn.Module):
         x = m.embed(input_ids)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)
         pre = mhc.one_hot_pre(x.shape[0], cfg.hc_mult, x.device)
-        image_mask = torch.zeros_like(input_ids, dtype=torch.bool)  # text only (the intake refuses image ids)
+        image_mask = None  # text only (the intake refuses image ids): every token routes with gate.bias
         # The CSA2 state handed from layer to layer: each sequence's, or every sequence's at once (key lists).
         shared = SharedLists() if self.key_lists else [SharedKV() for _ in step.runs]
         taps: list[torch.Tensor] = []
@@ -217,7 +217,7 @@ class PagedV41(nn.Module):
             if sel is None and i == self.replay.first_layer and kept is not None:
                 step, sel = step.narrowed(kept)
                 shared = shared.narrowed(sel) if self.key_lists else [sh.narrowed(k) for sh, k in zip(shared, kept)]
-                streams, pre, image_mask, taps = streams[sel], pre[sel], image_mask[sel], [t[sel] for t in taps]
+                streams, pre, taps = streams[sel], pre[sel], [t[sel] for t in taps]
                 engram = engram[sel] if engram is not None else None
             rows = engram[:, block.engram.table_index] if hasattr(block, "engram") else None
 
@@ -339,10 +339,10 @@ class PagedV41(nn.Module):
         store_rows(step.storage, key, "window_kv", step.window_rows, kv, att.ops)
         if att.kv_source:
             self._publish_entries(att, key, x, step)
-        idx, runs = step.index, step.runs
+        runs = step.runs
         spans = self._window_spans(att.window, step)
         window = load_rows(step.storage, key, "window_kv", spans.rows, att.ops)
-        starts, lens, kp = spans.starts, spans.lens, spans.positions
+        lens, kp = spans.lens, spans.positions
         if att.kv_source:  # the sequences' entries after the step, for this layer and the ones reusing it
             entries, index_keys, counts = self._entries(key, att.ratio, step)
             if self.key_lists:
@@ -368,7 +368,7 @@ class PagedV41(nn.Module):
     def _attend_lists(self, att: Attention, x: torch.Tensor, q: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor,
                       step: _Step, shared: SharedLists, window: torch.Tensor, spans: _WindowSpans) -> torch.Tensor:
         """``_attention``'s core for every sequence at once (``key_lists``): each query's keys as row lists into
-        the step's gathered window rows and the sequences' entries (``attention.attend_lists``), an index
+        the step's gathered window rows and the sequences' entries (``ops.v41_attend_lists``), an index
         source's top-k selected for every sequence at once as rows of those entries (``select_lists``: the
         per-sequence choices), a reusing layer's the latest index source's. [T, heads, D]."""
         runs, w = step.runs, att.window

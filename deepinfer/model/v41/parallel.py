@@ -47,7 +47,6 @@ from deepinfer.model.shard import Shard
 from deepinfer.model.v41.attention import Attention
 from deepinfer.model.v41.model import DeepseekV41
 from deepinfer.model.v41.moe import MoE
-from deepinfer.ops.ref.moe import route
 
 
 class V41TPAttention(Attention):
@@ -103,13 +102,9 @@ class V41EPMoE(ExpertDispatch, MoE):
         self.load, self.layer_index = None, 0
         self.set_placement(static_placement(self.cfg.n_routed_experts, pctx.ep_size))
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
         """``MoE.forward``'s math with the routed experts on their ranks."""
-        c = self.cfg
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
-        bias = torch.where(image_mask.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
-        weights, indices = route(logits, "sqrtsoftplus", self.top_k, c.norm_topk_prob, c.routed_scaling_factor,
-                                 bias=bias)
+        weights, indices = self.select(x, image_mask)
         # The TP ranks of a DP group hold the same tokens: each takes a contiguous 1/TP of them.
         p = self.pctx
         sizes = [len(c) for c in torch.arange(len(x)).tensor_split(p.tp_size)]

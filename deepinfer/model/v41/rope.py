@@ -1,6 +1,6 @@
-"""V4.1 rotary embedding (spec §2.4 step 2): adjacent pairs (2i, 2i+1) of the *last* rope dims, rotated by a
-complex multiply in fp32 and cast back once, as the reference does (separate real multiplies round some
-values differently, which can cross a later FP8/FP4 bin).
+"""V4.1 rotary embedding tables (spec §2.4 step 2): the angles of each position. The rotation itself (adjacent
+pairs of the *last* rope dims, a complex multiply in fp32) is the op table's ``v41_rope``
+(``ops/ref/rope_v41.py``, one kernel on CUDA).
 
 Two tables: "main" (plain, theta 1e4) for window-only layers; "compress" (theta 1.6e5 with YaRN frequency
 scaling, no mscale) for every rope of a layer with ratio > 0.
@@ -14,7 +14,6 @@ import math
 import torch
 
 from deepinfer.config.model import RopeConfig
-from deepinfer.ops.ref.rope_v41 import apply_rope  # noqa: F401 (the plain model's rotation)
 
 
 @functools.lru_cache(maxsize=64)

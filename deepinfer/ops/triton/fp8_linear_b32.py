@@ -124,7 +124,7 @@ def fp8_linear_b32_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     if r % bn:  # a tile would straddle two groups (small test shapes): a launch per group
         return torch.stack([fp8_linear_b32(x[i], weight[i * r:(i + 1) * r], scale[i * r // 32:(i + 1) * r // 32])
                             for i in range(g)])
-    x = x if x.stride(2) == 1 and x.stride(1) == k else x.contiguous()
+    x = x if x.stride(2) == 1 else x.contiguous()  # any group and row strides (wo_a's input is a transpose)
     weight, scale = weight.contiguous(), scale.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
