@@ -134,6 +134,8 @@ class OpTable:
     # DeepSeek-V4.1's mHC coefficients from a site's logits: logits [T,(2+N)N] fp32, N, iters, eps -> (pre, post,
     # comb) fp32 (ops/ref/mhc_v41.py).
     v41_mix_finish: Callable = ref_mhc_v41.mix_finish
+    # ... and the logits before it: streams [T,N,H], fn, base, scale, norm_eps -> [T,(2+N)N] fp32.
+    v41_mix_logits: Callable = ref_mhc_v41.mix_logits
     # ... a site's collapse (streams [T,N,H], pre [T,N] -> [T,H]) and expansion (out, streams, post, comb ->
     # [T,N,H]), fp32 inside.
     v41_collapse: Callable = ref_mhc_v41.collapse
@@ -235,6 +237,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    fp8_linear_b32=tri_fp8_b32.fp8_linear_b32,
                    fp8_linear_b32_grouped=tri_fp8_b32.fp8_linear_b32_grouped, v41_mix_finish=tri_mhc_v41.mix_finish,
                    v41_collapse=tri_mhc_v41.collapse, v41_expand=tri_mhc_v41.expand,
+                   v41_mix_logits=tri_mhc_v41.mix_logits,
                    v41_store_packed=tri_cache_rows.store_packed, v41_load_packed=tri_cache_rows.load_packed,
                    v41_swiglu=tri_swiglu.swiglu_v41,
                    v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning))

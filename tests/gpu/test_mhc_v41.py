@@ -102,3 +102,39 @@ def test_a_transposed_comb_is_caught(device) -> None:
     streams, pre, out, post, comb = _streams(2, 4, 64, torch.float32, device, seed=9)
     got = tri.expand(out, streams, post, comb)
     assert rel_err(got, ref.expand(out, streams, post, comb.transpose(1, 2))) > 1e-2
+
+
+def _site(t: int, n: int, h: int, device: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    streams = (torch.randn(t, n, h, generator=g) * 2).to(torch.bfloat16)
+    fn = torch.randn((2 + n) * n, n * h, generator=g) * 0.02
+    base, scale = torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g) + 0.5
+    return [v.to(device) for v in (streams, fn, base, scale)]
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("t,n,h", [(1, 4, 96), (5, 4, 200), (3, 3, 64)])
+def test_mix_logits_match_the_reference(device, t, n, h) -> None:
+    """The site's logits (projection, inverse RMS, scales): fp32 sums in other orders, within 1e-5."""
+    streams, fn, base, scale = _site(t, n, h, device, seed=t * h)
+    got = tri.mix_logits(streams, fn, base, scale, 1e-6)
+    want = ref.mix_logits(streams, fn, base, scale, 1e-6)
+    assert got.shape == want.shape == (t, (2 + n) * n) and got.dtype == torch.float32
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+    first = streams[:, :1].expand(-1, n, -1)  # layer 0's streams (stride 0 over N)
+    assert rel_err(tri.mix_logits(first, fn, base, scale, 1e-6), ref.mix_logits(first, fn, base, scale, 1e-6)) <= 1e-5
+
+
+@pytest.mark.parametrize("t", [1, 8, 64, 65, 512])
+def test_mix_logits_v41_flash(device, t) -> None:
+    """V4.1-Flash's site (4 streams of 5120): the two-kernel path up to 64 tokens, the GEMM above."""
+    streams, fn, base, scale = _site(t, 4, 5120, device, seed=t)
+    got = tri.mix_logits(streams, fn, base, scale, 1e-6)
+    assert rel_err(got, ref.mix_logits(streams, fn, base, scale, 1e-6)) <= 1e-5
+
+
+@pytest.mark.interpret_ok
+def test_mix_logits_of_a_token_do_not_depend_on_the_batch(device) -> None:
+    streams, fn, base, scale = _site(7, 4, 96, device, seed=3)
+    alone = tri.mix_logits(streams[4:5], fn, base, scale, 1e-6)
+    assert torch.equal(alone[0], tri.mix_logits(streams, fn, base, scale, 1e-6)[4])

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.ops.table import REF, OpTable
@@ -29,14 +28,10 @@ class Mix:
 def mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
         hc_eps: float, norm_eps: float, ops: OpTable = REF) -> Mix:
     """streams [T, N, H] -> the site's coefficients, all fp32: project the flat streams, then scale by their
-    inverse RMS; logits = base + mixes * [scale0 x N, scale1 x N, scale2 x N^2]; sigmoids and the Sinkhorn
-    by ``ops.v41_mix_finish`` (``ops/ref/mhc_v41.py``; one kernel on CUDA)."""
-    n = streams.shape[1]
-    flat = streams.flatten(1).float()
-    mixes = F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n))).float()
-    logits = torch.addcmul(base.float(), mixes, scales)  # one fused multiply-add, as the reference kernel
-    return Mix(*ops.v41_mix_finish(logits, n, iters, hc_eps))
+    inverse RMS; logits = base + mixes * [scale0 x N, scale1 x N, scale2 x N^2] (``ops.v41_mix_logits``);
+    sigmoids and the Sinkhorn by ``ops.v41_mix_finish`` (``ops/ref/mhc_v41.py``; a few kernels on CUDA)."""
+    logits = ops.v41_mix_logits(streams, fn, base, scale, norm_eps)
+    return Mix(*ops.v41_mix_finish(logits, streams.shape[1], iters, hc_eps))
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor, ops: OpTable = REF) -> torch.Tensor:

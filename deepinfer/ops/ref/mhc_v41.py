@@ -1,5 +1,8 @@
-"""DeepSeek-V4.1's mHC coefficients from a site's logits (spec §2.3; the site's projection and RMS scaling are
-``model/v41/mhc.mix``): the twin of ``ops/triton/mhc_v41.py``.
+"""DeepSeek-V4.1's mHC coefficients (spec §2.3): the twin of ``ops/triton/mhc_v41.py``.
+
+    mix_logits(streams [T, N, H], fn [(2 + N) N, N H], base, scale [3], norm_eps) -> logits [T, (2 + N) N] fp32:
+        the flat streams projected by fn, times their inverse RMS, then base + that * [scale0 x N, scale1 x N,
+        scale2 x N^2] (one fused multiply-add)
 
     logits [T, (2 + N) N] fp32 -> pre = sigmoid(l[:N]) + eps, post = 2 sigmoid(l[N:2N]),
                                   comb = Sinkhorn(l[2N:] as [N, N]), all fp32
@@ -12,6 +15,16 @@ rounds, twice per layer (``ops/triton/mhc_v41.py`` does a site in one launch).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def mix_logits(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float
+               ) -> torch.Tensor:
+    n = streams.shape[1]
+    flat = streams.flatten(1).float()
+    mixes = F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    scales = torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n))).float()
+    return torch.addcmul(base.float(), mixes, scales)  # one fused multiply-add, as the reference kernel
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -134,3 +134,81 @@ def expand(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: t
                                                             BLOCK_H=STREAM_BLOCK_H, INTERPRET=_INTERPRET,
                                                             num_warps=4, enable_fp_fusion=False)
     return y
+
+
+# The logits' split of the flat row (N H = 20,480 for V4.1-Flash) over programs: CHUNK values each, so a decode
+# step's few tokens still spread the fn read (1.9 MB fp32) over ~64 programs per token.
+MIX_CHUNK = 320
+MIX_BLOCK_K = 64
+# Above this many tokens the projection is a GEMM (fn read once for all tokens, not once per token).
+MIX_GEMV_TOKENS = 64
+
+
+@triton.jit
+def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, H, K, CHUNK, stride_xt, stride_xn, n_chunks,
+                        M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (t, c): the fn products and the sum of squares of flat columns [c CHUNK, (c + 1) CHUNK)."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    lo = c * CHUNK
+    for k0 in range(lo, tl.minimum(lo + CHUNK, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < tl.minimum(lo + CHUNK, K)
+        x = tl.load(x_ptr + t * stride_xt + (k // H) * stride_xn + k % H, mask=k_ok, other=0.0).to(tl.float32)
+        sq += x * x
+        w = tl.load(fn_ptr + offs_m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(w * x[None, :], axis=1)
+    base = part_ptr + (t * n_chunks + c) * (BLOCK_M + 1)
+    tl.store(base + offs_m, acc, mask=m_ok)
+    tl.store(base + BLOCK_M, tl.sum(sq, axis=0))
+
+
+@triton.jit
+def _mix_logits_kernel(part_ptr, base_ptr, scale_ptr, out_ptr, n_chunks, inv_k, eps, N: tl.constexpr,
+                       M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program t: the chunks' partials summed in chunk order, the inverse RMS, the scaled logits."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    mixes = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sq = 0.0
+    for c in range(0, n_chunks):
+        row = part_ptr + (t * n_chunks + c) * (BLOCK_M + 1)
+        mixes += tl.load(row + offs_m, mask=m_ok, other=0.0)
+        sq += tl.load(row + BLOCK_M)
+    r = 1.0 / tl.sqrt_rn(sq * inv_k + eps)
+    which = tl.where(offs_m < N, 0, tl.where(offs_m < 2 * N, 1, 2))
+    s = tl.load(scale_ptr + which, mask=m_ok, other=0.0)
+    b = tl.load(base_ptr + offs_m, mask=m_ok, other=0.0)
+    tl.store(out_ptr + t * M + offs_m, tl.fma(mixes * r, s, b), mask=m_ok)
+
+
+def mix_logits(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float
+               ) -> torch.Tensor:
+    """``ops/ref/mhc_v41.mix_logits``. Up to ``MIX_GEMV_TOKENS`` tokens: two launches (the projection and the
+    sum of squares in chunks over many programs, then a program per token reducing them in chunk order: the
+    same sums whatever the batch); more: the reference's GEMM. The sums run in other orders than torch's: fp32
+    values within a few ulps of the reference's."""
+    t, n, h = streams.shape
+    m, k = (2 + n) * n, n * h
+    if t > MIX_GEMV_TOKENS or fn.dtype != torch.float32:
+        from deepinfer.ops.ref.mhc_v41 import mix_logits as ref_mix_logits
+
+        return ref_mix_logits(streams, fn, base, scale, norm_eps)
+    assert fn.shape == (m, k) and base.shape == (m,) and scale.shape == (3,), (tuple(fn.shape), tuple(base.shape))
+    x = _stream_rows(streams)
+    out = torch.empty((t, m), dtype=torch.float32, device=streams.device)
+    if t == 0:
+        return out
+    chunks = triton.cdiv(k, MIX_CHUNK)
+    block_m = triton.next_power_of_2(m)
+    part = torch.empty((t, chunks, block_m + 1), dtype=torch.float32, device=streams.device)
+    _mix_partial_kernel[(t, chunks)](x, fn.contiguous(), part, h, k, MIX_CHUNK, x.stride(0), x.stride(1), chunks,
+                                     M=m, BLOCK_M=block_m, BLOCK_K=MIX_BLOCK_K, num_warps=4)
+    _mix_logits_kernel[(t,)](part, base.float().contiguous(), scale.float().contiguous(), out, chunks, 1.0 / k,
+                             float(norm_eps), N=n, M=m, BLOCK_M=block_m, num_warps=1)
+    return out
