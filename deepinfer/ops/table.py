@@ -151,6 +151,8 @@ class OpTable:
     v41_store_packed: Callable = ref_cache_rows.store_packed
     # DeepSeek-V4.1's expert activation: gate, up, limit -> silu(clamped gate) * clamped up, fp32 inside.
     v41_swiglu: Callable = ref_swiglu.swiglu_v41
+    # DeepSeek-V4.1's cache roundings kept in the forward: values, fmt (fp8 / mxfp4 / nvfp4) -> the rounded values.
+    v41_qdq: Callable = ref_cache_rows.qdq
     v41_load_packed: Callable = ref_cache_rows.load_packed
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
@@ -239,7 +241,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    v41_collapse=tri_mhc_v41.collapse, v41_expand=tri_mhc_v41.expand,
                    v41_mix_logits=tri_mhc_v41.mix_logits,
                    v41_store_packed=tri_cache_rows.store_packed, v41_load_packed=tri_cache_rows.load_packed,
-                   v41_swiglu=tri_swiglu.swiglu_v41,
+                   v41_swiglu=tri_swiglu.swiglu_v41, v41_qdq=tri_cache_rows.qdq,
                    v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning))
     if not tuning.batch_invariant:
         return table

@@ -179,3 +179,59 @@ def test_swiglu_v41(t, inter, dtype, device) -> None:
     else:
         assert (out != want).float().mean().item() <= 1e-2 and rel_err(out, want) <= 4e-3
     assert rel_err(swiglu_v41(gate, up, 3.0), want) > 1e-2  # the clamp matters at these values
+
+
+def _e2m1_values(n: int, c: int, dtype, device, seed: int) -> torch.Tensor:
+    g = _gen(seed)
+    values = torch.randn(n, c, generator=g) * torch.randn(n, 1, generator=g).mul(3).exp()
+    values[0] = 0.0  # amax 0: the scale floor
+    values[1, :16] = -0.0  # signed zeros keep their sign
+    # Values on the e2m1 midpoints of a group whose scale is 1 (amax 6 -> MXFP4 scale 1, NVFP4 e4m3(1.0) = 1):
+    # each must go to the even code.
+    values[2, :16] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5,
+                                   -3.5, -5.0, 6.0])
+    return values.to(dtype).to(device)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_e2m1_qdq_and_rows_small(fmt, dtype, device) -> None:
+    _check_e2m1(fmt, 6, 64, dtype, device, seed=7, store=fmt == "mxfp4" or device != "cpu")
+
+
+@pytest.mark.parametrize("fmt,c", [("mxfp4", 128), ("nvfp4", 512)])
+@pytest.mark.parametrize("n", [1, 64 * 32, 4096])
+def test_e2m1_v41_flash(fmt, c, n, device) -> None:
+    """V4.1-Flash's index keys / queries (MXFP4, 128 channels) and compressed entries (NVFP4, 512)."""
+    _check_e2m1(fmt, max(n, 3), c, torch.bfloat16, device, seed=n + c)
+
+
+def _check_e2m1(fmt: str, n: int, c: int, dtype, device, seed: int, store: bool = True) -> None:
+    """qdq values and packed bytes bit-equal to the reference's; reads bit-equal. (On the interpreter the NVFP4
+    scale's e4m3 conversion truncates, so its bytes are compared on CUDA only.)"""
+    from deepinfer.ops.ref import cache_rows_v41 as ref_rows
+    from deepinfer.ops.triton import cache_rows_v41 as tri_rows
+
+    values = _e2m1_values(n, c, dtype, device, seed)
+    if store:
+        assert torch.equal(tri_rows.qdq(values, fmt), ref_rows.qdq(values, fmt))
+    heads = values.view(n, -1, c // 2)  # [T, heads, d] as the index queries come (rows of c / 2 channels)
+    if store and fmt == "mxfp4":
+        assert torch.equal(tri_rows.qdq(heads, fmt), ref_rows.qdq(heads, fmt))
+    group = 32 if fmt == "mxfp4" else 16
+    rows = 2 * n + 3
+    g = _gen(seed + 1)
+    where = torch.randperm(rows, generator=g)[:n].to(device)
+    width = c // 2 + c // group
+    got = torch.zeros((rows, width), dtype=torch.uint8, device=device)
+    want = got.clone()
+    tri_rows.store_packed(got, where, values, fmt)
+    ref_rows.store_packed(want, where, values, fmt)
+    if store:
+        assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
+    read = where[torch.randint(0, n, (2 * n,), generator=g).to(device)]
+    for out_dtype in (torch.float32, torch.bfloat16):
+        a = tri_rows.load_packed(want, read, fmt, c, out_dtype)
+        b = ref_rows.load_packed(want, read, fmt, c, out_dtype)
+        assert a.dtype == out_dtype and torch.equal(a, b)

@@ -18,7 +18,6 @@ from deepinfer.config.v41 import V41Config, V41LayerRole
 from deepinfer.model.linear import Linear
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.v41.cache import LayerCache, write_rows
-from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.context import SharedKV, StepContext
 from deepinfer.model.v41.rope import angles as rope_angles
 from deepinfer.ops.table import REF, OpTable
@@ -84,7 +83,7 @@ class Indexer(nn.Module):
 
     def keys(self, latent: torch.Tensor, ang: torch.Tensor, do_qdq: bool) -> torch.Tensor:
         k = self.ops.v41_rope(self.k_norm(self.wk(latent)), ang)
-        return qdq(k, "mxfp4") if do_qdq else k
+        return self.ops.v41_qdq(k, "mxfp4") if do_qdq else k
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, cache_qdq: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +91,7 @@ class Indexer(nn.Module):
         and the head weights [Q, heads]: row by row, so any batch of rows gives each row the same values."""
         q = self.ops.v41_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.dim)), ang)
         w = self.weights_proj(x) * (self.dim ** -0.5 * self.heads ** -0.5)
-        return qdq(q, "mxfp4") if cache_qdq else q, w
+        return self.ops.v41_qdq(q, "mxfp4") if cache_qdq else q, w
 
     @staticmethod
     def weigh(dots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -167,7 +166,7 @@ class Attention(nn.Module):
         if latent.shape[0] or lc.entries is None:
             ang = rope_angles(self.rope, torch.arange(first, first + latent.shape[0], device=x.device) * self.ratio)
             entries = self.ops.v41_rope(latent, ang)
-            lc.entries = write_rows(lc.entries, first, qdq(entries, "nvfp4") if ctx.cache_qdq else entries)
+            lc.entries = write_rows(lc.entries, first, self.ops.v41_qdq(entries, "nvfp4") if ctx.cache_qdq else entries)
             lc.index_keys = write_rows(lc.index_keys, first, self.indexer.keys(latent, ang, ctx.cache_qdq))
         visible = ctx.end // self.ratio  # a replay's cache holds entries past the step: it sees them as a cold run
         source = lc if lc.entries.shape[0] == visible else \
@@ -192,7 +191,7 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = self.ops.v41_rope(self.wq_b(qr).unflatten(-1, (self.heads, self.head_dim)), ang)
         kv = self.ops.v41_rope(self.kv_norm(self.wkv(x)), ang)
-        return q, qr, qdq(kv, "fp8") if cache_qdq else kv
+        return q, qr, self.ops.v41_qdq(kv, "fp8") if cache_qdq else kv
 
     def add_entries(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, ctx: StepContext, shared: SharedKV,
                     keys: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

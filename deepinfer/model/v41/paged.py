@@ -71,7 +71,6 @@ from deepinfer.model.step_index import StepIndex
 from deepinfer.model.v41 import mhc
 from deepinfer.model.v41.attention import Attention
 from deepinfer.model.v41.cache import LayerCache
-from deepinfer.model.v41.cache_quant import qdq
 from deepinfer.model.v41.cache_rows import load_rows, store_rows
 from deepinfer.model.v41.context import SharedKV, SharedLists, StepContext
 from deepinfer.model.v41.invariant import token_steps
@@ -344,7 +343,7 @@ class PagedV41(nn.Module):
         window = load_rows(step.storage, key, "window_kv", spans.rows, att.ops)
         lens, kp = spans.lens, spans.positions
         if att.kv_source:  # the sequences' entries after the step, for this layer and the ones reusing it
-            entries, index_keys, counts = self._entries(key, att.ratio, step)
+            entries, index_keys, counts = self._entries(key, att.ratio, step, att.ops)
             if self.key_lists:
                 shared.entries, shared.index_keys, shared.ratio = entries, index_keys, att.ratio
                 shared.rows = shared.candidates = None
@@ -428,11 +427,13 @@ class PagedV41(nn.Module):
         ang = angles(att.rope, entry * ratio)
         entries = att.ops.v41_rope(latent, ang)
         where = _resident(lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
-        store_rows(step.storage, key, "entries", where, qdq(entries, "nvfp4") if step.round_rows else entries)
-        store_rows(step.storage, key, "index_keys", where, att.indexer.keys(latent, ang, step.round_rows))
+        if step.round_rows:
+            entries = att.ops.v41_qdq(entries, "nvfp4")
+        store_rows(step.storage, key, "entries", where, entries, att.ops)
+        store_rows(step.storage, key, "index_keys", where, att.indexer.keys(latent, ang, step.round_rows), att.ops)
 
     @staticmethod
-    def _entries(key: str, ratio: int, step: _Step) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _entries(key: str, ratio: int, step: _Step, ops: OpTable) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The compressed entries and index keys of source ``key`` after the step of every run's sequence (its
         first ``end // ratio``, as the plain model's per-sequence cache holds them), concatenated in run order
         (read for all runs at once; the rows laid out on the host, one copy), and their counts per run."""
@@ -446,7 +447,8 @@ class PagedV41(nn.Module):
             entry, seq = flat[:total], flat[total:]
             rows = step.memo[("entry_rows", ratio)] = _resident(
                 lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
-        return load_rows(step.storage, key, "entries", rows), load_rows(step.storage, key, "index_keys", rows), counts
+        return (load_rows(step.storage, key, "entries", rows, ops), load_rows(step.storage, key, "index_keys", rows, ops),
+                counts)
 
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,

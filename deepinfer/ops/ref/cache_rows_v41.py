@@ -3,12 +3,14 @@ written into and read from a packed storage tensor. The twin of ``ops/triton/cac
 
     store_packed(table [R, B] uint8, where [N], values [N, C], fmt)   table[where] = quantize(values, fmt)
     load_packed(table, where [N], fmt, channels, dtype) -> [N, C]     dequantize(table[where], fmt, ...)
+    qdq(values, fmt) -> values                                         the rounding kept in the forward
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer.model.v41 import cache_quant
 from deepinfer.model.v41.cache_quant import CacheFormat, dequantize, quantize
 
 
@@ -19,3 +21,7 @@ def store_packed(table: torch.Tensor, where: torch.Tensor, values: torch.Tensor,
 def load_packed(table: torch.Tensor, where: torch.Tensor, fmt: CacheFormat, channels: int, dtype: torch.dtype
                 ) -> torch.Tensor:
     return dequantize(table[where], fmt, channels, dtype)
+
+
+def qdq(values: torch.Tensor, fmt: CacheFormat) -> torch.Tensor:
+    return cache_quant.qdq(values, fmt)
