@@ -72,8 +72,8 @@ def test_profile_runs_the_largest_step_through_the_device_build(tiny, monkeypatc
     seen = []
     entries = paged.PagedV41._entries
 
-    def recorded(key, ratio, step):
-        out = entries(key, ratio, step)
+    def recorded(key, ratio, step, ops):
+        out = entries(key, ratio, step, ops)
         seen.append((ratio, out[2]))
         return out
 
