@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from deepinfer.config.router import RouterConfig  # noqa: E402
 from deepinfer.router.app import Router, build_router_app  # noqa: E402
+from deepinfer.testing.serve_thread import ThreadedServer, serve_in_thread  # noqa: E402
 from deepinfer.testing.server_cli import start_server  # noqa: E402
 from deepinfer.tokenizer import Tokenizer  # noqa: E402
 
@@ -77,26 +77,16 @@ class RouterServer:
 
 @pytest.fixture
 def start_router() -> Iterator:
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+    servers: list[ThreadedServer] = []
 
     def start(urls: list[str], **kw) -> RouterServer:
         app = build_router_app(RouterConfig(tuple(urls), block_size=128, **kw), Tokenizer())
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "router did not start"
-            time.sleep(0.02)
-        servers.append((srv, thread))
-        return RouterServer(f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.router)
+        servers.append(serve_in_thread(app, "router", timeout=30))
+        return RouterServer(servers[-1].url, app.state.router)
 
     yield start
-    for srv, thread in servers:
-        srv.should_exit = True
-        thread.join(30)
+    for running in servers:
+        running.stop()
 
 
 def _closed_port_url() -> str:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from deepinfer.server import build_app  # noqa: E402
 from deepinfer.server.app import ServerState  # noqa: E402
 from deepinfer.server.engine_client import EngineClient  # noqa: E402
 from deepinfer.server.engine_queries import check_cache_integrity, idle_state  # noqa: E402
+from deepinfer.testing.serve_thread import serve_in_thread  # noqa: E402
 from deepinfer.testing.server_cli import start_server  # noqa: E402
 
 API_KEY = "sk-test-key"
@@ -112,25 +111,14 @@ def _client(server: Server) -> openai.OpenAI:
 def serve(engine: LLMEngine | EngineClient) -> Iterator[Server]:
     """Serve ``engine`` from a background thread until the generator is closed (a fixture's teardown)."""
     app = build_app(engine, api_key=API_KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; uvicorn serves this very socket (no race)
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
+    running = serve_in_thread(app, "server")
     state: ServerState = app.state.server
-    yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", state)
+    yield Server(running.url, state)
     died = state.bridge.error is not None  # a test killed it
-    srv.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
+    running.stop()
     assert not state.bridge.alive  # the lifespan shutdown stopped the engine
     if isinstance(engine, EngineClient) and not died:
         assert engine.process.exitcode == 0  # the engine process exited by itself
-    sock.close()
 
 
 @pytest.fixture(scope="module")
