@@ -184,6 +184,9 @@ def test_swiglu_v41(t, inter, dtype, device) -> None:
 def _e2m1_values(n: int, c: int, dtype, device, seed: int) -> torch.Tensor:
     g = _gen(seed)
     values = torch.randn(n, c, generator=g) * torch.randn(n, 1, generator=g).mul(3).exp()
+    # NVFP4's e4m3 scale holds amax / 6 up to 448: a larger group is outside the format (torch's conversion and
+    # the kernel's saturating one disagree there); cache rows are normed activations, far inside it.
+    values = values.clamp(-2000.0, 2000.0)
     values[0] = 0.0  # amax 0: the scale floor
     values[1, :16] = -0.0  # signed zeros keep their sign
     # Values on the e2m1 midpoints of a group whose scale is 1 (amax 6 -> MXFP4 scale 1, NVFP4 e4m3(1.0) = 1):
@@ -235,3 +238,12 @@ def _check_e2m1(fmt: str, n: int, c: int, dtype, device, seed: int, store: bool 
         a = tri_rows.load_packed(want, read, fmt, c, out_dtype)
         b = ref_rows.load_packed(want, read, fmt, c, out_dtype)
         assert a.dtype == out_dtype and torch.equal(a, b)
+
+
+@pytest.mark.interpret_ok
+def test_rope_of_no_rows(device) -> None:
+    """A step where no token closes an entry rotates zero rows (the engine's float32 test met it)."""
+    from deepinfer.ops.triton.rope_v41 import apply_rope
+
+    out = apply_rope(torch.empty(0, 96, device=device), torch.empty(0, 16, device=device))
+    assert out.shape == (0, 96)

@@ -59,6 +59,8 @@ def apply_rope(values: torch.Tensor, ang: torch.Tensor, inverse: bool = False) -
     assert values.dtype in (torch.bfloat16, torch.float16, torch.float32), values.dtype
     t, w, r = values.shape[0], values.shape[-1], 2 * ang.shape[-1]
     assert w % 2 == 0 and 0 < r <= w, f"values {tuple(values.shape)}: {r} rope channels"
+    if values.numel() == 0:  # a step with no such rows (e.g. no entry closes): nothing to rotate
+        return torch.empty_like(values)
     x = values.reshape(t, -1, w)
     x = x if x.stride(2) == 1 else x.contiguous()
     out = torch.empty(x.shape, dtype=values.dtype, device=values.device)
