@@ -19,7 +19,7 @@ from deepinfer.ops.table import REF, OpTable
 def store_rows(storage: KVStorage, key: str, name: str, where: torch.Tensor, values: torch.Tensor,
                ops: OpTable = REF) -> None:
     """Write ``values`` [N, C] into rows ``where`` [N] of tensor ``name`` of layer ``key`` (packed rows by
-    ``ops.v41_store_packed``: one kernel for FP8 on CUDA)."""
+    ``ops.v41_store_packed``: one kernel on CUDA)."""
     spec = storage.spec(key, name)
     rows = storage.get(key, name)
     if spec.packed is None:
