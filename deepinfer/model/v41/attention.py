@@ -65,7 +65,7 @@ class Indexer(nn.Module):
     """``attn.indexer.``: wq_b [heads * d, q_lora], weights_proj [heads, H]; KV sources also wk [d, D] and
     k_norm [d] (the index keys of their entries)."""
 
-    # The RoPE op (``ops.v41_rope``): the device build sets the device's table.
+    # The RoPE and cache-rounding ops (``ops.v41_rope``, ``ops.v41_qdq``): the device build sets the device's table.
     ops: OpTable = REF
 
     def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype) -> None:
@@ -129,8 +129,8 @@ class Attention(nn.Module):
     """Checkpoint names under ``layers.N.attn.``: wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink,
     compressor.* (KV sources), indexer.* (index sources)."""
 
-    # The RoPE and key-list attention ops (``ops.v41_rope``, ``ops.v41_attend_lists``): the device build sets
-    # the device's table.
+    # The RoPE, cache-rounding and key-list attention ops (``ops.v41_rope``, ``v41_qdq``, ``v41_attend_lists``):
+    # the device build sets the device's table.
     ops: OpTable = REF
 
     def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype, role: V41LayerRole | None = None) -> None:
