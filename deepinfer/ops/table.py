@@ -76,6 +76,7 @@ from deepinfer.ops.ref import cache_rows_v41 as ref_cache_rows
 from deepinfer.ops.ref import compress_emit as ref_emit
 from deepinfer.ops.ref import compress_state as ref_state
 from deepinfer.ops.ref import fp8_linear as ref_fp8
+from deepinfer.ops.ref import index_select_v41 as ref_index_v41
 from deepinfer.ops.ref import indexer_topk as ref_index
 from deepinfer.ops.ref import key_lists as ref_key_lists
 from deepinfer.ops.ref import linear as ref_linear
@@ -154,6 +155,9 @@ class OpTable:
     # DeepSeek-V4.1's cache roundings kept in the forward: values, fmt (fp8 / mxfp4 / nvfp4) -> the rounded values.
     v41_qdq: Callable = ref_cache_rows.qdq
     v41_load_packed: Callable = ref_cache_rows.load_packed
+    # DeepSeek-V4.1's indexer choice over a step's key lists: q, w, keys, base, visible, width, topk, parts,
+    # candidates, publish -> (rows [T, k], candidate mask) (ops/ref/index_select_v41.py).
+    v41_index_select: Callable = ref_index_v41.select_entries
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
 
@@ -198,6 +202,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
     from deepinfer.ops.triton import fp4_codes as tri_fp4
     from deepinfer.ops.triton import fp8_linear as tri_fp8
     from deepinfer.ops.triton import fp8_linear_b32 as tri_fp8_b32
+    from deepinfer.ops.triton import index_select_v41 as tri_index_v41
     from deepinfer.ops.triton import indexer_topk as tri_index
     from deepinfer.ops.triton import key_lists as tri_lists
     from deepinfer.ops.triton import linear as tri_linear
@@ -242,7 +247,8 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    v41_mix_logits=tri_mhc_v41.mix_logits,
                    v41_store_packed=tri_cache_rows.store_packed, v41_load_packed=tri_cache_rows.load_packed,
                    v41_swiglu=tri_swiglu.swiglu_v41, v41_qdq=tri_cache_rows.qdq,
-                   v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning))
+                   v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning),
+                   v41_index_select=tri_index_v41.select_entries)
     if not tuning.batch_invariant:
         return table
     # Batch-invariant (``tuning.invariant()``): the tuning already fixes the FP8 GEMMs' K segments and

@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles real kernels (the interpreter replaces triton.jit)", allow_module_level=True)
 
-from deepinfer.ops.triton import cache_rows_v41, fp8_linear_b32, mhc_v41, rope_v41, swiglu  # noqa: E402
+from deepinfer.ops.triton import cache_rows_v41, fp8_linear_b32, index_select_v41  # noqa: E402
+from deepinfer.ops.triton import mhc_v41, rope_v41, swiglu  # noqa: E402
 from deepinfer.testing.sass import compile_sm90  # noqa: E402
 
 
@@ -55,6 +56,14 @@ KERNELS = [
     ("fp8 b32 grouped", fp8_linear_b32._fp8_b32_kernel, "x_ptr:*bf16 w_ptr:*fp8e4nv s_ptr:*fp32 y_ptr:*bf16 M:i32 "
      "N:i32 K:i32 stride_xm:i32 stride_wn:i32 stride_sn:i32 stride_ym:i32 group_n:i32 stride_xg:i32 BLOCK_M:c "
      "BLOCK_N:c BLOCK_K:c DOT_FP32:c", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_FP32=False), 4),
+    *[(f"index scores{' in candidates' if cand else ''}", index_select_v41._score_kernel,
+       "q_ptr:*bf16 w_ptr:*bf16 k_ptr:*bf16 base_ptr:*i64 vis_ptr:*i64 cand_ptr:*u8 key_ptr:*i64 E:i32 H:i32 D:i32 "
+       "stride_ql:i32 stride_qh:i32 stride_wl:i32 stride_k:i32 stride_cl:i32 stride_ol:i32 BLOCK_H:c BLOCK_E:c "
+       "BLOCK_D:c HAS_CAND:c IEEE:c INTERPRET:c",
+       dict(BLOCK_H=32, BLOCK_E=64, BLOCK_D=128, HAS_CAND=cand, IEEE=False, INTERPRET=False), 4)
+      for cand in (False, True)],
+    ("index rows", index_select_v41._rows_kernel, "best_ptr:*i64 base_ptr:*i64 out_ptr:*i64 e:i32 k:i32 stride_b:i32 "
+     "stride_o:i32 BLOCK:c", dict(BLOCK=512), 4),
 ]
 
 

@@ -20,6 +20,7 @@ from deepinfer.model.norm import RMSNorm
 from deepinfer.model.v41.cache import LayerCache, write_rows
 from deepinfer.model.v41.context import SharedKV, StepContext
 from deepinfer.model.v41.rope import angles as rope_angles
+from deepinfer.ops.ref.index_select_v41 import candidate_blocks, weigh
 from deepinfer.ops.table import REF, OpTable
 
 
@@ -48,24 +49,12 @@ class Compressor(nn.Module):
         return self.norm((values * scores.softmax(dim=1)).sum(dim=1).to(x.dtype))
 
 
-def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """scores [Q, E] (-inf where not visible), visible [Q, 1] -> bool [Q, E]: entries in the top
-    ``topk_blocks`` blocks of ``block`` entries by their best score, the block of the last visible entry
-    always kept; blocks with no finite score never."""
-    width = scores.shape[-1]
-    blocks = F.pad(scores, (0, -width % block), value=-torch.inf).unflatten(-1, (-1, block)).amax(dim=-1)
-    ids = torch.arange(blocks.shape[-1], device=scores.device)
-    blocks = blocks.masked_fill(ids == (visible - 1) // block, torch.inf)
-    chosen = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter(-1, chosen.indices, chosen.values > -torch.inf)
-    return keep.repeat_interleave(block, dim=-1)[..., :width]
-
-
 class Indexer(nn.Module):
     """``attn.indexer.``: wq_b [heads * d, q_lora], weights_proj [heads, H]; KV sources also wk [d, D] and
     k_norm [d] (the index keys of their entries)."""
 
-    # The RoPE and cache-rounding ops (``ops.v41_rope``, ``ops.v41_qdq``): the device build sets the device's table.
+    # The RoPE, cache-rounding and (engine step) selection ops (``ops.v41_rope``, ``ops.v41_qdq``,
+    # ``ops.v41_index_select``): the device build sets the device's table.
     ops: OpTable = REF
 
     def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype) -> None:
@@ -93,13 +82,6 @@ class Indexer(nn.Module):
         w = self.weights_proj(x) * (self.dim ** -0.5 * self.heads ** -0.5)
         return self.ops.v41_qdq(q, "mxfp4") if cache_qdq else q, w
 
-    @staticmethod
-    def weigh(dots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """dots [Q, heads, E] (queries . keys), w [Q, heads] -> scores [Q, E]."""
-        # ReLU, weight, then sum over heads in the activation dtype: the reference keeps these roundings
-        # ("promoting them can change the discrete top-k").
-        return (dots.relu() * w.unsqueeze(-1)).sum(dim=1)
-
     def select(self, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, ctx: StepContext, shared: SharedKV
                ) -> None:
         """Score the source's entries for every query, publish candidates / restrict to them, keep the top-k
@@ -114,7 +96,7 @@ class Indexer(nn.Module):
         q, w = self.queries(x, qr, ang, ctx.cache_qdq)
         visible = ((ctx.positions + 1) // shared.ratio).unsqueeze(-1)
         allowed = torch.arange(width, device=x.device) < visible
-        scores = self.weigh(torch.einsum("shd,td->sht", q, keys), w).masked_fill(~allowed, -torch.inf)
+        scores = weigh(torch.einsum("shd,td->sht", q, keys), w).masked_fill(~allowed, -torch.inf)
         if self.candidate_source:
             shared.candidates = candidate_blocks(scores, visible, self.topk_blocks, self.block) & allowed
         elif self.uses_candidates:

@@ -13,9 +13,10 @@ What each weight becomes:
     With float16 activations (no kernel for them) they are dequantized to plain ``Linear`` weights instead.
   * Engram tables, embedding, head, norms, mHC and the rest: what the plain loader holds (``loader.py``).
 The op table runs the norms, RoPE, the mHC coefficients, collapse and expansion, the key-list attention core,
-the FP8 window rows, the router and the experts' activation (``ops.rms_norm``, ``v41_rope``, ``v41_mix_finish``,
-``v41_collapse`` / ``v41_expand``, ``v41_attend_lists``, ``v41_store_packed`` / ``v41_load_packed``,
-``moe_route``, ``v41_swiglu``): one launch each on CUDA. The router's gate weight is held in fp32 (the GEMM
+the FP8 window rows, the indexer's scoring and choice, the router and the experts' activation (``ops.rms_norm``,
+``v41_rope``, ``v41_mix_finish``, ``v41_collapse`` / ``v41_expand``, ``v41_attend_lists``, ``v41_store_packed`` /
+``v41_load_packed``, ``v41_index_select``, ``moe_route``, ``v41_swiglu``): one launch each on CUDA (the choice: a
+scoring kernel, a top-k and a rows kernel). The router's gate weight is held in fp32 (the GEMM
 runs in fp32 either way; no per-step upcast of it).
 FP8 routed experts (``expert_dtype="fp8"``) stay the plain per-expert loop, dequantized. Of the plain model's
 modules only the compressors' fp32 projections, the indexer's own, the router, the Engram tables and the head

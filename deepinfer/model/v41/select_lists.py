@@ -31,6 +31,10 @@ top-k breaks them by its own order over rows of other widths) or straddle it wit
 ``tests/unit/test_v41_select_lists.py`` checks them equal on random float32 steps.
 The result is given as what ``attend_lists`` reads: each query's chosen entries as rows of the concatenated
 entries (-1 = none), ``min(topk, E)`` per query.
+
+What runs is the indexer's op table's ``v41_index_select``: the reference above (``ops/ref/index_select_v41.py``,
+the CPU engine's), or on CUDA one scoring kernel that reads every query's keys in place, in the same roundings,
+and a top-k over sort keys (``ops/triton/index_select_v41.py``; ties go to the lower entry).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.model.v41.attention import Indexer, candidate_blocks
+from deepinfer.model.v41.attention import Indexer
 from deepinfer.runner.transfer import to_device
 
 
@@ -90,13 +94,6 @@ class EntryLists:
         return out
 
 
-def _widen(t: torch.Tensor, width: int, fill) -> torch.Tensor:
-    """[Q, n] -> [Q, width], the new columns ``fill``."""
-    if t.shape[1] == width:
-        return t
-    return torch.cat((t, t.new_full((t.shape[0], width - t.shape[1]), fill)), dim=1)
-
-
 def select_lists(indexer: Indexer, x: torch.Tensor, qr: torch.Tensor, ang: torch.Tensor, cache_qdq: bool,
                  keys: torch.Tensor, lists: EntryLists, candidates: torch.Tensor | None = None,
                  budget: int = 1 << 26, shared_from: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,10 +101,12 @@ def select_lists(indexer: Indexer, x: torch.Tensor, qr: torch.Tensor, ang: torch
     the step's queries, ``keys`` [Re, d] the sequences' index keys concatenated as ``lists`` says, the
     candidate mask [T, E] published by the candidate source (re-indexing layers after it). -> (each query's
     chosen entries as rows of ``keys`` [T, min(topk, E)], ascending, -1 after them; the candidate mask: the
-    candidate source's own, else ``candidates`` as given). Rows go in parts (``EntryLists.parts``) that keep
-    a part's keys and per-head scores under ``budget`` elements; a run of ``shared_from`` rows or more is
-    scored against its sequence's keys as the per-sequence code does (its rows share them: no gathered copy
-    per query, and the same ops as ``Indexer.select``)."""
+    candidate source's own, else ``candidates`` as given). The scoring and choice are the indexer's op table's
+    ``v41_index_select`` (``ops/ref/index_select_v41.py``): the reference walks the rows in parts
+    (``EntryLists.parts``) that keep a part's keys and per-head scores under ``budget`` elements, a run of
+    ``shared_from`` rows or more scored against its sequence's keys as the per-sequence code does (its rows
+    share them: no gathered copy per query, and the same ops as ``Indexer.select``); the kernel reads every
+    query's keys in place."""
     t, width = x.shape[0], lists.width
     if width == 0 or t == 0:
         none = torch.zeros(t, width, dtype=torch.bool, device=x.device)
@@ -116,27 +115,8 @@ def select_lists(indexer: Indexer, x: torch.Tensor, qr: torch.Tensor, ang: torch
     if indexer.uses_candidates and (candidates is None or candidates.shape != (t, width)):
         raise ValueError("a re-indexing layer after the candidate source found no candidates")
     q, w = indexer.queries(x, qr, ang, cache_qdq)
-    k = min(indexer.topk, width)
-    rows, published = [], []
-    for part, run in lists.parts(budget // max(indexer.dim, indexer.heads), shared_from):
-        visible = lists.visible[part].unsqueeze(-1)
-        if run is None:  # each query's own sequence's keys gathered, slot j = its entry j
-            base, n = lists.base[part].unsqueeze(-1), width
-            slots = torch.arange(n, device=x.device)
-            allowed = slots < visible
-            own = keys[torch.where(allowed, base + slots, 0)]  # a slot past the bound reads row 0, masked below
-            dots = torch.einsum("shd,sed->she", q[part], own)
-        else:  # one run's rows against its sequence's keys
-            base, n = run
-            allowed = torch.arange(n, device=x.device) < visible
-            dots = torch.einsum("shd,td->sht", q[part], keys[base:base + n])
-        scores = indexer.weigh(dots, w[part]).masked_fill(~allowed, -torch.inf)
-        if indexer.candidate_source:
-            published.append(_widen(candidate_blocks(scores, visible, indexer.topk_blocks, indexer.block) & allowed,
-                                    width, False))
-        elif indexer.uses_candidates:
-            scores = scores.masked_fill(~candidates[part, :n], -torch.inf)
-        chosen = scores.topk(min(indexer.topk, n), dim=-1, sorted=False).indices
-        ids = torch.where(torch.isfinite(scores.gather(-1, chosen)), chosen, n).sort(dim=-1).values
-        rows.append(_widen(torch.where(ids < n, ids + base, -1), k, -1))
-    return torch.cat(rows), torch.cat(published) if indexer.candidate_source else candidates
+    parts = lists.parts(budget // max(indexer.dim, indexer.heads), shared_from)
+    publish = (indexer.topk_blocks, indexer.block) if indexer.candidate_source else None
+    rows, published = indexer.ops.v41_index_select(q, w, keys, lists.base, lists.visible, width, indexer.topk,
+                                                   parts, candidates if indexer.uses_candidates else None, publish)
+    return rows, published if indexer.candidate_source else candidates
