@@ -74,6 +74,7 @@ import torch
 from deepinfer.ops.ref import batch_invariant as ref_bi
 from deepinfer.ops.ref import cache_rows_v41 as ref_cache_rows
 from deepinfer.ops.ref import compress_emit as ref_emit
+from deepinfer.ops.ref import compress_pool_v41 as ref_pool_v41
 from deepinfer.ops.ref import compress_state as ref_state
 from deepinfer.ops.ref import fp8_linear as ref_fp8
 from deepinfer.ops.ref import index_select_v41 as ref_index_v41
@@ -155,6 +156,9 @@ class OpTable:
     # DeepSeek-V4.1's cache roundings kept in the forward: values, fmt (fp8 / mxfp4 / nvfp4) -> the rounded values.
     v41_qdq: Callable = ref_cache_rows.qdq
     v41_load_packed: Callable = ref_cache_rows.load_packed
+    # DeepSeek-V4.1's ratio-r compressor pooling: state [S, 2D] fp32, rows [E, r], dtype -> [E, D] (the values
+    # of each entry's r state rows weighted by the softmax of their scores, fp32 inside; ops/ref/compress_pool_v41.py).
+    v41_compress_pool: Callable = ref_pool_v41.pool
     # DeepSeek-V4.1's indexer choice over a step's key lists: q, w, keys, base, visible, width, topk, parts,
     # candidates, publish -> (rows [T, k], candidate mask) (ops/ref/index_select_v41.py).
     v41_index_select: Callable = ref_index_v41.select_entries
@@ -198,6 +202,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
     process's current CUDA device's SM count)."""
     from deepinfer.ops.triton import cache_rows_v41 as tri_cache_rows
     from deepinfer.ops.triton import compress_emit as tri_emit
+    from deepinfer.ops.triton import compress_pool_v41 as tri_pool_v41
     from deepinfer.ops.triton import compress_state as tri_state
     from deepinfer.ops.triton import fp4_codes as tri_fp4
     from deepinfer.ops.triton import fp8_linear as tri_fp8
@@ -248,7 +253,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    v41_store_packed=tri_cache_rows.store_packed, v41_load_packed=tri_cache_rows.load_packed,
                    v41_swiglu=tri_swiglu.swiglu_v41, v41_qdq=tri_cache_rows.qdq,
                    v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning),
-                   v41_index_select=tri_index_v41.select_entries)
+                   v41_compress_pool=tri_pool_v41.pool, v41_index_select=tri_index_v41.select_entries)
     if not tuning.batch_invariant:
         return table
     # Batch-invariant (``tuning.invariant()``): the tuning already fixes the FP8 GEMMs' K segments and

@@ -11,6 +11,12 @@ into an FMA; an unrotated or wrongly paired channel gives >= 1e-2), bf16 at most
 apart; the nope channels bit-equal and the input untouched. Attention: fp32 rel_err <= 1e-5 (the reference's
 fp32 sums in another order), bf16 <= 1e-2 (the kernel rounds the probabilities to bf16 before P.V, ~2^-9
 relative each; a wrong key or a missing sink moves the output by > 10%).
+
+Compressor pooling (``ops/triton/compress_pool_v41.py``): state pools whose rows entries share, scores equal in
+every row, -1e30 / -3e38 beside finite ones, magnitudes in the thousands (exp overflows without the max
+subtraction: NaN) and plain N(0, 16) ones (a softmax over the channels instead of the r rows is off by O(1)). fp32
+rel_err <= 1e-6 (exp implementations differ in the last bit: libdevice's on CUDA, numpy's in the interpreter,
+torch's own vectorised one in its CPU softmax), bf16 at most 1% of elements one rounding apart, none further.
 """
 
 from __future__ import annotations
@@ -247,3 +253,64 @@ def test_rope_of_no_rows(device) -> None:
 
     out = apply_rope(torch.empty(0, 96, device=device), torch.empty(0, 16, device=device))
     assert out.shape == (0, 96)
+
+
+def _pool_inputs(e: int, r: int, d: int, device, seed: int, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A state pool [S, 2d] fp32 (a view of rows ``pad`` columns wider when pad) and rows [e, r] into it, S about
+    e * r / 2 so that entries share rows (and an entry may pool one row twice). The scores come in channel bands:
+    the same in every row (equal weights), -1e30 or -3e38 in about half of each channel's rows (weight 0 beside a
+    finite score, equal weights where a group has only those), magnitudes in the thousands, and N(0, 16)."""
+    g = _gen(seed)
+    n = e * r // 2 + 2
+    values = torch.randn(n, d, generator=g) * 3
+    scores = torch.randn(n, d, generator=g) * 4
+    a, b, c = d // 8, d // 4, d // 2
+    scores[:, :a] = torch.randn(a, generator=g) * 4
+    tiny = torch.where(torch.rand(n, b - a, generator=g) < 0.5, -1e30, -3e38)
+    scores[:, a:b] = torch.where(torch.rand(n, b - a, generator=g) < 0.5, tiny, scores[:, a:b])
+    scores[:, b:c] *= torch.empty(n, c - b).uniform_(1.0, 9.0, generator=g).exp2()
+    state = torch.zeros(n, 2 * d + pad)
+    state[:, :d], state[:, d:2 * d] = values, scores
+    rows = torch.randint(0, n, (e, r), generator=g)
+    return state.to(device)[:, :2 * d], rows.to(device)
+
+
+def _check_pool(e: int, r: int, d: int, dtype, device, seed: int, pad: int = 0) -> None:
+    from deepinfer.ops.ref.compress_pool_v41 import pool as ref_pool
+    from deepinfer.ops.triton.compress_pool_v41 import pool
+
+    state, rows = _pool_inputs(e, r, d, device, seed, pad)
+    out, want = pool(state, rows, dtype), ref_pool(state, rows, dtype)
+    assert out.shape == want.shape == (e, d) and out.dtype == want.dtype == dtype
+    assert torch.isfinite(want).all() and torch.isfinite(out).all()
+    if dtype == torch.float32:
+        assert rel_err(out, want) <= 1e-6, rel_err(out, want)
+    else:
+        apart = (out.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert apart.max().item() <= 1, "a value more than one rounding off"
+        assert (apart > 0).float().mean().item() <= 1e-2 and rel_err(out, want) <= 4e-3
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,r,d", [(5, 2, 96), (3, 1, 40), (4, 3, 64), (6, 4, 96), (3, 2, 640)])
+def test_compress_pool_small(e, r, d, dtype, device) -> None:
+    """Ratios 1..4, channels not a power of two and over one program's block, a pool with padded rows."""
+    _check_pool(e, r, d, dtype, device, seed=8 + e * r, pad=16 if r == 2 else 0)
+
+
+@pytest.mark.interpret_ok
+def test_compress_pool_of_no_entries(device) -> None:
+    """A step where no token closes an entry pools nothing (and launches nothing)."""
+    from deepinfer.ops.triton.compress_pool_v41 import pool
+
+    out = pool(torch.zeros(4, 64, device=device), torch.zeros(0, 2, dtype=torch.int64, device=device), torch.bfloat16)
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r", [1, 2])
+@pytest.mark.parametrize("e", [1, 7, 300, 2048])
+def test_compress_pool_v41_flash(e, r, dtype, device) -> None:
+    """V4.1-Flash's sources: 512 channels, ratio 2 (and 1), decode to prefill entry counts."""
+    _check_pool(e, r, 512, dtype, device, seed=9 + e + r)

@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles real kernels (the interpreter replaces triton.jit)", allow_module_level=True)
 
-from deepinfer.ops.triton import cache_rows_v41, fp8_linear_b32, index_select_v41  # noqa: E402
-from deepinfer.ops.triton import mhc_v41, rope_v41, swiglu  # noqa: E402
+from deepinfer.ops.triton import (cache_rows_v41, compress_pool_v41, fp8_linear_b32, index_select_v41,  # noqa: E402
+                                  mhc_v41, rope_v41, swiglu)
 from deepinfer.testing.sass import compile_sm90  # noqa: E402
 
 
@@ -53,6 +53,9 @@ KERNELS = [
      "n_chunks:i32 inv_k:fp32 eps:fp32 N:c M:c BLOCK_M:c", dict(N=4, M=24, BLOCK_M=32), 1),
     ("swiglu v41", swiglu._swiglu_v41_kernel, "g_ptr:*bf16 u_ptr:*bf16 out_ptr:*bf16 inter:i32 limit:fp32 "
      "stride_g:i32 stride_u:i32 stride_o:i32 BLOCK:c INTERPRET:c", dict(BLOCK=1024, INTERPRET=False), 4),
+    *[(f"compress pool r{r}", compress_pool_v41._pool_kernel, "state_ptr:*fp32 rows_ptr:*i64 out_ptr:*bf16 D:i32 "
+       "stride_s:i32 stride_r:i32 stride_o:i32 R:c BLOCK:c INTERPRET:c", dict(R=r, BLOCK=512, INTERPRET=False), 4)
+      for r in (1, 2, 4)],
     ("fp8 b32 grouped", fp8_linear_b32._fp8_b32_kernel, "x_ptr:*bf16 w_ptr:*fp8e4nv s_ptr:*fp32 y_ptr:*bf16 M:i32 "
      "N:i32 K:i32 stride_xm:i32 stride_wn:i32 stride_sn:i32 stride_ym:i32 group_n:i32 stride_xg:i32 BLOCK_M:c "
      "BLOCK_N:c BLOCK_K:c DOT_FP32:c", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_FP32=False), 4),

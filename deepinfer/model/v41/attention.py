@@ -111,8 +111,8 @@ class Attention(nn.Module):
     """Checkpoint names under ``layers.N.attn.``: wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink,
     compressor.* (KV sources), indexer.* (index sources)."""
 
-    # The RoPE, cache-rounding and key-list attention ops (``ops.v41_rope``, ``v41_qdq``, ``v41_attend_lists``):
-    # the device build sets the device's table.
+    # The RoPE, cache-rounding, key-list attention and the engine step's compressor pooling ops (``ops.v41_rope``,
+    # ``v41_qdq``, ``v41_attend_lists``, ``v41_compress_pool``): the device build sets the device's table.
     ops: OpTable = REF
 
     def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype, role: V41LayerRole | None = None) -> None:

@@ -13,14 +13,16 @@ What each weight becomes:
     With float16 activations (no kernel for them) they are dequantized to plain ``Linear`` weights instead.
   * Engram tables, embedding, head, norms, mHC and the rest: what the plain loader holds (``loader.py``).
 The op table runs the norms, RoPE, the mHC coefficients, collapse and expansion, the key-list attention core,
-the FP8 window rows, the indexer's scoring and choice, the router and the experts' activation (``ops.rms_norm``,
-``v41_rope``, ``v41_mix_finish``, ``v41_collapse`` / ``v41_expand``, ``v41_attend_lists``, ``v41_store_packed`` /
-``v41_load_packed``, ``v41_index_select``, ``moe_route``, ``v41_swiglu``): one launch each on CUDA (the choice: a
-scoring kernel, a top-k and a rows kernel). The router's gate weight is held in fp32 (the GEMM
-runs in fp32 either way; no per-step upcast of it).
+the FP8 window rows, the ratio-2 compressors' pooling, the indexer's scoring and choice, the router and the experts'
+activation (``ops.rms_norm``, ``v41_rope``, ``v41_mix_finish``, ``v41_collapse`` / ``v41_expand``,
+``v41_attend_lists``, ``v41_store_packed`` / ``v41_load_packed``, ``v41_compress_pool``, ``v41_index_select``,
+``moe_route``, ``v41_swiglu``): one launch each on CUDA (the indexer's choice: a scoring kernel, a top-k and a rows
+kernel). The router's gate weight is held in fp32 (the GEMM runs in fp32 either way; no per-step upcast of it), a
+ratio-1 compressor's projection in the activation dtype (it projects in that dtype: the same cast once, not every
+step).
 FP8 routed experts (``expert_dtype="fp8"``) stay the plain per-expert loop, dequantized. Of the plain model's
-modules only the compressors' fp32 projections, the indexer's own, the router, the Engram tables and the head
-hold dequantized or unquantized values.
+modules only the compressors' projections (fp32 but ratio 1's), the indexer's own, the router, the Engram tables
+and the head hold dequantized or unquantized values.
 
 Every tensor is created on the device (built on ``meta``, then ``to_empty``), each value generated or read
 there one tensor at a time. Dummy weights are drawn on the device (``dummy.dummy_v41_tensor``): the same
@@ -43,7 +45,7 @@ from deepinfer.model.linear import Linear
 from deepinfer.model.quant import scale_to_float
 from deepinfer.model.v41.engram import EngramHasher, compressed_token_map
 from deepinfer.model.norm import RMSNorm
-from deepinfer.model.v41.attention import Attention, Indexer
+from deepinfer.model.v41.attention import Attention, Compressor, Indexer
 from deepinfer.model.v41.fp8_dense import BLOCK, FP8Dense32
 from deepinfer.model.v41.dspark import DSparkStage
 from deepinfer.model.v41.model import Block, DeepseekV41
@@ -117,6 +119,8 @@ def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device
             module.ops = ops
         if isinstance(module, MoE):  # its router GEMM runs in fp32: the weight held so, not upcast every step
             module.gate.weight.data = module.gate.weight.data.float()
+        if isinstance(module, Compressor) and module.ratio == 1:  # projects in the activation dtype (same cast)
+            module.wkv.weight.data = module.wkv.weight.data.to(dtype)
     if cfg.active_engram_layers:
         model.hasher = EngramHasher(cfg, *compressed_token_map(tokenizer)).to(device)
     return model.eval()

@@ -41,9 +41,9 @@ before H: those history rows are shared cached blocks and stay exactly as first 
 reads the token ids from the history pool, where that layout keeps them.
 
 Without ``key_lists`` this is the engine's reference path on the CPU (one sequence loop per compressed layer).
-Built by ``device.py`` (with ``key_lists``) it runs on a GPU, where only the dense FP8 linears, the fused experts
-and the mHC coefficients are kernels so far (``bench/results/layer_sweep_v41.md``, measured before ``key_lists``:
-launch-bound, the per-sequence loops grew with the batch). The forward makes no host sync: the per-sequence layout
+Built by ``device.py`` (with ``key_lists``) it runs on a GPU, where the op-table entries that ``device.py`` lists
+are one kernel each, a ratio-2 source's pooling of its state rows and the index sources' scoring and choice among
+them (``ops.v41_compress_pool``, ``ops.v41_index_select``; ``bench/results/layer_sweep_v41.md``). The forward makes no host sync: the per-sequence layout
 (runs, spans, which tokens close an entry) comes from host values the runner hands over (``StepIndex.host``), and
 the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4
 index keys, NVFP4 compressed KV) is the model's ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's
@@ -418,9 +418,8 @@ class PagedV41(nn.Module):
                                                 F.linear(x.float(), comp.wgate.weight.float())), dim=-1)
             pos, seq = pos[closing], seq[closing]
             group = pos.unsqueeze(-1) - ratio + 1 + torch.arange(ratio, device=pos.device)
-            pair = state[_resident(lookup(idx.state_table, seq, group, idx.block_size), group >= 0, f"{key} state")]
-            values, scores = pair.split(att.head_dim, dim=-1)
-            latent = comp.norm((values * scores.softmax(dim=1)).sum(dim=1).to(x.dtype))
+            rows = _resident(lookup(idx.state_table, seq, group, idx.block_size), group >= 0, f"{key} state")
+            latent = comp.norm(att.ops.v41_compress_pool(state, rows, x.dtype))
         if not pos.numel():
             return
         entry = pos // ratio
