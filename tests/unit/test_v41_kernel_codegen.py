@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles real kernels (the interpreter replaces triton.jit)", allow_module_level=True)
 
-from deepinfer.ops.triton import cache_rows_v41, fp8_linear_b32, mhc_v41, rope_v41, swiglu  # noqa: E402
+from deepinfer.ops.triton import cache_rows_v41, engram_v41, fp8_linear_b32, mhc_v41, rope_v41, swiglu  # noqa: E402
 from deepinfer.testing.sass import compile_sm90  # noqa: E402
 
 
@@ -52,6 +52,13 @@ KERNELS = [
      "n_chunks:i32 inv_k:fp32 eps:fp32 N:c M:c BLOCK_M:c", dict(N=4, M=24, BLOCK_M=32), 1),
     ("swiglu v41", swiglu._swiglu_v41_kernel, "g_ptr:*bf16 u_ptr:*bf16 out_ptr:*bf16 inter:i32 limit:fp32 "
      "stride_g:i32 stride_u:i32 stride_o:i32 BLOCK:c INTERPRET:c", dict(BLOCK=1024, INTERPRET=False), 4),
+    ("engram hash", engram_v41._hash_kernel, "lb_ptr:*i64 map_ptr:*i64 mult_ptr:*i64 prime_ptr:*i64 off_ptr:*i64 "
+     "out_ptr:*i64 Q:i32 L:i32 pad_id:i32 stride_lb:i32 N:c HEADS:c BLOCK_Q:c BLOCK_C:c",
+     dict(N=4, HEADS=8, BLOCK_Q=16, BLOCK_C=32), 4),
+    *[(f"engram gather {dt}", engram_v41._gather_kernel, f"code_ptr:*u8 scale_ptr:*u8 rows_ptr:*i64 out_ptr:*{dt} "
+       "K:i32 C:i32 stride_code:i32 stride_scale:i32 stride_rows:i32 stride_out:i32 BLOCK_K:c BLOCK_C:c GROUP:c "
+       "INTERPRET:c",
+       dict(BLOCK_K=8, BLOCK_C=256, GROUP=32, INTERPRET=False), 4) for dt in ("bf16", "fp32")],
     ("fp8 b32 grouped", fp8_linear_b32._fp8_b32_kernel, "x_ptr:*bf16 w_ptr:*fp8e4nv s_ptr:*fp32 y_ptr:*bf16 M:i32 "
      "N:i32 K:i32 stride_xm:i32 stride_wn:i32 stride_sn:i32 stride_ym:i32 group_n:i32 stride_xg:i32 BLOCK_M:c "
      "BLOCK_N:c BLOCK_K:c DOT_FP32:c", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_FP32=False), 4),

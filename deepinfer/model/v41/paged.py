@@ -41,16 +41,16 @@ before H: those history rows are shared cached blocks and stay exactly as first 
 reads the token ids from the history pool, where that layout keeps them.
 
 Without ``key_lists`` this is the engine's reference path on the CPU (one sequence loop per compressed layer).
-Built by ``device.py`` (with ``key_lists``) it runs on a GPU, where only the dense FP8 linears, the fused experts
-and the mHC coefficients are kernels so far (``bench/results/layer_sweep_v41.md``, measured before ``key_lists``:
-launch-bound, the per-sequence loops grew with the batch). The forward makes no host sync: the per-sequence layout
-(runs, spans, which tokens close an entry) comes from host values the runner hands over (``StepIndex.host``), and
-the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4
-index keys, NVFP4 compressed KV) is the model's ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's
-``kv_cache_dtype="auto"``) stores those rows in the released formats: the step hands them unrounded to
-``cache_rows.store_rows``, which quantizes them, and reads them back dequantized (``load_rows``), the same values
-as ``qdq``'s bit for bit. An unpacked layout keeps them in the activation dtype, rounded by the step itself when
-``cache_qdq`` (``_Step.round_rows``).
+Built by ``device.py`` (with ``key_lists``) it runs on a GPU with the op table's kernels that ``device.py`` lists:
+the dense FP8 linears, the fused experts, the mHC coefficients, the attention core, Engram's hash and the gather of
+its rows from the tables' FP8 codes among them (``bench/results/layer_sweep_v41.md``). The forward makes no
+host sync: the per-sequence layout (runs, spans, which tokens close an entry) comes from host values the runner
+hands over (``StepIndex.host``), and the residency / id checks that would read the device run on the CPU only.
+Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's ``cache_qdq``. A packed
+layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows in the released formats: the
+step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and reads them back dequantized
+(``load_rows``), the same values as ``qdq``'s bit for bit. An unpacked layout keeps them in the activation dtype,
+rounded by the step itself when ``cache_qdq`` (``_Step.round_rows``).
 """
 
 from __future__ import annotations
