@@ -76,6 +76,7 @@ from deepinfer.ops.ref import cache_rows_v41 as ref_cache_rows
 from deepinfer.ops.ref import compress_emit as ref_emit
 from deepinfer.ops.ref import compress_pool_v41 as ref_pool_v41
 from deepinfer.ops.ref import compress_state as ref_state
+from deepinfer.ops.ref import engram_v41 as ref_engram
 from deepinfer.ops.ref import fp8_linear as ref_fp8
 from deepinfer.ops.ref import index_select_v41 as ref_index_v41
 from deepinfer.ops.ref import indexer_topk as ref_index
@@ -162,6 +163,11 @@ class OpTable:
     # DeepSeek-V4.1's indexer choice over a step's key lists: q, w, keys, base, visible, width, topk, parts,
     # candidates, publish -> (rows [T, k], candidate mask) (ops/ref/index_select_v41.py).
     v41_index_select: Callable = ref_index_v41.select_entries
+    # DeepSeek-V4.1's Engram lookup (ops/ref/engram_v41.py): the n-gram hash, lookback, token_map, pad_id,
+    # multipliers, primes, offsets, heads -> table rows [Q, layers, hash heads] int64; and the gather of those
+    # rows from the table's FP8 codes, codes, scales (UE8M0 bytes), rows [..., K], dtype -> [..., K*C].
+    v41_engram_hash: Callable = ref_engram.hash_rows
+    v41_engram_gather: Callable = ref_engram.gather_rows
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
 
@@ -204,6 +210,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
     from deepinfer.ops.triton import compress_emit as tri_emit
     from deepinfer.ops.triton import compress_pool_v41 as tri_pool_v41
     from deepinfer.ops.triton import compress_state as tri_state
+    from deepinfer.ops.triton import engram_v41 as tri_engram
     from deepinfer.ops.triton import fp4_codes as tri_fp4
     from deepinfer.ops.triton import fp8_linear as tri_fp8
     from deepinfer.ops.triton import fp8_linear_b32 as tri_fp8_b32
@@ -252,6 +259,7 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    v41_mix_logits=tri_mhc_v41.mix_logits,
                    v41_store_packed=tri_cache_rows.store_packed, v41_load_packed=tri_cache_rows.load_packed,
                    v41_swiglu=tri_swiglu.swiglu_v41, v41_qdq=tri_cache_rows.qdq,
+                   v41_engram_hash=tri_engram.hash_rows, v41_engram_gather=tri_engram.gather_rows,
                    v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning),
                    v41_compress_pool=tri_pool_v41.pool, v41_index_select=tri_index_v41.select_entries)
     if not tuning.batch_invariant:

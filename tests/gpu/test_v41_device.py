@@ -15,6 +15,8 @@ sequence, in a cache too small for all of them (preemption and recomputation), t
   * the step's forward launches without a host sync (``torch.cuda.set_sync_debug_mode("error")``): the step's
     per-sequence layout comes from the runner's host values (``StepIndex.host``), not from the device.
   * the fused experts against the plain per-expert loop on the same FP4 weights (float32, a stated bound).
+  * the Engram tables held as their FP8 codes: every row the gather kernel reads equals the plain loader's
+    dequantized table row bit for bit, and the hash kernel's rows the plain hasher's.
   * without a cache size the engine sizes its cache from ``gpu_memory_utilization`` (the largest step profiled)
     and generates the plain model's tokens.
 
@@ -228,3 +230,23 @@ def test_fused_experts_match_the_expert_loop(checkpoint, device, monkeypatch) ->
         got = a.ffn(x.to(device), mask.to(device)).cpu()
         want = b.ffn.to("cpu")(x, mask)
         assert rel_err(got, want) < 1e-4, f"layer {i}: {rel_err(got, want)}"
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engram_tables_held_as_codes_give_the_plain_rows(checkpoint, device, dtype) -> None:
+    """The device build holds its Engram tables as their FP8 codes (``FP8Table``, gathered by the table's
+    ``v41_engram_gather``): every row gathered on the device equals the plain CPU model's dequantized table bit for
+    bit, and the device's hash gives the plain hasher's rows."""
+    from deepinfer.model.v41.engram_table import FP8Table
+
+    built = _plain(checkpoint, device, dtype)
+    plain, _ = load_v41_model(checkpoint, dtype, cache_qdq=False)
+    ids = torch.randint(0, plain.hasher.token_map.numel(), (300,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(built.hasher(ids.to(device), 0).cpu(), plain.hasher(ids, 0))
+    assert plain.cfg.active_engram_layers
+    for layer in plain.cfg.active_engram_layers:
+        table = built.layers[layer].engram.embed
+        assert isinstance(table, FP8Table) and table.weight_fp8.dtype == torch.float8_e4m3fn
+        every = torch.arange(table.weight_fp8.shape[0], device=device).unsqueeze(-1)  # one row a "token"
+        assert torch.equal(table.gather(every, dtype).cpu(), plain.layers[layer].engram.embed.weight.data)

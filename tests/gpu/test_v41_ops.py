@@ -1,5 +1,6 @@
 """DeepSeek-V4.1's RoPE and key-list attention kernels (``ops/triton/rope_v41.py``, ``ops/triton/key_lists.py``)
-against their reference twins (``ops/ref/rope_v41.py``, ``ops/ref/key_lists.py``).
+against their reference twins (``ops/ref/rope_v41.py``, ``ops/ref/key_lists.py``); also the cache-row, SwiGLU and
+Engram kernels (``ops/triton/engram_v41.py``: the n-gram hash, equal as integers, and the FP8 table gather, bit-equal).
 
 Fixed-seed random inputs: V4.1-Flash's shapes (64 heads of 512 with a 64-channel rope; the indexer's 64 heads
 of 128) and small ones for the interpreter; angles of positions up to 2^17 (the "compress" table's YaRN
@@ -291,6 +292,81 @@ def _check_pool(e: int, r: int, d: int, dtype, device, seed: int, pad: int = 0) 
         assert (apart > 0).float().mean().item() <= 1e-2 and rel_err(out, want) <= 4e-3
 
 
+def _flash_hash_inputs(q: int, device, seed: int):
+    """V4.1-Flash's hash plan (its primes, offsets and multipliers; 99092 compressed ids), a random token map of the
+    full vocabulary onto them (its largest id and the largest compressed id included) and lookbacks with every
+    blocked prefix: -1 runs of each length, whole rows of -1, the map's last id."""
+    from deepinfer.config.v41 import V41Config
+    from deepinfer.model.v41.engram import hash_plan
+
+    cfg = V41Config.from_dict({"model_type": "deepseek_v41", "text_config": {}})
+    plan = hash_plan(cfg)
+    g = _gen(seed)
+    n, vocab = cfg.engram_max_ngram_size, cfg.vocab_size
+    token_map = torch.randint(0, cfg.engram_compressed_vocab_size, (vocab,), generator=g)
+    token_map[-1] = cfg.engram_compressed_vocab_size - 1
+    lookback = torch.randint(0, vocab, (q, n), generator=g)
+    blocked = torch.randint(0, n + 1, (q,), generator=g)  # shifts >= n - blocked are before position 0
+    lookback[torch.arange(n) >= n - blocked.unsqueeze(-1)] = -1
+    lookback[0] = vocab - 1
+    if q > 1:
+        lookback[1] = -1
+    args = [t.to(device) for t in (token_map, torch.tensor(plan.multipliers), torch.tensor(plan.primes),
+                                   torch.tensor(plan.offsets))]
+    return lookback.to(device), args, int(token_map[cfg.engram_pad_token_id]), cfg.engram_n_heads
+
+
+def _check_hash(q: int, device, seed: int) -> None:
+    from deepinfer.ops.ref import engram_v41 as ref
+    from deepinfer.ops.triton import engram_v41 as tri
+
+    lookback, (token_map, mults, primes, offsets), pad, heads = _flash_hash_inputs(q, device, seed)
+    got = tri.hash_rows(lookback, token_map, pad, mults, primes, offsets, heads)
+    want = ref.hash_rows(lookback, token_map, pad, mults, primes, offsets, heads)
+    assert got.dtype == torch.int64 and got.shape == (q, 2, 24) and torch.equal(got, want)
+    assert bool((want >= offsets).all()) and bool((want < offsets + primes).all())  # each in its head's bucket
+
+
+@pytest.mark.interpret_ok
+def test_engram_hash_small(device) -> None:
+    _check_hash(37, device, seed=8)
+
+
+@pytest.mark.parametrize("q", [1, 128, 8192])
+def test_engram_hash_v41_flash(q, device) -> None:
+    _check_hash(q, device, seed=q)
+
+
+def _check_gather(rows: int, q: int, k: int, c: int, dtype, device, seed: int, exponents: tuple[int, int]) -> None:
+    """Bit-equal to the reference: codes of every finite e4m3 byte (signed zeros, the smallest subnormals, +-448),
+    UE8M0 bytes over ``exponents``, rows repeated and out of order (the first and last row included)."""
+    from deepinfer.ops.ref import engram_v41 as ref
+    from deepinfer.ops.triton import engram_v41 as tri
+
+    g = _gen(seed)
+    codes = torch.randint(0, 256, (rows, c), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # e4m3fn's NaN codes (a loaded table has none) -> 448
+    codes[0, :8] = torch.tensor([0x00, 0x80, 0x01, 0x81, 0x7E, 0xFE, 0x08, 0x88], dtype=torch.uint8)
+    scales = torch.randint(exponents[0], exponents[1] + 1, (rows, c // 32), generator=g, dtype=torch.uint8)
+    scales[0, 0], scales[-1, -1] = exponents
+    index = torch.randint(0, rows, (q, k), generator=g)
+    index[0, :3] = torch.tensor([rows - 1, 0, rows - 1])
+    codes, scales, index = codes.view(torch.float8_e4m3fn).to(device), scales.to(device), index.to(device)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for e8m0 in (False, True):  # the scales as the build holds them (bytes) and as a checkpoint stores them
+        s = scales.view(torch.float8_e8m0fnu) if e8m0 else scales
+        got, want = tri.gather_rows(codes, s, index, dtype), ref.gather_rows(codes, s, index, dtype)
+        assert got.dtype == dtype and got.shape == (q, k * c)
+        assert torch.equal(got.view(bits), want.view(bits)), f"{int((got.view(bits) != want.view(bits)).sum())} differ"
+    heads = index.view(q, 2, k // 2)  # leading dimensions are kept
+    assert torch.equal(tri.gather_rows(codes, scales, heads, dtype).view(bits), want.view(q, 2, -1).view(bits))
+
+
+# The interpreter's fp32 -> bf16 conversion truncates subnormals (``rounding.py``), so there the scales keep every
+# product normal; on CUDA they span UE8M0's whole range (byte 0 = 2^-127 to 254 = 2^127, products up to +-inf).
+_INTERPRETED_EXPONENTS = (127 - 100, 127 + 100)
+
+
 @pytest.mark.interpret_ok
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("e,r,d", [(5, 2, 96), (3, 1, 40), (4, 3, 64), (6, 4, 96), (3, 2, 640)])
@@ -314,3 +390,17 @@ def test_compress_pool_of_no_entries(device) -> None:
 def test_compress_pool_v41_flash(e, r, dtype, device) -> None:
     """V4.1-Flash's sources: 512 channels, ratio 2 (and 1), decode to prefill entry counts."""
     _check_pool(e, r, 512, dtype, device, seed=9 + e + r)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engram_gather_small(dtype, device) -> None:
+    _check_gather(50, 5, 24, 64, dtype, device, seed=9, exponents=_INTERPRETED_EXPONENTS if device == "cpu" else
+                  (0, 254))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q", [1, 128, 4096])
+def test_engram_gather_v41_flash(q, dtype, device) -> None:
+    """V4.1-Flash's lookup: 24 rows of 256 a token (8 scale bytes each), from a table of 100k rows."""
+    _check_gather(100_000, q, 24, 256, dtype, device, seed=q, exponents=(0, 254))

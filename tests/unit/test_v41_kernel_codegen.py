@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles real kernels (the interpreter replaces triton.jit)", allow_module_level=True)
 
-from deepinfer.ops.triton import (cache_rows_v41, compress_pool_v41, fp8_linear_b32, index_select_v41,  # noqa: E402
-                                  mhc_v41, rope_v41, swiglu)
+from deepinfer.ops.triton import (cache_rows_v41, compress_pool_v41, engram_v41, fp8_linear_b32,  # noqa: E402
+                                  index_select_v41, mhc_v41, rope_v41, swiglu)
 from deepinfer.testing.sass import compile_sm90  # noqa: E402
 
 
@@ -56,6 +56,13 @@ KERNELS = [
     *[(f"compress pool r{r}", compress_pool_v41._pool_kernel, "state_ptr:*fp32 rows_ptr:*i64 out_ptr:*bf16 D:i32 "
        "stride_s:i32 stride_r:i32 stride_o:i32 R:c BLOCK:c INTERPRET:c", dict(R=r, BLOCK=512, INTERPRET=False), 4)
       for r in (1, 2, 4)],
+    ("engram hash", engram_v41._hash_kernel, "lb_ptr:*i64 map_ptr:*i64 mult_ptr:*i64 prime_ptr:*i64 off_ptr:*i64 "
+     "out_ptr:*i64 Q:i32 L:i32 pad_id:i32 stride_lb:i32 N:c HEADS:c BLOCK_Q:c BLOCK_C:c",
+     dict(N=4, HEADS=8, BLOCK_Q=16, BLOCK_C=32), 4),
+    *[(f"engram gather {dt}", engram_v41._gather_kernel, f"code_ptr:*u8 scale_ptr:*u8 rows_ptr:*i64 out_ptr:*{dt} "
+       "K:i32 C:i32 stride_code:i32 stride_scale:i32 stride_rows:i32 stride_out:i32 BLOCK_K:c BLOCK_C:c GROUP:c "
+       "INTERPRET:c",
+       dict(BLOCK_K=8, BLOCK_C=256, GROUP=32, INTERPRET=False), 4) for dt in ("bf16", "fp32")],
     ("fp8 b32 grouped", fp8_linear_b32._fp8_b32_kernel, "x_ptr:*bf16 w_ptr:*fp8e4nv s_ptr:*fp32 y_ptr:*bf16 M:i32 "
      "N:i32 K:i32 stride_xm:i32 stride_wn:i32 stride_sn:i32 stride_ym:i32 group_n:i32 stride_xg:i32 BLOCK_M:c "
      "BLOCK_N:c BLOCK_K:c DOT_FP32:c", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_FP32=False), 4),

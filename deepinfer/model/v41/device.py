@@ -11,18 +11,23 @@ What each weight becomes:
   * dense FP8 linears (32x32-block UE8M0 scales, not V4's 128x128): kept as stored, ``FP8Dense32``
     (``fp8_dense.py``, the op table's ``fp8_linear_b32``): half the bytes of a bf16 copy, which decode reads.
     With float16 activations (no kernel for them) they are dequantized to plain ``Linear`` weights instead.
-  * Engram tables, embedding, head, norms, mHC and the rest: what the plain loader holds (``loader.py``).
+  * Engram tables (FP8 e4m3, one UE8M0 scale per row and 32 columns): kept as stored, ``FP8Table``
+    (``engram_table.py``: the codes and the scale bytes), each token's rows gathered and dequantized by
+    ``ops.v41_engram_gather``, the same values as the plain model's dequantized table rows bit for bit. V4.1-Flash's
+    two tables are ~98 GB each as codes, twice that as bf16. With float16 activations they are dequantized as the
+    plain loader does, as the dense FP8 linears are.
+  * embedding, head, norms, mHC and the rest: what the plain loader holds (``loader.py``).
 The op table runs the norms, RoPE, the mHC coefficients, collapse and expansion, the key-list attention core,
-the FP8 window rows, the ratio-2 compressors' pooling, the indexer's scoring and choice, the router and the experts'
-activation (``ops.rms_norm``, ``v41_rope``, ``v41_mix_finish``, ``v41_collapse`` / ``v41_expand``,
-``v41_attend_lists``, ``v41_store_packed`` / ``v41_load_packed``, ``v41_compress_pool``, ``v41_index_select``,
-``moe_route``, ``v41_swiglu``): one launch each on CUDA (the indexer's choice: a scoring kernel, a top-k and a rows
-kernel). The router's gate weight is held in fp32 (the GEMM runs in fp32 either way; no per-step upcast of it), a
-ratio-1 compressor's projection in the activation dtype (it projects in that dtype: the same cast once, not every
-step).
+the FP8 window rows, the ratio-2 compressors' pooling, the indexer's scoring and choice, the router, the experts'
+activation and Engram's n-gram hash (``ops.rms_norm``, ``v41_rope``, ``v41_mix_finish``, ``v41_collapse`` /
+``v41_expand``, ``v41_attend_lists``, ``v41_store_packed`` / ``v41_load_packed``, ``v41_compress_pool``,
+``v41_index_select``, ``moe_route``, ``v41_swiglu``, ``v41_engram_hash``): one launch each on CUDA (the indexer's
+choice: a scoring kernel, a top-k and a rows kernel). The router's gate weight is held in fp32 (the GEMM runs in
+fp32 either way; no per-step upcast of it), a ratio-1 compressor's projection in the activation dtype (it projects
+in that dtype: the same cast once, not every step).
 FP8 routed experts (``expert_dtype="fp8"``) stay the plain per-expert loop, dequantized. Of the plain model's
-modules only the compressors' projections (fp32 but ratio 1's), the indexer's own, the router, the Engram tables
-and the head hold dequantized or unquantized values.
+modules only the compressors' projections (fp32 but ratio 1's), the indexer's own, the router and the head hold
+dequantized or unquantized values.
 
 Every tensor is created on the device (built on ``meta``, then ``to_empty``), each value generated or read
 there one tensor at a time. Dummy weights are drawn on the device (``dummy.dummy_v41_tensor``): the same
@@ -43,14 +48,15 @@ from deepinfer.model.ckpt_plan import _finite
 from deepinfer.model.device import FusedFP4Experts, _parent
 from deepinfer.model.linear import Linear
 from deepinfer.model.quant import scale_to_float
-from deepinfer.model.v41.engram import EngramHasher, compressed_token_map
+from deepinfer.model.v41.engram import Engram, EngramHasher, compressed_token_map
+from deepinfer.model.v41.engram_table import FP8Table
 from deepinfer.model.norm import RMSNorm
 from deepinfer.model.v41.attention import Attention, Compressor, Indexer
 from deepinfer.model.v41.fp8_dense import BLOCK, FP8Dense32
 from deepinfer.model.v41.dspark import DSparkStage
 from deepinfer.model.v41.model import Block, DeepseekV41
 from deepinfer.model.v41.moe import Expert, MoE
-from deepinfer.model.v41.names import scale_name, storage_format
+from deepinfer.model.v41.names import ENGRAM_TABLE_BLOCK, scale_name, storage_format
 from deepinfer.ops.table import OpTable
 
 Value = Callable[[str, tuple[int, ...]], torch.Tensor]  # native name, shape -> its value (any float dtype)
@@ -72,11 +78,21 @@ def fp8_dense_names(model: DeepseekV41, dtype: torch.dtype) -> list[str]:
             storage_format(f"{name}.weight", model.cfg) == ("fp8", (BLOCK, BLOCK))]
 
 
+def fp8_table_names(model: DeepseekV41, dtype: torch.dtype) -> list[str]:
+    """The Engram tables (their ``embed`` modules) stored as FP8, which are held as ``FP8Table``: the same dtype
+    rule as ``fp8_dense_names`` (float16 activations keep the plain model's dequantized tables)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return []
+    return [f"{name}.embed" for name, m in model.named_modules() if isinstance(m, Engram) and
+            storage_format(f"{name}.embed.weight", model.cfg) == ("fp8", ENGRAM_TABLE_BLOCK)]
+
+
 def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device | str, ops: OpTable, value: Value,
                         codes: Codes, *, raw_scales: bool = True, tokenizer=None, cache_qdq: bool = True,
                         dspark: bool = False) -> DeepseekV41:
-    """A ``DeepseekV41`` on ``device`` whose FP4 experts are ``FusedFP4Experts`` in ``ops``' layout and whose
-    32x32-block FP8 linears are ``FP8Dense32``, both filled from ``codes``, every other tensor from ``value``.
+    """A ``DeepseekV41`` on ``device`` whose FP4 experts are ``FusedFP4Experts`` in ``ops``' layout, whose
+    32x32-block FP8 linears are ``FP8Dense32`` and whose FP8 Engram tables are ``FP8Table``, all filled from
+    ``codes``, every other tensor from ``value``.
     ``raw_scales``: the experts' scales are UE8M0 bytes (else fp32 multipliers, as a checkpoint may store them)."""
     if cfg.active_engram_layers and tokenizer is None:
         raise ValueError("tokenizer: the Engram layers hash normalised token ids; pass the checkpoint's tokenizer")
@@ -96,13 +112,17 @@ def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device
         parent, leaf = _parent(model, name)
         old = getattr(parent, leaf)
         setattr(parent, leaf, FP8Dense32(old.weight.shape[0], old.weight.shape[1], ops))
+    tables = fp8_table_names(model, dtype)
+    for name in tables:
+        parent, leaf = _parent(model, name)
+        setattr(parent, leaf, FP8Table(*getattr(parent, leaf).weight.shape, ops))
     model = model.to_empty(device=device)
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     with torch.no_grad():
         for name, t in model.state_dict().items():
             if ".routed." not in name and not name.endswith((".weight_fp8", ".weight_scale")):
                 t.copy_(value(name, tuple(t.shape)).to(device=t.device, dtype=t.dtype))
-        for name in dense:
+        for name in dense + tables:
             module = model.get_submodule(name)
             module.load(*codes(f"{name}.weight", tuple(module.weight_fp8.shape)))
         for prefix, n, routed in experts:
@@ -123,6 +143,7 @@ def build_v41_on_device(cfg: V41Config, dtype: torch.dtype, device: torch.device
             module.wkv.weight.data = module.wkv.weight.data.to(dtype)
     if cfg.active_engram_layers:
         model.hasher = EngramHasher(cfg, *compressed_token_map(tokenizer)).to(device)
+        model.hasher.ops = ops
     return model.eval()
 
 

@@ -18,6 +18,8 @@ from torch import nn
 
 from deepinfer.config.v41 import V41Config
 from deepinfer.model.linear import Linear
+from deepinfer.model.v41.engram_table import FP8Table
+from deepinfer.ops.table import REF, OpTable
 
 _SENTINEL = "\ue000"
 
@@ -102,6 +104,9 @@ def hash_plan(cfg: V41Config) -> EngramHashPlan:
 class EngramHasher(nn.Module):
     """Table rows of every Engram layer for a chunk of positions, from the sequence's token history."""
 
+    # The hash (``ops.v41_engram_hash``, ``ops/ref/engram_v41.hash_rows``): the device build sets its table's.
+    ops: OpTable = REF
+
     def __init__(self, cfg: V41Config, token_map: tuple[int, ...], compressed_size: int) -> None:
         super().__init__()
         if compressed_size != cfg.engram_compressed_vocab_size:
@@ -137,21 +142,14 @@ class EngramHasher(nn.Module):
         # checked every id against the vocabulary already).
         if lookback.device.type == "cpu" and lookback.numel() and int(lookback.max()) >= self.token_map.numel():
             raise ValueError(f"input_ids: token ids must lie in [0, {self.token_map.numel()}) for Engram hashing")
-        # A shift before position 0 is the pad id; positions only decrease with the shift, so once a shift is
-        # blocked every longer one is too.
-        tokens = torch.where(lookback < 0, self.pad_id, self.token_map[lookback.clamp_min(0)])
-        products = tokens.unsqueeze(1) * self.multipliers  # [Q, layers, shifts]
-        rolling, columns = products[..., 0], []
-        for shift in range(1, self.max_ngram):
-            rolling = torch.bitwise_xor(rolling, products[..., shift])
-            first = (shift - 1) * self.heads
-            columns.append(rolling.unsqueeze(-1) % self.primes[:, first:first + self.heads])
-        return torch.cat(columns, dim=-1) + self.offsets
+        return self.ops.v41_engram_hash(lookback, self.token_map, self.pad_id, self.multipliers, self.primes,
+                                        self.offsets, self.heads)
 
 
 class Engram(nn.Module):
     """Checkpoint names under ``layers.N.engram.``: embed.weight [rows, head_dim], wkv.weight
-    [H * (N + 1), hash heads * head_dim], q_weight / k_weight [N, H] (only their product is used)."""
+    [H * (N + 1), hash heads * head_dim], q_weight / k_weight [N, H] (only their product is used). The device
+    build may hold ``embed`` as its stored FP8 codes instead (``engram_table.FP8Table``)."""
 
     def __init__(self, cfg: V41Config, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -170,7 +168,10 @@ class Engram(nn.Module):
         stream: a signed square root of the normalised key/stream dot product, through a sigmoid)."""
         if rows.device.type == "cpu" and bool(((rows < 0) | (rows >= self.rows)).any()):  # no sync on a device
             raise ValueError(f"engram rows must lie in [0, {self.rows})")
-        memory = self.embed.weight[rows].flatten(-2).to(streams.dtype)
+        if isinstance(self.embed, FP8Table):  # the device build's codes (``engram_table.py``)
+            memory = self.embed.gather(rows, streams.dtype)
+        else:
+            memory = self.embed.weight[rows].flatten(-2).to(streams.dtype)
         key, value = self.wkv(memory).split((self.streams * self.hidden, self.hidden), dim=-1)
         key = key.float().unflatten(-1, (self.streams, self.hidden))
         x = streams.float()

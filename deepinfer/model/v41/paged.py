@@ -41,16 +41,17 @@ before H: those history rows are shared cached blocks and stay exactly as first 
 reads the token ids from the history pool, where that layout keeps them.
 
 Without ``key_lists`` this is the engine's reference path on the CPU (one sequence loop per compressed layer).
-Built by ``device.py`` (with ``key_lists``) it runs on a GPU, where the op-table entries that ``device.py`` lists
-are one kernel each, a ratio-2 source's pooling of its state rows and the index sources' scoring and choice among
-them (``ops.v41_compress_pool``, ``ops.v41_index_select``; ``bench/results/layer_sweep_v41.md``). The forward makes no host sync: the per-sequence layout
-(runs, spans, which tokens close an entry) comes from host values the runner hands over (``StepIndex.host``), and
-the residency / id checks that would read the device run on the CPU only. Cache rounding (FP8 window KV, MXFP4
-index keys, NVFP4 compressed KV) is the model's ``cache_qdq``. A packed layout (``kv/spec_v41.py``, the engine's
-``kv_cache_dtype="auto"``) stores those rows in the released formats: the step hands them unrounded to
-``cache_rows.store_rows``, which quantizes them, and reads them back dequantized (``load_rows``), the same values
-as ``qdq``'s bit for bit. An unpacked layout keeps them in the activation dtype, rounded by the step itself when
-``cache_qdq`` (``_Step.round_rows``).
+Built by ``device.py`` (with ``key_lists``) it runs on a GPU with the op table's kernels that ``device.py`` lists:
+the dense FP8 linears, the fused experts, the mHC coefficients, the attention core, a ratio-2 source's pooling of
+its state rows, the index sources' scoring and choice, Engram's hash and the gather of its rows from the tables'
+FP8 codes among them (``bench/results/layer_sweep_v41.md``). The forward makes no host sync: the per-sequence
+layout (runs, spans, which tokens close an entry) comes from host values the runner hands over
+(``StepIndex.host``), and the residency / id checks that would read the device run on the CPU only.
+Cache rounding (FP8 window KV, MXFP4 index keys, NVFP4 compressed KV) is the model's ``cache_qdq``. A packed
+layout (``kv/spec_v41.py``, the engine's ``kv_cache_dtype="auto"``) stores those rows in the released formats: the
+step hands them unrounded to ``cache_rows.store_rows``, which quantizes them, and reads them back dequantized
+(``load_rows``), the same values as ``qdq``'s bit for bit. An unpacked layout keeps them in the activation dtype,
+rounded by the step itself when ``cache_qdq`` (``_Step.round_rows``).
 """
 
 from __future__ import annotations
@@ -446,8 +447,8 @@ class PagedV41(nn.Module):
             entry, seq = flat[:total], flat[total:]
             rows = step.memo[("entry_rows", ratio)] = _resident(
                 lookup(idx.history_table, seq, entry, idx.block_size // ratio), entry >= 0, f"{key} entries")
-        return (load_rows(step.storage, key, "entries", rows, ops), load_rows(step.storage, key, "index_keys", rows, ops),
-                counts)
+        return (load_rows(step.storage, key, "entries", rows, ops),
+                load_rows(step.storage, key, "index_keys", rows, ops), counts)
 
 
 def load_paged_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype, cache_quantization: bool,
