@@ -63,9 +63,10 @@ class KernelTuning:
     # reduction is fixed by ``k_segment`` whatever the tile.
     invariant_fp8_tiles: tuple[tuple[int | None, FP8Tile], ...] = ((256, (64, 64, 4, 4)), (None, (128, 128, 8, 3)))
     # The batch-invariant table's FP8 kernel for power-of-two scales: the swap-AB kernel for every M (decode
-    # 1.16x the default's time at batch 1 instead of 1.50x) when True. Off: its rows are invariant in the kernel
-    # tests, but the engine test of batches of 7 gave one request other logprobs with it (cause not found yet;
-    # bench/results/batch_invariant_cuda.md).
+    # 1.16x the default's time at batch 1 instead of 1.50x) when True. Off until its engine test is re-run: its
+    # rows are invariant in the kernel tests, but the engine test of batches of 7 gave one request other logprobs
+    # with it; traced to the q-latent norm (``rope_norm.latent_norms``), whose row packing followed the batch
+    # (fixed; bench/results/batch_invariant_cuda.md).
     invariant_fp8_swap_ab: bool = False
     # Its token tiles: one warpgroup each (the wgmma m64 instruction over 64 weight rows); the token count is
     # the instruction's N side, which does not change bits.

@@ -122,3 +122,25 @@ def test_rms_norm_rows_are_invariant(c, device) -> None:
     _, table = _tables(device)
     w = (torch.rand(c, generator=torch.Generator().manual_seed(c)) + 0.5).to(device)
     _rows_invariant(lambda x: table.rms_norm(x, w, 1e-6), _rows(c, device), SIZES)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("c", [128, 1536])
+def test_latent_norms_rows_are_invariant(c, device) -> None:
+    """The attention block's q-latent norm (in one launch with the kv row's norm and RoPE into the window) packs
+    the rows as ``rms_norm`` does; the packing must not follow the row count (the demo model's q latent, C = 128,
+    changed by a bf16 ulp with the batch before it was fixed). The angles are a function of the row's values, so
+    a row placed anywhere carries its own."""
+    _, table = _tables(device)
+    kv, rope = 64, 16
+    g = torch.Generator().manual_seed(c)
+    wq, wkv = ((torch.rand(n, generator=g) + 0.5).to(device) for n in (c, kv))
+
+    def run(x):
+        ang = x[:, : rope // 2].float() * 3
+        window = torch.zeros(len(x), kv, dtype=x.dtype, device=device)
+        rows = torch.arange(len(x), device=device)
+        q = table.latent_norms(x, c, wq, 1e-6, wkv, 1e-6, ang.cos(), ang.sin(), window=window, rows=rows)
+        return q, window
+
+    _rows_invariant(run, _rows(c + kv, device), SIZES)

@@ -179,9 +179,13 @@ def _job(x: torch.Tensor, out: torch.Tensor, weight, cos, sin, eps: float, norm:
 def _launch(*job_args, **job_kwargs) -> None:
     job = _job(*job_args, **job_kwargs)
     if job is not None:
-        programs, args, consts, num_warps = job
-        _norm_rope_kernel[(programs,)](*args, **dict(zip(_CONSTS, consts)), INTERPRET=_INTERPRET,
-                                       num_warps=num_warps, enable_fp_fusion=False)
+        _run(job)
+
+
+def _run(job) -> None:
+    programs, args, consts, num_warps = job
+    _norm_rope_kernel[(programs,)](*args, **dict(zip(_CONSTS, consts)), INTERPRET=_INTERPRET, num_warps=num_warps,
+                                   enable_fp_fusion=False)
 
 
 def _launch_pair(a, b) -> None:
@@ -190,8 +194,7 @@ def _launch_pair(a, b) -> None:
     if a is None or b is None or a[3] != b[3]:
         for job in (a, b):
             if job is not None:
-                _norm_rope_kernel[(job[0],)](*job[1], **dict(zip(_CONSTS, job[2])), INTERPRET=_INTERPRET,
-                                             num_warps=job[3], enable_fp_fusion=False)
+                _run(job)
         return
     consts = {**{f"{k}_A": v for k, v in zip(_CONSTS, a[2])}, **{f"{k}_B": v for k, v in zip(_CONSTS, b[2])}}
     _norm_rope_pair_kernel[(a[0] + b[0],)](a[0], *a[1], *b[1], **consts, INTERPRET=_INTERPRET, num_warps=a[3],
@@ -214,15 +217,25 @@ def _new_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None):
     """Weighted RMSNorm of x [..., C] over C -> [..., C] in x.dtype (written into ``out`` when given)."""
-    c = x.shape[-1]
     out = _new_out(x, out)
-    # All rows as one "token" of N rows: row blocks of BLOCK_H rows share a program when C is small. The block
-    # is the same for every N (``fixed_rows``): with BLOCK_H from N, the tile's thread layout, hence a row's
-    # reduction order, changed with the batch (a bf16 ulp of the hidden state now and then at C = 256).
-    x2 = x.reshape(1, -1, c)
-    _launch(x2 if x2.stride(2) == 1 else x2.contiguous(), out.view(1, -1, c), weight, None, None, eps,
-            NORM_WEIGHTED, 0, False, 0, c, fixed_rows=True)
+    job = _batch_rows_job(x, out, weight, eps)
+    if job is not None:
+        _run(job)
     return out
+
+
+def _batch_rows_job(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The job of a weighted RMSNorm of the rows of x [..., C] into ``out``: all rows as one "token" of N rows,
+    row blocks of BLOCK_H rows sharing a program when C is small. The block is the same for every N
+    (``fixed_rows``): with BLOCK_H from N, the tile's thread layout, hence a row's reduction order, changed with
+    the batch (a bf16 ulp of the hidden state now and then at C = 256; of the q latent in ``latent_norms``)."""
+    c = x.shape[-1]
+    x2 = x.reshape(1, -1, c)
+    job = _job(x2 if x2.stride(2) == 1 else x2.contiguous(), out.view(1, -1, c), weight, None, None, eps,
+               NORM_WEIGHTED, 0, False, 0, c, fixed_rows=True)
+    # The rule, checked: a block of rows set by the row width alone, whatever the number of rows.
+    assert job is None or job[2][3] == tiles(1, c, fixed_rows=True)[0], "batch rows: BLOCK_H must not follow N"
+    return job
 
 
 def norm_rope_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
@@ -266,10 +279,9 @@ def latent_norms(xq: torch.Tensor, kv_col: int, q_weight: torch.Tensor, q_eps: f
     assert window.dim() == 2 and window.shape[1] == kv.shape[1] and window.stride(1) == 1, "bad window"
     assert rows.shape == (len(xq),) and rows.dtype in (torch.int32, torch.int64), "bad rows"
     q_res = torch.empty(q_lat.shape, dtype=xq.dtype, device=xq.device)
-    # As ``rms_norm``: all rows as one "token" of T rows; as ``norm_rope``: T tokens of one row.
-    c = q_lat.shape[1]
-    a = _job(q_lat.reshape(1, -1, c), q_res.view(1, -1, c), q_weight, None, None, q_eps, NORM_WEIGHTED, 0, False,
-             0, c)
+    # As ``rms_norm``: the T rows as one "token" (``_batch_rows_job``: row blocks fixed whatever T); as
+    # ``norm_rope``: T tokens of one row.
+    a = _batch_rows_job(q_lat, q_res, q_weight, q_eps)
     b = _job(kv[:, None, :], window[:, None, :], kv_weight, cos, sin, kv_eps, NORM_WEIGHTED, 2 * cos.shape[-1], False,
              0, kv.shape[1], out_rows=rows)
     _launch_pair(a, b)
