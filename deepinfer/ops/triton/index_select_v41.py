@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.index_select_v41 import candidate_blocks
-from deepinfer.ops.triton.indexer_topk import scores_from_keys
+from deepinfer.ops.triton.indexer_topk import head_dots, scores_from_keys, sort_key
 from deepinfer.ops.triton.rounding import round_to
 
 # Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
@@ -53,29 +53,15 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, base_ptr, vis_ptr, cand_ptr, key_ptr, E, 
         if HAS_CAND:
             allowed = allowed & (tl.load(cand_ptr + lq * stride_cl + offs_e, mask=allowed, other=0) != 0)
         rows = tl.load(base_ptr + lq) + offs_e.to(tl.int64)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        h_mask = offs_h < H
-        d_mask = offs_d < D
-        q = tl.load(q_ptr + lq * stride_ql + offs_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-        k = tl.load(k_ptr + rows[:, None] * stride_k + offs_d[None, :], mask=allowed[:, None] & d_mask[None, :],
-                    other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_E], fp32 accumulation
+        s, offs_h, h_mask = head_dots(q_ptr, k_ptr, lq, rows, allowed, H, D, stride_ql, stride_qh, stride_k,
+                                      BLOCK_H, BLOCK_D, IEEE)  # [BLOCK_H, BLOCK_E], fp32 accumulation
         dtype = q_ptr.dtype.element_ty
         s = tl.maximum(round_to(s, dtype, INTERPRET), 0.0)
         w = tl.load(w_ptr + lq * stride_wl + offs_h, mask=h_mask, other=0.0).to(tl.float32)
         # Padded heads have q = 0 and w = 0: they add +0.0 to every score.
         weighted = round_to(s * w[:, None], dtype, INTERPRET)
         score = tl.where(allowed, round_to(tl.sum(weighted, axis=0), dtype, INTERPRET), float("-inf"))
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0 (equal scores: the slot order decides)
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = (ordered.to(tl.int64) << 32) | (E - 1 - offs_e).to(tl.int64)
-    tl.store(key_ptr + lq * stride_ol + offs_e, key, mask=in_range)
+    tl.store(key_ptr + lq * stride_ol + offs_e, sort_key(score, offs_e, E), mask=in_range)
 
 
 @triton.jit(do_not_specialize=["e", "stride_b", "stride_o"])

@@ -53,28 +53,44 @@ def _index_score_kernel(
             rrow = tl.load(qrow_ptr + lq).to(tl.int64)
         rows = tl.load(rows_ptr + rrow * stride_rl + offs_e, mask=visible, other=-1)
         present = rows >= 0
-        offs_h = tl.arange(0, BLOCK_HI)
-        offs_d = tl.arange(0, BLOCK_D)
-        h_mask = offs_h < Hi
-        d_mask = offs_d < Di
-        q = tl.load(q_ptr + lq * stride_ql + offs_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-        k = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
-                    mask=present[:, None] & d_mask[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # [BLOCK_HI, BLOCK_E], fp32 accumulation
+        s, offs_h, h_mask = head_dots(q_ptr, k_ptr, lq, rows.to(tl.int64), present, Hi, Di, stride_ql, stride_qh,
+                                      stride_k, BLOCK_HI, BLOCK_D, IEEE)
         # The head weights as the reference forms them: fp32, times weight_scale (one fp32 multiply).
         w = tl.load(w_ptr + lq * stride_wl + offs_h, mask=h_mask, other=0.0).to(tl.float32) * weight_scale
         # Padded heads have q = 0 and w = 0: they add +0.0 to every score.
         s = tl.maximum(s, 0.0) * softmax_scale * w[:, None]
         score = tl.where(present, tl.sum(s, axis=0), float("-inf"))
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0 (the reference ranks them equal)
+    tl.store(key_ptr + lq * stride_ol + offs_e, sort_key(score, offs_e, E), mask=in_range)
+
+
+@triton.jit
+def head_dots(q_ptr, k_ptr, lq, rows, present, H, D, stride_ql, stride_qh, stride_k, BLOCK_H: tl.constexpr,
+              BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Query lq's H heads [H, D] against the key rows ``rows`` (int64; read where ``present``) -> fp32 dots
+    [BLOCK_H, BLOCK_E] (one MMA, fp32 accumulation), the head offsets and their mask."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < H
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + lq * stride_ql + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    k = tl.load(k_ptr + rows[:, None] * stride_k + offs_d[None, :], mask=present[:, None] & d_mask[None, :],
+                other=0.0)
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s, offs_h, h_mask
+
+
+@triton.jit
+def sort_key(score, slot, E):
+    """fp32 scores of slots ``slot`` -> int64 sort keys (module docstring): -0.0 made +0.0 first (equal
+    scores: the lower slot ranks first)."""
+    score = tl.where(score == 0.0, 0.0, score)
     bits = score.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = (ordered.to(tl.int64) << 32) | (E - 1 - offs_e).to(tl.int64)
-    tl.store(key_ptr + lq * stride_ol + offs_e, key, mask=in_range)
+    return (ordered.to(tl.int64) << 32) | (E - 1 - slot).to(tl.int64)
 
 
 def config(dtype: torch.dtype, hi: int, di: int) -> dict[str, int]:
