@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops.ref.index_select_v41 import candidate_blocks
-from deepinfer.ops.triton.indexer_topk import head_dots, scores_from_keys, sort_key
+from deepinfer.ops.triton.indexer_topk import head_dots, query_block, scores_from_keys, sort_key
 from deepinfer.ops.triton.rounding import round_to
 
 # Triton's interpreter multiplies bf16 operands as raw uint16 bits: upcast (exactly) to fp32 dots there.
@@ -40,12 +40,7 @@ _NONE: tl.constexpr = tl.constexpr(1 << 62)  # sorts after every slot
 def _score_kernel(q_ptr, w_ptr, k_ptr, base_ptr, vis_ptr, cand_ptr, key_ptr, E, H, D, stride_ql, stride_qh,
                   stride_wl, stride_k, stride_cl, stride_ol, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_D: tl.constexpr, HAS_CAND: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    # One flat axis (no 65535 limit on the number of queries); a query's slot blocks are adjacent.
-    n_eb = tl.cdiv(E, BLOCK_E)
-    eb = tl.program_id(0) % n_eb
-    lq = (tl.program_id(0) // n_eb).to(tl.int64)
-    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    in_range = offs_e < E
+    lq, eb, offs_e, in_range = query_block(E, BLOCK_E)
     visible = tl.load(vis_ptr + lq)
     score = tl.full((BLOCK_E,), float("-inf"), dtype=tl.float32)
     if eb * BLOCK_E < visible:

@@ -38,12 +38,7 @@ def _index_score_kernel(
     BLOCK_HI: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     SHARED_ROWS: tl.constexpr,
 ):
-    # One flat axis (no 65535 limit on the number of queries); a query's entry blocks are adjacent.
-    n_eb = tl.cdiv(E, BLOCK_E)
-    eb = tl.program_id(0) % n_eb
-    lq = (tl.program_id(0) // n_eb).to(tl.int64)
-    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    in_range = offs_e < E
+    lq, eb, offs_e, in_range = query_block(E, BLOCK_E)
     limit = tl.load(lim_ptr + lq)
     score = tl.full((BLOCK_E,), float("-inf"), dtype=tl.float32)
     if eb * BLOCK_E < limit:
@@ -61,6 +56,17 @@ def _index_score_kernel(
         s = tl.maximum(s, 0.0) * softmax_scale * w[:, None]
         score = tl.where(present, tl.sum(s, axis=0), float("-inf"))
     tl.store(key_ptr + lq * stride_ol + offs_e, sort_key(score, offs_e, E), mask=in_range)
+
+
+@triton.jit
+def query_block(E, BLOCK_E: tl.constexpr):
+    """This program's query and block of BLOCK_E entries: one flat grid axis (no 65535 limit on the number of
+    queries), a query's entry blocks adjacent -> (query, block, entry offsets, which are < E)."""
+    n_eb = tl.cdiv(E, BLOCK_E)
+    eb = tl.program_id(0) % n_eb
+    lq = (tl.program_id(0) // n_eb).to(tl.int64)
+    offs_e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    return lq, eb, offs_e, offs_e < E
 
 
 @triton.jit
