@@ -1,11 +1,11 @@
 """DeepSeek-V4.1 on the device: the engine's greedy tokens equal the plain ``DeepseekV41``'s on the same device.
 
 Tiny random V4.1 checkpoints (``tests/e2e/v41_tiny.py``) built quantized-first on the device
-(``model/v41/device.py``: FP4 experts as ``FusedFP4Experts`` run by the op table's ``moe_experts_fp4``, dense
-FP8 as ``FP8Dense32`` run by its ``fp8_linear_b32``). The plain model is built the same way (the same modules
-and kernels) and runs each prompt alone through its own per-sequence cache; the engine runs them batched,
-prefill chunked differently per sequence, in a cache too small for all of them (preemption and recomputation), through the paged step
-(``model/v41/paged.py``).
+(``model/v41/device.py``: FP4 experts as ``FusedFP4Experts`` run by the op table's ``moe_experts_fp4``, dense FP8 as
+``FP8Dense32`` run by its ``fp8_linear_b32``). The plain model is built the same way (the same modules and kernels)
+and runs each prompt alone through its own per-sequence cache; the engine runs them batched, prefill chunked
+differently per sequence, in a cache too small for all of them (preemption and recomputation), through the paged
+step (``model/v41/paged.py``).
 
   * float32: every sequence's tokens identical, and after a prefix-cache hit.
   * bfloat16 (released cache formats): batching and chunking change the GEMMs' and the attention's shapes
