@@ -160,8 +160,9 @@ class OpTable:
     # DeepSeek-V4.1's ratio-r compressor pooling: state [S, 2D] fp32, rows [E, r], dtype -> [E, D] (the values
     # of each entry's r state rows weighted by the softmax of their scores, fp32 inside; ops/ref/compress_pool_v41.py).
     v41_compress_pool: Callable = ref_pool_v41.pool
-    # DeepSeek-V4.1's indexer choice over a step's key lists: q, w, keys, base, visible, width, topk, parts,
-    # candidates, publish -> (rows [T, k], candidate mask) (ops/ref/index_select_v41.py).
+    # DeepSeek-V4.1's indexer choice over a step's key lists: q, w, keys, base, visible, width, topk, parts (-> the
+    # reference's walk over the rows), candidates, publish -> (rows [T, k], candidate mask)
+    # (ops/ref/index_select_v41.py).
     v41_index_select: Callable = ref_index_v41.select_entries
     # DeepSeek-V4.1's Engram lookup (ops/ref/engram_v41.py): the n-gram hash, lookback, token_map, pad_id,
     # multipliers, primes, offsets, heads -> table rows [Q, layers, hash heads] int64; and the gather of those

@@ -101,7 +101,10 @@ def _check_choice(counts, queries, heads, dim, topk, dtype, device, seed) -> Non
 
 def _check_against_reference(counts, queries, heads, dim, topk, block, topk_blocks, device, seed) -> None:
     q, w, keys, base, visible, width = _step(counts, queries, heads, dim, torch.float32, device, seed)
-    parts = [(slice(0, queries), None)]
+
+    def parts():
+        return [(slice(0, queries), None)]
+
     tri = _tri()
     got = tri.select_entries(q, w, keys, base, visible, width, topk, parts, None, (topk_blocks, block))
     want = ref.select_entries(q, w, keys, base, visible, width, topk, parts, None, (topk_blocks, block))

@@ -115,7 +115,10 @@ def select_lists(indexer: Indexer, x: torch.Tensor, qr: torch.Tensor, ang: torch
     if indexer.uses_candidates and (candidates is None or candidates.shape != (t, width)):
         raise ValueError("a re-indexing layer after the candidate source found no candidates")
     q, w = indexer.queries(x, qr, ang, cache_qdq)
-    parts = lists.parts(budget // max(indexer.dim, indexer.heads), shared_from)
+
+    def parts() -> list:  # the reference's walk over the rows, laid out only if it is asked for
+        return lists.parts(budget // max(indexer.dim, indexer.heads), shared_from)
+
     publish = (indexer.topk_blocks, indexer.block) if indexer.candidate_source else None
     rows, published = indexer.ops.v41_index_select(q, w, keys, lists.base, lists.visible, width, indexer.topk,
                                                    parts, candidates if indexer.uses_candidates else None, publish)

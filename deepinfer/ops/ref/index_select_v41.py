@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's two-level indexer selection over a step's key lists (spec §2.6); twin of
 ``ops/triton/index_select_v41.py``.
 
-  select_entries(q [T, h, d], w [T, h], keys [Re, d], base [T], visible [T], width, topk, parts,
+  select_entries(q [T, h, d], w [T, h], keys [Re, d], base [T], visible [T], width, topk, parts (a callable),
                  candidates [T, width] bool | None, publish (topk_blocks, block) | None)
       -> (rows [T, min(topk, width)] long, candidate mask [T, width] bool | None)
 
@@ -13,11 +13,11 @@ candidate blocks of those scores are returned (``candidate_blocks``); with ``can
 after it) only the slots inside them compete. The chosen ``min(topk, width)`` slots come back as rows of
 ``keys``, ascending, with every -1 (a pick that was not a finite score) after them.
 
-``parts`` says how this reference walks the rows (``model/v41/select_lists.EntryLists.parts``): (rows, None)
+``parts()`` says how this reference walks the rows (``model/v41/select_lists.EntryLists.parts``): (rows, None)
 gathers each query's slots (a copy of its keys per query), (rows, (first, count)) scores one run's rows
 against its sequence's keys in one matmul, as ``Indexer.select`` does for one sequence (the same ops, so the
 CPU engine's choices are the plain model's bit for bit). The kernel reads the keys in place for every row
-and ignores ``parts``.
+and never calls ``parts`` (laying the walk out is host work per layer).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def select_entries(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, base: t
                    publish: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     k = min(topk, width)
     rows, published = [], []
-    for part, run in parts:
+    for part, run in parts():
         seen = visible[part].unsqueeze(-1)
         if run is None:  # each query's own sequence's keys gathered, slot j = its entry j
             first, n = base[part].unsqueeze(-1), width
