@@ -61,18 +61,18 @@ TINY = {**FLASH, "vocab_size": 512, "hidden_size": 256, "num_attention_heads": 4
         "index_topk": 8}
 
 
-# --modes: the op table each mode times (the value: ``select``'s batch_invariant; "batch-invariant-swap-ab": the
-# invariant table with ``KernelTuning.invariant_fp8_swap_ab``, CUDA only).
-MODES = {"default": False, "batch-invariant": True, "batch-invariant-swap-ab": True}
+# --modes: the op table each mode times (the value: ``select``'s batch_invariant; "batch-invariant-mma": the
+# invariant table with the MMA FP8 kernel for every M instead of swap-AB, ``invariant_fp8_swap_ab=False``, CUDA only).
+MODES = {"default": False, "batch-invariant": True, "batch-invariant-mma": True}
 
 
 def mode_table(device: str, mode: str):
-    if mode != "batch-invariant-swap-ab":
+    if mode != "batch-invariant-mma":
         return select(device, batch_invariant=MODES[mode])
     from deepinfer.ops.table import triton_ops
     from deepinfer.ops.tuning import KernelTuning
 
-    tuning = dataclasses.replace(KernelTuning.for_device().invariant(), invariant_fp8_swap_ab=True)
+    tuning = dataclasses.replace(KernelTuning.for_device().invariant(), invariant_fp8_swap_ab=False)
     return triton_ops(tuning)
 
 

@@ -1,6 +1,7 @@
 """Where a step's GPU time goes: per-kernel device time of one eager batched step (torch.profiler).
 
     python bench/profile_step.py [--layers 4] [--batch 1] [--context 1024] [--prefill 0] [--verify 0]
+                                 [--mode default|batch-invariant|batch-invariant-mma]
 
 Eager, not graph replay: the kernels are the ones a captured graph replays, and the profiler attributes
 each one. Prints the top kernels by total device time per layer, grouped by name, and the sum.
@@ -16,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.layer_sweep import FLASH, build, decode_tokens, from_layer, random_cache  # noqa: E402
+from bench.layer_sweep import FLASH, MODES, build, decode_tokens, from_layer, mode_table, random_cache  # noqa: E402
+from deepinfer.model.device import use_op_table  # noqa: E402
 
 
 def main() -> None:
@@ -27,6 +29,8 @@ def main() -> None:
     a.add_argument("--prefill", type=int, default=0, help="profile a prefill chunk of this many tokens instead")
     a.add_argument("--verify", type=int, default=0, help="profile a verify step of this many drafts instead: "
                    "each sequence runs 1 + VERIFY new tokens, logits at every one (speculative decoding)")
+    a.add_argument("--mode", choices=list(MODES), default="default",
+                   help="the op table whose kernels run (as in layer_sweep.py --modes)")
     a.add_argument("--top", type=int, default=30)
     a.add_argument("--trace", type=int, default=0, help="also list the step's first N kernels in launch order "
                    "(which op each kernel belongs to)")
@@ -34,6 +38,8 @@ def main() -> None:
                    "time goes when it exceeds the device time)")
     args = a.parse_args()
     model = build(from_layer(FLASH, 2), args.layers, "cuda")  # layers 2.. as in layer_sweep.py
+    if args.mode != "default":
+        use_op_table(model, mode_table("cuda", args.mode))
     if args.prefill:
         cache, sids = random_cache(model, 1, 0, "cuda", capacity=args.prefill)
         new = {sids[0]: [3 + i % 1000 for i in range(args.prefill)]}
@@ -83,7 +89,7 @@ def main() -> None:
     total = sum(t for t, _ in rows.values())
     what = f"prefill {args.prefill}" if args.prefill else \
         f"{'verify ' + str(args.verify) + ' drafts,' if args.verify else 'decode'} batch {args.batch} ctx {args.context}"
-    print(f"== {what}: {total / args.layers:.1f} us device time per layer, {sum(n for _, n in rows.values()) / args.layers:.0f} kernels per layer")
+    print(f"== {what} ({args.mode}): {total / args.layers:.1f} us device time per layer, {sum(n for _, n in rows.values()) / args.layers:.0f} kernels per layer")
     for name, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{t / args.layers:9.1f} us  {n / args.layers:5.1f}x  {name}")
 

@@ -49,7 +49,7 @@ A step's cache row lists from its index tensors, once per step (``ops/ref/step_r
 with every entry whose result row could depend on the batch replaced by a twin that computes each row the
 same way whatever the batch and the step's shape (fixed GEMM row tiles, fixed key/entry chunks, ordered sums).
 On CUDA the same switch builds ``triton_ops`` with ``KernelTuning.invariant()`` (K segments fixed by the
-weight's shape, one kernel per op for every M, attention's position-anchored split only).
+weight's shape, one kernel per op for every M, attention split at fixed columns and folded in order).
 
 Structured outputs' grammar masks, in place before the draw (``ops/ref/token_mask.py``):
 

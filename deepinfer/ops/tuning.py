@@ -11,9 +11,10 @@ changes the order of the K reduction, and the attention small-batch split (``att
 changes where the softmax merge happens; both depend on the batch size, so a batch-invariant table must
 fix them: ``invariant()`` is that table's tuning (``batch_invariant=True``). With it the dense GEMMs sum K
 in segments that are a function of (N, K) and the SM count only (``k_segment``), one kernel per weight for
-every M (FP8: the MMA kernel on ``invariant_fp8_tiles``, or with ``invariant_fp8_swap_ab`` the swap-AB
-kernel on ``invariant_decode_tiles`` for power-of-two scales; no weight-as-A prefill path, no cuBLAS),
-tiles of one MMA instruction family, and attention keeps its fixed, position-anchored split. The remaining
+every M (FP8: the swap-AB kernel on ``invariant_decode_tiles`` for power-of-two scales, else the MMA kernel on
+``invariant_fp8_tiles``; no weight-as-A prefill path, no cuBLAS), tiles of one MMA instruction family, and
+attention splits every ``attention_invariant_split`` index columns at fixed columns, folded in order (as
+programs of their own in decode, in-program in prefill: the same bits). The remaining
 fields never change a result's bits (tests/gpu check the fast division and the e4m3 bit placement against
 their plain forms).
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 FP8Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 DecodeTile = tuple[int, int, int]  # (BLOCK_M, num_warps, num_stages)
+LinearTile = tuple[int, int, int, int]  # (weight rows BLOCK_N, tokens BLOCK_M, num_warps, num_stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,10 @@ class KernelTuning:
     # attention_small_split index columns, window apart (0 = the fixed, batch-invariant split only).
     attention_small_split: int = 128
     attention_fill_programs: int = 64
+    # Batch-invariant attention (``batch_invariant``): splits of this many index columns at fixed absolute
+    # columns, folded in order, as programs of their own below ``attention_fill_programs`` programs (decode)
+    # or one after another inside each program (prefill); the same bits either way.
+    attention_invariant_split: int = 128
     # mHC Sinkhorn divisions by the branch-free fast path (the bits of div_rn).
     mhc_fast_div: bool = True
     # Batch-invariant kernels (DEEPINFER_BATCH_INVARIANT=1): every launcher computes a row the same way for
@@ -63,19 +69,30 @@ class KernelTuning:
     # reduction is fixed by ``k_segment`` whatever the tile.
     invariant_fp8_tiles: tuple[tuple[int | None, FP8Tile], ...] = ((256, (64, 64, 4, 4)), (None, (128, 128, 8, 3)))
     # The batch-invariant table's FP8 kernel for power-of-two scales: the swap-AB kernel for every M (decode
-    # 1.16x the default's time at batch 1 instead of 1.50x) when True. Off until its engine test is re-run: its
-    # rows are invariant in the kernel tests, but the engine test of batches of 7 gave one request other logprobs
-    # with it; traced to the q-latent norm (``rope_norm.latent_norms``), whose row packing followed the batch
-    # (fixed; bench/results/batch_invariant_cuda.md).
-    invariant_fp8_swap_ab: bool = False
-    # Its token tiles: one warpgroup each (the wgmma m64 instruction over 64 weight rows); the token count is
-    # the instruction's N side, which does not change bits.
+    # 1.16x the default's time at batch 1 instead of 1.50x with the MMA kernel; bench/results/batch_invariant_cuda.md).
+    # False: the MMA kernel for every M (what other scales always take).
+    invariant_fp8_swap_ab: bool = True
+    # Its token tiles: each warpgroup runs the wgmma m64 instruction over the tile's 64 weight rows (a second
+    # warpgroup takes half the tokens); the token count is the instruction's N side, which does not change bits.
     invariant_decode_tiles: tuple[tuple[int | None, DecodeTile], ...] = (
         (16, (16, 4, 3)), (32, (32, 4, 3)), (64, (64, 4, 3)), (None, (128, 4, 3)))
+    # From this M on (0 = never) the batch-invariant swap-AB launch runs weight-as-A tiles with the swap-AB
+    # kernel's sums (``fp8_linear._fp8_wa_invariant_kernel``: the same bits, fewer operand reloads at prefill),
+    # ``invariant_fp8_wa_tile`` as ``fp8_wa_tile``.
+    invariant_fp8_wa_min_m: int = 0
+    invariant_fp8_wa_tile: tuple[tuple[str, int], ...] = (
+        ("BLOCK_M", 256), ("BLOCK_N", 128), ("GROUP_M", 8), ("num_warps", 8), ("num_stages", 3))
+    # The batch-invariant table's bf16 linear (swap-AB, ``ops/triton/linear.linear_invariant``) per M bucket:
+    # weight rows a multiple of 64 with at most one warpgroup per 64 of them, so every tile runs wgmma m64 over
+    # the weight rows (tokens are its N side); larger tiles reuse each operand over more of the other.
+    invariant_linear_tiles: tuple[tuple[int | None, LinearTile], ...] = (
+        (16, (64, 16, 4, 4)), (32, (64, 32, 4, 4)), (64, (64, 64, 4, 3)), (None, (64, 128, 4, 3)))
 
     def __post_init__(self) -> None:
         if self.num_sms <= 0:
             raise ValueError(f"num_sms: must be positive, got {self.num_sms}")
+        if self.attention_invariant_split <= 0:
+            raise ValueError(f"attention_invariant_split: must be positive, got {self.attention_invariant_split}")
         if self.fp8_split_target < 0 or self.fp8_decode_max_m < 0 or self.attention_small_split < 0:
             raise ValueError("fp8_split_target, fp8_decode_max_m and attention_small_split must be >= 0")
         if self.fp8_decode_max_m > max(b for b, _ in self.fp8_decode_tiles):
@@ -84,9 +101,13 @@ class KernelTuning:
             raise ValueError("fp8_tiles, invariant_fp8_tiles: the last bucket must be None (every larger M)")
         if any(bm < 64 or warps % 4 for _, (bm, _, warps, _) in self.invariant_fp8_tiles):
             raise ValueError("invariant_fp8_tiles: BLOCK_M >= 64 and warps a multiple of 4 (one wgmma family)")
-        if self.invariant_decode_tiles[-1][0] is not None or any(w != 4 for _, (_, w, _) in
+        if self.invariant_decode_tiles[-1][0] is not None or any(w % 4 for _, (_, w, _) in
                                                                  self.invariant_decode_tiles):
-            raise ValueError("invariant_decode_tiles: 4 warps each (one warpgroup), the last bucket None")
+            raise ValueError("invariant_decode_tiles: warps a multiple of 4 (whole warpgroups), the last bucket None")
+        if self.invariant_linear_tiles[-1][0] is not None or any(
+                bn % 64 or warps % 4 or warps > 4 * (bn // 64) for _, (bn, _, warps, _) in self.invariant_linear_tiles):
+            raise ValueError("invariant_linear_tiles: weight rows a multiple of 64, warps a multiple of 4 and at "
+                             "most 4 per 64 rows (wgmma m64 over the weight rows), the last bucket None")
 
     @property
     def split_target(self) -> int:
@@ -126,6 +147,9 @@ class KernelTuning:
 
     def invariant_decode_tile(self, m: int) -> DecodeTile:
         return next(t for b, t in self.invariant_decode_tiles if b is None or m <= b)
+
+    def invariant_linear_tile(self, m: int) -> LinearTile:
+        return next(t for b, t in self.invariant_linear_tiles if b is None or m <= b)
 
     def fp8_tile(self, m: int) -> tuple[int | None, FP8Tile]:
         """(bucket, tile) of the first bucket holding M."""

@@ -6,8 +6,10 @@ alone equals, bit for bit, the same row placed at the start, middle and end of c
 sizes that cross every tile bucket and both ways of running the K segments (split-K programs while the
 tiles do not fill the GPU, in-program segments once they do). Against the fp32 reference the results agree
 within bf16 rounding. And the default table is shown to change a row's bits with M, so that these
-comparisons can fail. (The other entries of the table, attention, indexer, mHC, norms, routing, experts,
-compressor, have their own batch-invariance tests beside their kernels' tests in this folder.)
+comparisons can fail. Attention: a query alone equals the same query inside steps whose index lists are
+wider, with its splits run as programs of their own (decode) or inside one program (prefill). (The other
+entries of the table, indexer, mHC, routing, experts, compressor, have their own batch-invariance tests
+beside their kernels' tests in this folder.)
 """
 
 from __future__ import annotations
@@ -23,18 +25,28 @@ from deepinfer.ops.tuning import H200
 from tests.gpu.conftest import INTERPRET, rel_err
 from tests.unit.test_batch_invariant_ops import _rows_invariant
 
-# The interpreter runs the launch logic (segments, splits, tickets) at a small SM count, so that both launch
-# modes occur at small shapes; the GPU runs the device's own count.
+# The interpreter runs the launch logic (segments, splits, tickets) at a small SM count and attention fill
+# threshold, so that both launch modes of each op occur at small shapes; the GPU runs the device's own.
 SIZES = (2, 7, 16, 17, 40) if INTERPRET else (2, 7, 16, 63, 64, 65, 130, 256, 257, 600, 2048)
 
 
-def _tables(device: str, swap_ab: bool = False):
-    """(default table, batch-invariant table); ``swap_ab``: the invariant table's swap-AB FP8 kernel."""
+# The batch-invariant table's FP8 kernels for power-of-two scales: "swap_ab" (the swap-AB kernel for every M),
+# "swap_ab_wa" (from M = 257 on its sums on the weight-as-A tiles, ``invariant_fp8_wa_min_m``), "mma" (the MMA
+# kernel for every M).
+FP8_KERNELS = ["mma", "swap_ab", "swap_ab_wa"]
+
+
+def _tables(device: str, fp8: str | None = None):
+    """(default table, batch-invariant table); ``fp8``: one of FP8_KERNELS for the invariant table (None: its
+    defaults)."""
     from deepinfer.ops.table import triton_ops
 
-    tuning = dataclasses.replace(H200, num_sms=4) if INTERPRET else None
+    tuning = dataclasses.replace(H200, num_sms=4, attention_fill_programs=4) if INTERPRET else None
     default = triton_ops(tuning)
-    invariant = dataclasses.replace((tuning or default.tuning).invariant(), invariant_fp8_swap_ab=swap_ab)
+    invariant = (tuning or default.tuning).invariant()
+    if fp8 is not None:
+        invariant = dataclasses.replace(invariant, invariant_fp8_swap_ab=fp8 != "mma", invariant_fp8_wa_min_m=(
+            invariant.invariant_fp8_wa_min_m or 257) if fp8 == "swap_ab_wa" else 0)
     return default, triton_ops(invariant)
 
 
@@ -53,10 +65,10 @@ FP8_SHAPES = [(200, 256)] if INTERPRET else [(4096, 4096), (1536, 4096), (4096, 
 
 
 @pytest.mark.interpret_ok
-@pytest.mark.parametrize("swap_ab", [False, True], ids=["mma", "swap_ab"])
+@pytest.mark.parametrize("fp8", FP8_KERNELS)
 @pytest.mark.parametrize("n, k", FP8_SHAPES)
-def test_fp8_linear_rows_are_invariant(n, k, swap_ab, device) -> None:
-    _, table = _tables(device, swap_ab)
+def test_fp8_linear_rows_are_invariant(n, k, fp8, device) -> None:
+    _, table = _tables(device, fp8)
     assert table.batch_invariant and table.name == "triton-batch-invariant"
     w, s = _fp8_weight(n, k, n + k, device)
     fn = lambda x: table.fp8_linear(x, w, s, pow2_scales=True)  # noqa: E731 (UE8M0: every fast path eligible)
@@ -66,9 +78,9 @@ def test_fp8_linear_rows_are_invariant(n, k, swap_ab, device) -> None:
 
 
 @pytest.mark.interpret_ok
-@pytest.mark.parametrize("swap_ab", [False, True], ids=["mma", "swap_ab"])
-def test_fp8_linear_grouped_rows_are_invariant(swap_ab, device) -> None:
-    _, table = _tables(device, swap_ab)
+@pytest.mark.parametrize("fp8", FP8_KERNELS)
+def test_fp8_linear_grouped_rows_are_invariant(fp8, device) -> None:
+    _, table = _tables(device, fp8)
     groups, r, k = (2, 128, 256) if INTERPRET else (8, 1024, 4096)  # V4-Flash wo_a: 8 groups of 1024 rows
     w, s = _fp8_weight(groups * r, k, 5, device)
     _rows_invariant(lambda x: table.fp8_linear_grouped(x, w, s, groups, pow2_scales=True),
@@ -144,3 +156,57 @@ def test_latent_norms_rows_are_invariant(c, device) -> None:
         return q, window
 
     _rows_invariant(run, _rows(c + kv, device), SIZES)
+
+
+ATT = (4, 64, 64) if INTERPRET else (64, 512, 512)  # heads, head dim, window columns (V4: 64 x 512, 128-key window)
+
+
+@pytest.mark.interpret_ok
+@pytest.mark.parametrize("extra", [0, 200, 2176])  # one source; two (CSA-like, HCA at 280K context)
+def test_attention_rows_are_invariant(extra, device) -> None:
+    """A query alone (its own index width) equals the same query inside steps of other queries whose lists
+    are wider (padding columns), at step sizes that run the splits as programs of their own (decode) and
+    inside each program (prefill); within bf16 rounding of the reference."""
+    from deepinfer.ops.ref.sparse_attention import sparse_attention_indexed as ref_attention
+
+    _, table = _tables(device)
+    h, d, window = ATT
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    g = torch.Generator().manual_seed(extra + 1)
+    rows = 4096
+    kv, kv2 = (torch.randn(rows, d, generator=g).to(device, dtype) for _ in range(2))
+    sinks = torch.randn(h, generator=g).to(device)
+
+    def lists(m: int, width: int, n: int) -> torch.Tensor:
+        idx = torch.stack([torch.randperm(rows, generator=g)[:width] for _ in range(m)]).to(torch.int32)
+        idx[:, n:] = -1  # this query's own columns end at n; the rest is the step's padding
+        return idx.to(device)
+
+    def make(m: int, gen: torch.Generator):
+        q = torch.randn(m, h, d, generator=gen).to(device, dtype)
+        pad = 64 if m > 1 else 0  # other queries see more keys: every list of the step is wider
+        idx = lists(m, window + pad, window)
+        idx2 = lists(m, extra + pad, extra) if extra else None
+        return (q, idx) if not extra else (q, idx, idx2)
+
+    def attend(q, idx, idx2=None):
+        return table.sparse_attention_indexed(q, kv, idx, sinks, d**-0.5, kv2 if extra else None, idx2)
+
+    def widen(t: torch.Tensor, width: int) -> torch.Tensor:
+        return torch.cat([t, t.new_full((len(t), width - t.shape[1]), -1)], dim=1)
+
+    base = make(1, torch.Generator().manual_seed(1))
+    alone = attend(*base)
+    for m in (2, 5) if INTERPRET else (2, 3, 4, 5, 16, 64, 300):
+        batch = list(make(m, torch.Generator().manual_seed(100 + m)))
+        for at in (0, m // 2, m - 1):
+            rows_ = [b.clone() for b in batch]
+            rows_[0][at] = base[0][0]
+            for i in range(1, len(rows_)):  # the base query's lists, padded to the step's width
+                rows_[i][at] = widen(base[i], rows_[i].shape[1])[0]
+            assert torch.equal(attend(*rows_)[at], alone[0]), f"row at {at} of {m} differs"
+    q, idx, *idx2 = make(5, torch.Generator().manual_seed(7))
+    got = attend(q, idx, *idx2)
+    want = ref_attention(q.float(), kv.float(), idx, sinks, d**-0.5, kv2.float() if extra else None,
+                         idx2[0] if extra else None)
+    assert rel_err(got.float(), want) <= (1e-4 if INTERPRET else 1e-2)

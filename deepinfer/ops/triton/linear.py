@@ -103,10 +103,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, tuning: KernelTuning = H200) -
     return y
 
 
-# Batch-invariant table (``KernelTuning.batch_invariant``): this kernel for every M, tokens tiled by the
-# bucket's BLOCK_M (the MMA's N side: one wgmma m64nNk16 family for every bucket), K in the tuning's fixed
-# segments. Larger buckets reuse each weight tile over more tokens (prefill).
-INVARIANT_CONFIGS = ((16, (16, 4, 4)), (32, (32, 4, 4)), (64, (64, 4, 3)), (None, (128, 4, 3)))
+# Batch-invariant table (``KernelTuning.batch_invariant``): this kernel for every M on the tuning's
+# ``invariant_linear_tiles`` (the weight rows wgmma m64's M side, the tokens its N side: one instruction family
+# for every bucket), K in the tuning's fixed segments, whose widths follow the 64-row tile of M = 1 whatever
+# tile a larger M takes.
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, tuning: KernelTuning = H200) -> torch.Tensor:
@@ -124,14 +124,15 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, tuning: KernelTuning
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    bm, warps, stages = next(cfg for bucket, cfg in INVARIANT_CONFIGS if bucket is None or m <= bucket)
-    n_tiles, m_tiles = triton.cdiv(n, BLOCK_N), triton.cdiv(m, bm)
-    seg, split, segs = tuning.segment_launch(n, k, n_tiles * m_tiles, BLOCK_N)
+    bn, bm, warps, stages = tuning.invariant_linear_tile(m)
+    assert bn % 64 == 0 and warps % 4 == 0 and warps <= 4 * (bn // 64), "wgmma m64 over the weight rows, every tile"
+    n_tiles, m_tiles = triton.cdiv(n, bn), triton.cdiv(m, bm)
+    seg, split, segs = tuning.segment_launch(n, k, n_tiles * m_tiles, BLOCK_N)  # segments: M = 1's 64-row tiles
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     _linear_decode_kernel[(n_tiles, split, m_tiles)](
         x, weight, y, part, _tickets(x.device), m, n, k, seg,
         x.stride(0), weight.stride(0), y.stride(0), part.stride(-2), part.stride(0),
-        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=split, IEEE=x.dtype == torch.float32 or _INTERPRET,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SPLIT=split, IEEE=x.dtype == torch.float32 or _INTERPRET,
         SEGS=segs,
         num_warps=warps, num_stages=stages,
     )

@@ -22,6 +22,12 @@ steps, on 4 programs at batch 1, then spreads over 4 x (1 + N2 / small split) pr
 depends on the batch and the index width, so a row's bits do too: a batch-invariant op table turns it
 off (``attention_small_split=0``); prefill keeps SPLIT, whose partials would be gigabytes at 128 columns.
 
+The batch-invariant table (``KernelTuning.batch_invariant``) splits every query the same way instead: the
+window a split of its own, then every ``attention_invariant_split`` columns of the last source, each split
+from a fresh state and the splits folded in order (``_fold``). Decode runs each split as a program and folds
+in ``_merge_kernel``; prefill folds them one after another inside each program (no partials). The same fold
+in the same order, so the same bits, and decode keeps most of the small-batch split's parallelism.
+
 Within a program the reduction runs over key blocks in column order. All-invalid blocks (padding) leave
 the state bit-identical (alpha = 1, p = 0), so trailing padding never changes a result.
 """
@@ -87,13 +93,57 @@ def _finalize(acc, m_i, l_i, sink2):
     return acc * (alpha / denom)[:, None]
 
 
+@triton.jit
+def _fold(M, L, A, m_s, l_s, a_s):
+    """Fold one split's state (m_s, l_s, a_s) into the running (M, L, A), splits taken in order: the merge of
+    the batch-invariant path, the same code whether the splits ran as programs of their own (``_merge_kernel``)
+    or one after another in one program. A split with no valid key (m_s = NEG_INIT) leaves the state as it
+    is and the first split with one becomes it, both exactly (no 0 * x + y that could turn -0 into +0), so
+    trailing padding splits and the split count never change a bit."""
+    M2 = tl.maximum(M, m_s)
+    a = tl.where(M2 == M, 1.0, tl.exp2(M - M2))
+    b = tl.where(M2 == m_s, 1.0, tl.exp2(m_s - M2))
+    empty_s = m_s == NEG_INIT
+    empty = M == NEG_INIT
+    L = tl.where(empty, l_s, tl.where(empty_s, L, L * a + l_s * b))
+    A = tl.where(empty[:, None], a_s, tl.where(empty_s[:, None], A, A * a[:, None] + a_s * b[:, None]))
+    return tl.where(empty_s, M, M2), L, A
+
+
+@triton.jit
+def _split_state(q, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, lq, s_idx, N, N2, split, stride_kv, stride_il, stride_kv2,
+                 stride_i2l, qk_scale, offs_d, d_mask, HAS_EXTRA: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """(acc, m, l) of split ``s_idx`` of the batch-invariant path, from a fresh state: with two sources split 0
+    is the first source (the window) and split s > 0 columns [(s-1)*split, s*split) of the second; with one,
+    split s is its columns [s*split, (s+1)*split)."""
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    if HAS_EXTRA:
+        if s_idx == 0:
+            acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, 0, N, stride_kv,
+                                          qk_scale, offs_d, d_mask, BLOCK_N, IEEE)
+        else:
+            lo = (s_idx - 1) * split
+            acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv2_ptr, idx2_ptr + lq * stride_i2l, lo,
+                                          tl.minimum(lo + split, N2), stride_kv2, qk_scale, offs_d, d_mask,
+                                          BLOCK_N, IEEE)
+    else:
+        lo = s_idx * split
+        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, lo,
+                                      tl.minimum(lo + split, N), stride_kv, qk_scale, offs_d, d_mask, BLOCK_N, IEEE)
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["N", "N2", "split", "stride_il", "stride_i2l"])
 def _sparse_attn_kernel(
     q_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, mpart_ptr, lpart_ptr, apart_ptr,
     H, N, N2, D, qk_scale, split,
     stride_ql, stride_qh, stride_kv, stride_il, stride_kv2, stride_i2l, stride_ol, stride_oh,
     HAS_EXTRA: tl.constexpr, FUSED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOW_ALONE: tl.constexpr = 0,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOW_ALONE: tl.constexpr = 0, INVARIANT: tl.constexpr = False,
+    segs=1,
 ):
     # Axis 0 = query * head groups + head group (axis 0 has no 65535 limit, prefill needs that), head group
     # fastest: the programs that read the same key rows run side by side and share them through L2.
@@ -111,7 +161,15 @@ def _sparse_attn_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    if HAS_EXTRA:
+    if INVARIANT:
+        # Batch-invariant: this program's splits sp*segs .. sp*segs + segs - 1, each from a fresh state, folded
+        # in order (segs = 1 when every split has a program of its own and _merge_kernel folds them).
+        for j in range(segs):
+            a_s, m_s, l_s = _split_state(q, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, lq, sp * segs + j, N, N2, split,
+                                         stride_kv, stride_il, stride_kv2, stride_i2l, qk_scale, offs_d, d_mask,
+                                         HAS_EXTRA, BLOCK_H, BLOCK_N, BLOCK_D, IEEE)
+            m_i, l_i, acc = _fold(m_i, l_i, acc, m_s, l_s, a_s)
+    elif HAS_EXTRA:
         if sp == 0:
             acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, 0, N, stride_kv,
                                           qk_scale, offs_d, d_mask, BLOCK_N, IEEE)
@@ -142,7 +200,7 @@ def _sparse_attn_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_splits,
                   stride_ol, stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr,
-                  SP: tl.constexpr):
+                  SP: tl.constexpr, INVARIANT: tl.constexpr = False):
     """Merge split partials in split order (fixed), then the same epilogue as the fused path. One program per
     (query, head group, CHUNK_D columns); every split's loads are issued at once (SP >= num_splits, unrolled).
 
@@ -156,6 +214,21 @@ def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_
     h_mask = offs_h < H
     hs_mask = h_mask[:, None] & (offs_s < num_splits)[None, :]
     base = (lq * H + offs_h) * num_splits
+    if INVARIANT:  # the batch-invariant path: ``_fold`` over the splits in order, as inside its programs
+        M = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
+        L = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        A = tl.zeros((BLOCK_H, CHUNK_D), dtype=tl.float32)
+        for s in range(num_splits):
+            m_s = tl.load(mpart_ptr + base + s, mask=h_mask, other=NEG_INIT)
+            l_s = tl.load(lpart_ptr + base + s, mask=h_mask, other=0.0)
+            a_s = tl.load(apart_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :], mask=h_mask[:, None],
+                          other=0.0)
+            M, L, A = _fold(M, L, A, m_s, l_s, a_s)
+        sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * LOG2E_C
+        out = _finalize(A, M, L, sink2)
+        tl.store(out_ptr + lq * stride_ol + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < D)[None, :])
+        return
     # A split with no valid key has m_s = NEG_INIT, l_s = 0, acc_s = 0: weight 0 (or 1 when no split has a
     # key, with l = 0 and acc = 0 all the same).
     m_s = tl.load(mpart_ptr + base[:, None] + offs_s[None, :], mask=hs_mask, other=NEG_INIT)
@@ -172,6 +245,46 @@ def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_
     out = _finalize(acc, m, l_i, sink2)
     tl.store(out_ptr + lq * stride_ol + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < D)[None, :])
+
+
+def _launch_invariant(q, kv, indices, kv2, idx2, sinks, scale, out, has_extra: bool, cfg: dict[str, int],
+                      tuning: KernelTuning) -> torch.Tensor:
+    """Batch-invariant launch (``tuning.batch_invariant``): splits of ``tuning.attention_invariant_split``
+    columns at fixed absolute columns (the window a split of its own), folded in split order (``_fold``). A
+    step with few queries (decode) runs every split as a program and folds them in ``_merge_kernel``; one with
+    many (prefill) folds them one after another inside each program. The same fold in the same order: the
+    same bits either way, whatever the batch, the padding width or the step's shape."""
+    L, H, D = q.shape
+    block_h, block_d = cfg["BLOCK_H"], max(16, triton.next_power_of_2(D))
+    width = idx2.shape[1] if has_extra else indices.shape[1]
+    fine = tuning.attention_invariant_split
+    num_splits = max(1, int(has_extra) + triton.cdiv(width, fine))
+    n_hg = triton.cdiv(H, block_h)
+    parallel = num_splits > 1 and L * n_hg < tuning.attention_fill_programs
+    if L == 0:
+        return out
+    if parallel:
+        mpart = torch.empty((L, H, num_splits), dtype=torch.float32, device=q.device)
+        lpart = torch.empty_like(mpart)
+        apart = torch.empty((L, H, num_splits, block_d), dtype=torch.float32, device=q.device)
+    else:
+        mpart = lpart = apart = out  # unused placeholders
+    _sparse_attn_kernel[(n_hg * L, num_splits if parallel else 1)](
+        q, kv, indices, kv2, idx2, sinks, out, mpart, lpart, apart,
+        H, indices.shape[1], idx2.shape[1] if has_extra else 0, D, float(scale) * LOG2E, fine,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), kv2.stride(0), idx2.stride(0),
+        out.stride(0), out.stride(1),
+        HAS_EXTRA=has_extra, FUSED=not parallel, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32 or _INTERPRET, INVARIANT=True, segs=1 if parallel else num_splits,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if parallel:
+        chunk_d = min(block_d, 128)
+        _merge_kernel[(n_hg * L, block_d // chunk_d)](
+            mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
+            BLOCK_H=block_h, BLOCK_D=block_d, CHUNK_D=chunk_d, SP=8, INVARIANT=True, num_warps=4,
+        )
+    return out
 
 
 def config(dtype: torch.dtype, d: int) -> dict[str, int]:
@@ -230,7 +343,7 @@ def sparse_attention_indexed(
     split, window_alone = SPLIT, False
     small = tuning.attention_small_split
     # The small-batch split's merge order depends on how many queries the step has.
-    assert not (small and tuning.batch_invariant), "batch-invariant attention: the fixed split only"
+    assert not (small and tuning.batch_invariant), "batch-invariant attention: its own fixed split only"
     if small and L * triton.cdiv(H, block_h) < tuning.attention_fill_programs:
         # At most ~8 splits of the last source (long HCA lists get wider splits), window apart.
         width = n2 if has_extra else n
@@ -241,6 +354,8 @@ def sparse_attention_indexed(
     if out is None:
         out = torch.empty((L, H, D), dtype=q.dtype, device=q.device)
     assert out.shape == (L, H, D) and out.dtype == q.dtype and out.stride(2) == 1, "bad out tensor"
+    if tuning.batch_invariant:
+        return _launch_invariant(q, kv, indices, kv2, idx2, sinks, scale, out, has_extra, cfg, tuning)
     if L == 0:
         return out
     fused = num_splits == 1
