@@ -8,16 +8,19 @@ interleaved (off, on, off, on, ...) so that a busy machine slows both alike; the
 Per batch size B: B greedy requests of --prompt-len random tokens each generating --tokens tokens
 (ignore_eos), all submitted at once; prefill tokens/s (the steps until every request has its first token)
 and decode tokens/s (the rest). Default model: the bundled demo model. Writes
-``bench/results/batch_invariant_<device>.{json,md}`` (or under --out).
+``bench/results/batch_invariant_engine_<device>.{json,md}`` (or under --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import random
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -83,6 +86,10 @@ def main(argv=None) -> None:
             for mode, engine in engines.items():
                 pre, dec = _round(engine, b, args.prompt_len, args.tokens, seed=r)
                 best[mode] = [max(best[mode][0], pre), max(best[mode][1], dec)]
+        del engines, engine  # both engines' weights and caches go before the next batch size's are built
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         off, on = best[False], best[True]
         rows.append({"batch": b, "prefill_tok_s_off": off[0], "prefill_tok_s_on": on[0],
                      "decode_tok_s_off": off[1], "decode_tok_s_on": on[1],
@@ -95,10 +102,11 @@ def main(argv=None) -> None:
             "rounds": args.rounds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"batch_invariant_{args.device}"
+    name = f"batch_invariant_engine_{args.device}"
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# DEEPINFER_BATCH_INVARIANT on {device}: engine throughput ({meta['model']}), mode off vs on", "",
-             f"`python bench/batch_invariant.py --device {args.device}` (torch {meta['torch']}, {meta['threads']} "
+             f"`python bench/batch_invariant.py {shlex.join(argv if argv is not None else sys.argv[1:])}` "
+             f"(torch {meta['torch']}, {meta['threads']} "
              f"threads; prompts of {args.prompt_len} tokens, {args.tokens} generated, greedy; best of {args.rounds} "
              "interleaved rounds).",
              "", "| batch | prefill tok/s off | on | on/off | decode tok/s off | on | on/off |",

@@ -68,20 +68,14 @@ class KernelTuning:
     # multiple of 4, so every bucket runs the same wgmma m64 instruction (launchers assert it); the K
     # reduction is fixed by ``k_segment`` whatever the tile.
     invariant_fp8_tiles: tuple[tuple[int | None, FP8Tile], ...] = ((256, (64, 64, 4, 4)), (None, (128, 128, 8, 3)))
-    # The batch-invariant table's FP8 kernel for power-of-two scales: the swap-AB kernel for every M (decode
-    # 1.16x the default's time at batch 1 instead of 1.50x with the MMA kernel; bench/results/batch_invariant_cuda.md).
-    # False: the MMA kernel for every M (what other scales always take).
+    # The batch-invariant table's FP8 kernel for power-of-two scales: the swap-AB kernel for every M (decode at
+    # the default's speed where the MMA kernel cost up to 1.5x; bench/results/batch_invariant_cuda.md). False: the
+    # MMA kernel for every M (what other scales always take).
     invariant_fp8_swap_ab: bool = True
     # Its token tiles: each warpgroup runs the wgmma m64 instruction over the tile's 64 weight rows (a second
     # warpgroup takes half the tokens); the token count is the instruction's N side, which does not change bits.
     invariant_decode_tiles: tuple[tuple[int | None, DecodeTile], ...] = (
         (16, (16, 4, 3)), (32, (32, 4, 3)), (64, (64, 4, 3)), (None, (128, 4, 3)))
-    # From this M on (0 = never) the batch-invariant swap-AB launch runs weight-as-A tiles with the swap-AB
-    # kernel's sums (``fp8_linear._fp8_wa_invariant_kernel``: the same bits, fewer operand reloads at prefill),
-    # ``invariant_fp8_wa_tile`` as ``fp8_wa_tile``.
-    invariant_fp8_wa_min_m: int = 0
-    invariant_fp8_wa_tile: tuple[tuple[str, int], ...] = (
-        ("BLOCK_M", 256), ("BLOCK_N", 128), ("GROUP_M", 8), ("num_warps", 8), ("num_stages", 3))
     # The batch-invariant table's bf16 linear (swap-AB, ``ops/triton/linear.linear_invariant``) per M bucket:
     # weight rows a multiple of 64 with at most one warpgroup per 64 of them, so every tile runs wgmma m64 over
     # the weight rows (tokens are its N side); larger tiles reuse each operand over more of the other.

@@ -30,23 +30,21 @@ from tests.unit.test_batch_invariant_ops import _rows_invariant
 SIZES = (2, 7, 16, 17, 40) if INTERPRET else (2, 7, 16, 63, 64, 65, 130, 256, 257, 600, 2048)
 
 
-# The batch-invariant table's FP8 kernels for power-of-two scales: "swap_ab" (the swap-AB kernel for every M),
-# "swap_ab_wa" (from M = 257 on its sums on the weight-as-A tiles, ``invariant_fp8_wa_min_m``), "mma" (the MMA
-# kernel for every M).
-FP8_KERNELS = ["mma", "swap_ab", "swap_ab_wa"]
+# The batch-invariant table's FP8 kernels for power-of-two scales: "swap_ab" (the swap-AB kernel for every M,
+# the default) and "mma" (the MMA kernel for every M, what other scales take).
+FP8_KERNELS = ["mma", "swap_ab"]
 
 
 def _tables(device: str, fp8: str | None = None):
     """(default table, batch-invariant table); ``fp8``: one of FP8_KERNELS for the invariant table (None: its
-    defaults)."""
+    default)."""
     from deepinfer.ops.table import triton_ops
 
     tuning = dataclasses.replace(H200, num_sms=4, attention_fill_programs=4) if INTERPRET else None
     default = triton_ops(tuning)
     invariant = (tuning or default.tuning).invariant()
     if fp8 is not None:
-        invariant = dataclasses.replace(invariant, invariant_fp8_swap_ab=fp8 != "mma", invariant_fp8_wa_min_m=(
-            invariant.invariant_fp8_wa_min_m or 257) if fp8 == "swap_ab_wa" else 0)
+        invariant = dataclasses.replace(invariant, invariant_fp8_swap_ab=fp8 == "swap_ab")
     return default, triton_ops(invariant)
 
 

@@ -343,50 +343,6 @@ def _fp8_linear_wa_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_wa_invariant_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, k_per_seg, group_rows,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """The batch-invariant table's large-M path: ``_fp8_linear_wa_kernel``'s tiles (weight rows as wgmma's M
-    side, converted and scaled in registers, GROUP_M token tiles per weight tile) with ``_fp8_decode_kernel``'s
-    sums: each 128-wide K block's columns in ``_logical_cols`` order on both operands (so each k16 MMA step
-    adds the same products), the blocks of a ``k_per_seg`` segment chained into one accumulator from zero, the
-    segments added in order. So every row has the bits of the decode kernel's, at any M.
-    """
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows_m
-    pid_n = (pid % per_group) // group_rows_m
-    x_ptr += (pid_n * BLOCK_N // group_rows) * K  # grouped use, as in _fp8_linear_kernel
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col = tl.arange(0, 64)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + col[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + col[None, :]
-    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k_start in range(0, K, k_per_seg):
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_start, tl.minimum(k_start + k_per_seg, K), 128):  # K % 128 == 0 (the launcher checks)
-            w = tl.join(tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0),
-                        tl.load(w_ptrs + k0 + 64, mask=n_mask[:, None], other=0.0))
-            xt = tl.join(tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0),
-                         tl.load(x_ptrs + k0 + 64, mask=m_mask[:, None], other=0.0))
-            s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
-            wb = _e4m3_to_bf16(w) * s.to(tl.bfloat16)[:, None, None]  # exact: a power-of-two scale
-            acc = tl.dot(_logical_cols(wb, BLOCK_N), tl.trans(_logical_cols(xt, BLOCK_M)).to(tl.bfloat16), acc)
-        total += acc
-    y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y, total.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
-
-
 _TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MAX_TILES = 1 << 16
 
@@ -505,17 +461,6 @@ def _launch_invariant_swap_ab(x: torch.Tensor, weight: torch.Tensor, scale: torc
     every tile) and where the segments run follow M; neither changes a row's bits."""
     m = x.shape[0]
     n, k = weight.shape
-    c = dict(tuning.invariant_fp8_wa_tile)
-    if tuning.invariant_fp8_wa_min_m and m >= tuning.invariant_fp8_wa_min_m and group_rows % c["BLOCK_N"] == 0:
-        # Prefill-sized M: the weight-as-A tiles with this kernel's sums (the same bits, fewer operand reloads).
-        assert c["num_warps"] % 4 == 0, "batch-invariant tiles run whole warpgroups (wgmma m64 over the weight rows)"
-        _fp8_wa_invariant_kernel[(triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)](
-            x, weight, scale, y, m, n, k, tuning.k_segment(n, k), group_rows,
-            x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-            BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], GROUP_M=c["GROUP_M"], num_warps=c["num_warps"],
-            num_stages=c["num_stages"],
-        )
-        return y
     bm, warps, stages = tuning.invariant_decode_tile(m)
     assert warps % 4 == 0, "batch-invariant swap-AB tiles run whole warpgroups (wgmma m64 over the weight rows)"
     tiles = triton.cdiv(n, 64) * triton.cdiv(m, bm)
