@@ -220,16 +220,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from deepinfer.config.engine import EngineConfig
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.server.engine_client import EngineClient, serves_here
+    from deepinfer.server.log_setup import log_to_stderr
+    from deepinfer.server.stat_log import LOG_STATS_INTERVAL_S
 
     if a.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes: must be >= 1, got {a.max_request_bytes}")
     config = EngineConfig.create(_engine_args(a))  # bad arguments are refused here, before anything starts
+    log_to_stderr(a.log_level)
     if a.engine_process and serves_here(config):
-        engine = EngineClient.launch(config)  # the engine core in its own process (server/engine_process.py)
+        # The engine core in its own process (server/engine_process.py), logging at the same level.
+        engine = EngineClient.launch(config, log_level=a.log_level)
     else:
         engine = LLMEngine.from_config(config)  # a follower node's ranks never return from here
     app = build_app(engine, served_model_name=a.served_model_name, api_key=a.api_key,
-                    max_request_bytes=a.max_request_bytes)
+                    max_request_bytes=a.max_request_bytes, log_stats_interval=None if a.disable_log_stats else
+                    LOG_STATS_INTERVAL_S)
     # SIGINT/SIGTERM: stop accepting, let in-flight requests run for --graceful-shutdown-timeout seconds,
     # abort what is left (clients get finish_reason "abort"), stop the engine, exit 0 (1: the engine died).
     return serve(app, host=a.host, port=a.port, log_level=a.log_level, graceful_timeout=a.graceful_shutdown_timeout)
@@ -314,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM before they are aborted")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line in the log (every 10 s: prompt/generation throughput, running and "
+                        "waiting requests, KV cache usage, prefix hit rate, speculative acceptance)")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, so the HTTP work (parsing, streaming every "
                         "token) does not share a GIL with the engine loop (default: on); --no-engine-process "

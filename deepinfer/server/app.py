@@ -40,6 +40,7 @@ from deepinfer.server.completions import CompletionBuilder
 from deepinfer.server.errors import (ApiError, api_error_handler, bad_request, error_body, http_error_handler,
                                      internal_error_handler, not_found_model, parse_body, read_body)
 from deepinfer.server.metrics import RequestCounterMiddleware, ServerMetrics
+from deepinfer.server.stat_log import LOG_STATS_INTERVAL_S, StatLog
 from deepinfer.server.prompts import check_context, render_chat, resolve_completion_prompts
 from deepinfer.server.protocol import ChatBuilder, ChatCompletionRequest, CompletionRequest
 
@@ -60,7 +61,7 @@ class ServerState:
     """Everything the routes share; ``app.state.server`` (tests reach the engine through it)."""
 
     def __init__(self, engine: LLMEngine | EngineClient, model_name: str, api_key: str | None,
-                 max_request_bytes: int) -> None:
+                 max_request_bytes: int, log_stats_interval: float | None = LOG_STATS_INTERVAL_S) -> None:
         self.metrics = ServerMetrics(model_name)
         self.metrics.publish_engine_info(engine.config.mode_labels())
         self.bridge: AsyncEngine | EngineClient
@@ -69,6 +70,7 @@ class ServerState:
             self.bridge = engine
         else:
             self.bridge = AsyncEngine(engine, self.metrics)
+        self.bridge.stat_log = StatLog(log_stats_interval) if log_stats_interval is not None else None
         self.config, self.tokenizer = engine.config, engine.tokenizer
         self.model_name = model_name
         self.api_key = api_key
@@ -199,9 +201,12 @@ async def _finals(request: Request, stream: RequestStream) -> list[RequestOutput
 
 
 def build_app(engine: LLMEngine | EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              log_stats_interval: float | None = LOG_STATS_INTERVAL_S) -> FastAPI:
+    """``log_stats_interval``: seconds between the periodic stats lines in the log (``server/stat_log.py``);
+    None writes none (``--disable-log-stats``)."""
     state = ServerState(engine, served_model_name or default_model_name(engine), api_key or None,
-                        max_request_bytes)
+                        max_request_bytes, log_stats_interval)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -27,6 +27,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput, merge_deltas
 from deepinfer.server.commands import Abort, Call, Command, EngineRequest, Reply, Submit
 from deepinfer.server.engine_stats import EngineStats, RequestTiming, observe, publish, snapshot
+from deepinfer.server.stat_log import StatLog
 from deepinfer.server.metrics import ServerMetrics
 
 log = logging.getLogger("deepinfer.server")
@@ -100,6 +101,7 @@ class AsyncEngine:
         self._drain_at: float | None = None  # monotonic time after which every request is aborted
         self.error: BaseException | None = None
         self.stats = EngineStats()
+        self.stat_log: StatLog | None = None  # the periodic log line (set by the app's ServerState)
         self._death: list[Callable[[], None]] = []
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -299,6 +301,8 @@ class AsyncEngine:
             except RuntimeError:  # that client's event loop is closed
                 pass
         self._publish_stats()
+        if self.stat_log is not None:
+            self.stat_log.step(outputs, self.stats, now)
 
     def _observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         assert self.metrics is not None

@@ -39,6 +39,7 @@ from deepinfer.server.core_messages import (MESSAGES, Abort, Answer, CallEngine,
                                             CoreReady, Drain, Shutdown, StepOutputs, Submit)
 from deepinfer.server.engine_process import run_engine_core
 from deepinfer.server.engine_stats import EngineStats, RequestTiming, observe, publish
+from deepinfer.server.stat_log import StatLog
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.output_wire import OutputAssembler
 from deepinfer.tokenizer import Tokenizer
@@ -66,6 +67,7 @@ class EngineClient:
         self.process, self._conn = process, conn
         self.metrics: ServerMetrics | None = None  # set by the app's ServerState
         self.stats = EngineStats()
+        self.stat_log: StatLog | None = None  # the periodic log line (set by the app's ServerState)
         self.error: BaseException | None = None  # why the engine is gone (shutdown or death)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # the event loop only
@@ -83,13 +85,14 @@ class EngineClient:
         atexit.register(self._at_exit)  # runs before multiprocessing joins the (non-daemon) engine process
 
     @classmethod
-    def launch(cls, config: EngineConfig) -> "EngineClient":
+    def launch(cls, config: EngineConfig, log_level: str | None = None) -> "EngineClient":
         """Start the engine process for ``config`` and wait until its engine is built. Raises what building
-        it raised (a ValueError keeps its message naming the field) or RuntimeError when the process died."""
+        it raised (a ValueError keeps its message naming the field) or RuntimeError when the process died.
+        ``log_level``: the engine process's own log lines go to stderr at this level (None: not at all)."""
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state, no server threads
         conn, child = ctx.Pipe(duplex=True)
         # Not a daemon: the parallel engine starts its rank processes from there.
-        process = ctx.Process(target=run_engine_core, args=(config, child), name="deepinfer-engine-core")
+        process = ctx.Process(target=run_engine_core, args=(config, child, log_level), name="deepinfer-engine-core")
         process.start()
         child.close()
         first = None
@@ -293,8 +296,8 @@ class EngineClient:
     # ---- on the event loop ---------------------------------------------------------------------------
     def _dispatch(self, message: StepOutputs) -> None:
         now = time.monotonic()
-        for delta in message.outputs:
-            out = self._assembler.assemble(delta)
+        outs = [self._assembler.assemble(delta) for delta in message.outputs]
+        for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
@@ -307,6 +310,8 @@ class EngineClient:
         self.stats = message.stats
         if self.metrics is not None:
             publish(self.metrics, message.stats)
+        if self.stat_log is not None:
+            self.stat_log.step(outs, message.stats, now)
 
     def _fail_streams(self, error: BaseException) -> None:
         for stream in set(self._streams.values()):

@@ -31,6 +31,7 @@ from deepinfer.executor.codec import decode, encode
 from deepinfer.server.core_messages import (MESSAGES, Abort, Answer, CallEngine, CoreClosed, CoreDied, CoreFailed,
                                             CoreReady, Drain, RemoteError, Shutdown, StepOutputs, Submit)
 from deepinfer.server.engine_stats import EngineStats, snapshot
+from deepinfer.server.log_setup import log_to_stderr
 from deepinfer.server.output_wire import DeltaBuilder, OutputDelta, PlainDelta
 
 log = logging.getLogger("deepinfer.server")
@@ -40,9 +41,13 @@ class _ServerGone(Exception):
     """The pipe closed: the HTTP process exited or was killed."""
 
 
-def run_engine_core(config: EngineConfig, conn: Connection) -> None:
-    """The process's target: build the engine, report, serve commands until shutdown or the server leaves."""
+def run_engine_core(config: EngineConfig, conn: Connection, log_level: str | None = None) -> None:
+    """The process's target: build the engine, report, serve commands until shutdown or the server leaves.
+    ``log_level``: this process's ``deepinfer`` log lines to stderr at that level (a spawned interpreter starts
+    without the server's handler)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_level is not None:
+        log_to_stderr(log_level)
     from deepinfer.engine.llm_engine import LLMEngine
 
     try:

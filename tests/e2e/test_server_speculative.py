@@ -1,9 +1,10 @@
 """`deepinfer serve --speculative-config '{"method": "mtp", ...}'`: streamed and whole completions (greedy and
-seeded, with a stop string) equal the offline engine without speculation, and /metrics exports the
-speculative decoding counters under vLLM's names."""
+seeded, with a stop string) equal the offline engine without speculation, /metrics exports the speculative
+decoding counters under vLLM's names, and the periodic stats line reports the mean acceptance length."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +18,7 @@ pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from deepinfer import SamplingParams  # noqa: E402
+from deepinfer.server.stat_log import StatLog  # noqa: E402
 from tests.e2e.test_server import API_KEY, ENGINE, MODEL, PROMPTS, Server, launch, offline, serve  # noqa: E402,F401
 
 CASES = [(PROMPTS[0], {"temperature": 0}), (PROMPTS[2], {"temperature": 0}),
@@ -53,3 +55,17 @@ def test_served_speculative_equals_offline_and_exports_metrics(spec_server: Serv
     per_pos = [samples[("deepinfer:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(2)]
     assert 0 < drafts and 0 < accepted <= draft_tokens <= 2 * drafts
     assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1]
+
+
+def test_periodic_log_line_reports_acceptance(spec_server: Server, caplog) -> None:
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    spec_server.state.bridge.stat_log = StatLog(interval=0.0)  # a line after every step (the server's: 10 s)
+    with caplog.at_level(logging.INFO, logger="deepinfer.server"):
+        _complete(client, PROMPTS[0], {"temperature": 0}, stream=False)
+        spec_server.wait_idle()
+    lines = [r.getMessage() for r in caplog.records if r.name == "deepinfer.server"]
+    assert any(line.startswith("Avg prompt throughput: ") and "Running: " in line for line in lines)
+    spec = [line for line in lines if line.startswith("SpecDecoding metrics: Mean acceptance length: ")]
+    assert spec, lines
+    lengths = [float(line.split("Mean acceptance length: ")[1].split(",")[0]) for line in spec]
+    assert all(1.0 <= x <= 3.0 for x in lengths)  # k = 2: one to three tokens per verify step
