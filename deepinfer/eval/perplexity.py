@@ -1,6 +1,7 @@
 """Held-out perplexity, top-1 next-token accuracy and MTP draft acceptance, by deepinfer and by Hugging Face.
 
     deepinfer eval [--model DIR] [--max-files N] [--max-tokens N] [--context N] [--chunk N] [--no-hf] [--json PATH]
+                   [--spec-ks K ...] [--spec-prompts N] [--spec-prompt-len N] [--spec-max-tokens N]
 
 Data (:mod:`deepinfer.eval.windows`): the held-out files of the Python standard library split
 (:mod:`deepinfer.corpus`: files whose ``sha1(relative_path)[0] % 10 == 0``, test suites excluded), sorted by
@@ -12,11 +13,13 @@ of scored predictions (the last window is shortened to fit).
 
 Metrics (:mod:`deepinfer.eval.scoring`), over all scored positions:
   * perplexity ``exp(mean NLL)`` and top-1 accuracy (argmax == the next token);
-  * MTP draft acceptance: at target position p the MTP block takes the main model's final pre-``hc_head``
+  * MTP draft acceptance (teacher-forced, one draft): at target position p the MTP block takes the main model's final pre-``hc_head``
     streams X_p and the embedding of the true token p+1 (zeroed at p == 0) and guesses token p+2; the draft is
     accepted when that greedy guess equals the main model's greedy prediction at p+1 (the token greedy decoding
     would emit). Positions p = 0 .. L-3 of each window count. ``mtp_top1`` is the draft's accuracy against the
-    true token p+2.
+    true token p+2;
+  * mean acceptance length for k = 1, 2, 3 chained drafts (``--spec-ks``), measured by the engine itself:
+    greedy generation from held-out prompts with speculative decoding on (:mod:`deepinfer.eval.acceptance`).
 
 Both implementations see the same weights: deepinfer loads the checkpoint (dequantizing FP8/FP4) in fp32 and
 runs the windows through ``SequenceCache`` in prefill chunks of ``--chunk`` tokens (several windows per step),
@@ -40,6 +43,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.eval.acceptance import acceptance_lengths
 from deepinfer.eval.scoring import run_deepinfer, run_hf
 from deepinfer.eval.windows import heldout_sample
 from deepinfer.hf_bridge import load_hf
@@ -53,6 +57,9 @@ class EvalResult:
     context: int
     deepinfer: dict[str, Any]
     hf: dict[str, Any] | None = None
+    # {k: tokens per verify step} of the engine's greedy generation with k MTP drafts (``acceptance.py``)
+    acceptance_length: dict[int, float] | None = None
+    acceptance_setup: str = ""
     ppl_rel_diff: float | None = None  # |ppl_deepinfer - ppl_hf| / ppl_hf
     notes: list[str] = field(default_factory=list)
 
@@ -60,9 +67,12 @@ class EvalResult:
 def evaluate(model_dir: str | os.PathLike[str] | None = None, max_files: int | None = None,
              max_tokens: int | None = 32768, context: int = 512, chunk: int = 128, batch: int = 8,
              hf: bool = True, tokenizer_dir: str | None = None, device: str = "cpu",
-             stdlib_root: str | None = None) -> EvalResult:
+             stdlib_root: str | None = None, spec_ks: tuple[int, ...] = (1, 2, 3), spec_prompts: int = 8,
+             spec_prompt_len: int = 32, spec_max_tokens: int = 48) -> EvalResult:
     """Evaluate ``model_dir`` (default: the bundled demo model) on the held-out stdlib windows, with deepinfer and,
-    when ``hf`` and ``transformers`` is importable, with Hugging Face on the same weights."""
+    when ``hf`` and ``transformers`` is importable, with Hugging Face on the same weights. With an MTP layer and
+    ``spec_ks``, also the engine's mean acceptance length for each k: greedy generation of ``spec_max_tokens``
+    tokens from the first ``spec_prompt_len`` tokens of ``spec_prompts`` windows."""
     from deepinfer.assets import demo_model_dir
     from deepinfer.model.loader import load_model
     from deepinfer.tokenizer import Tokenizer
@@ -76,6 +86,12 @@ def evaluate(model_dir: str | os.PathLike[str] | None = None, max_files: int | N
     result = EvalResult(str(model_dir), n_files, len(windows), context, ours.summary())
     if not has_mtp:
         result.notes.append("no MTP layer in this checkpoint: MTP metrics skipped")
+    elif spec_ks:
+        prompts = [w[:spec_prompt_len] for w in windows if len(w) >= 2][:spec_prompts]
+        result.acceptance_length = acceptance_lengths(model_dir, prompts, spec_ks, spec_max_tokens, device,
+                                                      tokenizer_dir)
+        result.acceptance_setup = (f"the engine's greedy generation, {len(prompts)} held-out prompts of <= "
+                                   f"{spec_prompt_len} tokens x {spec_max_tokens} tokens")
     if hf:
         try:
             import transformers  # noqa: F401
@@ -105,12 +121,9 @@ def format_result(r: EvalResult) -> str:
     for name, s in rows:
         lines.append(f"{name:14}{s['ppl']:10.4f}{pct(s['top1_accuracy']):>10}{pct(s['mtp_acceptance']):>12}"
                      f"{pct(s['mtp_top1']):>10}{s['seconds']:9.1f}")
-    p = r.deepinfer.get("mtp_acceptance")
-    if p is not None:
-        # Tokens per verify step with k chained drafts, from the measured one-draft rate assuming each
-        # further draft is accepted at the same rate (the engine's spec_decode counters give the real value).
-        est = "  ".join(f"k={k}: {sum(p ** i for i in range(k + 1)):.2f}" for k in range(1, 5))
-        lines.append(f"mean acceptance length (tokens per verify step; k=1 measured, k>1 estimated): {est}")
+    if r.acceptance_length:
+        got = "  ".join(f"k={k}: {v:.2f}" for k, v in sorted(r.acceptance_length.items()))
+        lines.append(f"mean acceptance length (tokens per verify step, {r.acceptance_setup}): {got}")
     if r.ppl_rel_diff is not None:
         lines.append(f"perplexity relative difference deepinfer vs transformers: {r.ppl_rel_diff:.2e}")
     lines += [f"note: {n}" for n in r.notes]
@@ -129,6 +142,12 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--batch", type=int, default=8, help="windows per forward (default: 8)")
     e.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="deepinfer device (default: cpu)")
     e.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers comparison")
+    e.add_argument("--spec-ks", type=int, nargs="*", default=[1, 2, 3],
+                   help="MTP draft counts k whose mean acceptance length the engine measures (greedy generation "
+                        "from held-out prompts; default: 1 2 3; none: skip)")
+    e.add_argument("--spec-prompts", type=int, default=8, help="held-out prompts for the acceptance run (default: 8)")
+    e.add_argument("--spec-prompt-len", type=int, default=32, help="tokens per such prompt (default: 32)")
+    e.add_argument("--spec-max-tokens", type=int, default=48, help="tokens generated per prompt (default: 48)")
     e.add_argument("--json", default=None, help="also write the result as JSON to this path")
     e.set_defaults(func=cmd_eval)
     return e
@@ -137,7 +156,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
 def cmd_eval(a: argparse.Namespace) -> int:
     torch.manual_seed(0)
     r = evaluate(a.model, max_files=a.max_files, max_tokens=a.max_tokens or None, context=a.context,
-                 chunk=a.chunk, batch=a.batch, hf=not a.no_hf, tokenizer_dir=a.tokenizer, device=a.device)
+                 chunk=a.chunk, batch=a.batch, hf=not a.no_hf, tokenizer_dir=a.tokenizer, device=a.device,
+                 spec_ks=tuple(a.spec_ks), spec_prompts=a.spec_prompts, spec_prompt_len=a.spec_prompt_len,
+                 spec_max_tokens=a.spec_max_tokens)
     print(format_result(r))
     if a.json:
         Path(a.json).write_text(json.dumps(asdict(r), indent=2) + "\n")

@@ -80,7 +80,8 @@ def test_eval_entry_point_runs(tmp_path, capsys) -> None:
     from deepinfer.cli import main
 
     out = tmp_path / "eval.json"
-    rc = main(["eval", "--max-files", "1", "--max-tokens", "96", "--context", "64", "--json", str(out)])
+    rc = main(["eval", "--max-files", "1", "--max-tokens", "96", "--context", "64", "--json", str(out),
+               "--spec-ks", "1", "2", "--spec-prompts", "2", "--spec-max-tokens", "24"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "deepinfer" in text and "transformers" in text
@@ -89,3 +90,7 @@ def test_eval_entry_point_runs(tmp_path, capsys) -> None:
     r = json.loads(out.read_text())
     assert r["deepinfer"]["tokens"] == r["hf"]["tokens"] == 96
     assert r["ppl_rel_diff"] < 1e-3
+    # measured by the engine: between one token per verify step (no draft accepted) and k + 1
+    lengths = {int(k): v for k, v in r["acceptance_length"].items()}
+    assert sorted(lengths) == [1, 2] and all(1.0 < v <= k + 1 for k, v in lengths.items())
+    assert f"k=1: {lengths[1]:.2f}  k=2: {lengths[2]:.2f}" in text
