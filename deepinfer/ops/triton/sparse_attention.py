@@ -113,10 +113,11 @@ def _fold(M, L, A, m_s, l_s, a_s):
 @triton.jit
 def _split_state(q, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, lq, s_idx, N, N2, split, stride_kv, stride_il, stride_kv2,
                  stride_i2l, qk_scale, offs_d, d_mask, HAS_EXTRA: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """(acc, m, l) of split ``s_idx`` of the batch-invariant path, from a fresh state: with two sources split 0
-    is the first source (the window) and split s > 0 columns [(s-1)*split, s*split) of the second; with one,
-    split s is its columns [s*split, (s+1)*split)."""
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOW_ALONE: tl.constexpr):
+    """(acc, m, l) of split ``s_idx`` from a fresh state. Two sources: split 0 attends the first (the window)
+    and, unless WINDOW_ALONE, columns [0, split) of the second; split s > 0 columns [(s - WINDOW_ALONE) * split,
+    + split) of the second. One source: columns [s * split, (s + 1) * split). The batch-invariant path's splits
+    are these with the window alone."""
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -124,8 +125,8 @@ def _split_state(q, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, lq, s_idx, N, N2, split,
         if s_idx == 0:
             acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, 0, N, stride_kv,
                                           qk_scale, offs_d, d_mask, BLOCK_N, IEEE)
-        else:
-            lo = (s_idx - 1) * split
+        lo = (s_idx - WINDOW_ALONE) * split
+        if lo >= 0:
             acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv2_ptr, idx2_ptr + lq * stride_i2l, lo,
                                           tl.minimum(lo + split, N2), stride_kv2, qk_scale, offs_d, d_mask,
                                           BLOCK_N, IEEE)
@@ -158,32 +159,22 @@ def _sparse_attn_kernel(
     d_mask = offs_d < D
     q = tl.load(q_ptr + lq * stride_ql + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    m_i = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     if INVARIANT:
-        # Batch-invariant: this program's splits sp*segs .. sp*segs + segs - 1, each from a fresh state, folded
-        # in order (segs = 1 when every split has a program of its own and _merge_kernel folds them).
+        # Batch-invariant: this program's splits sp*segs .. sp*segs + segs - 1 (the window alone), each from a
+        # fresh state, folded in order (segs = 1 when every split has a program of its own and _merge_kernel
+        # folds them).
+        acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+        m_i = tl.full((BLOCK_H,), NEG_INIT, dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for j in range(segs):
             a_s, m_s, l_s = _split_state(q, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, lq, sp * segs + j, N, N2, split,
                                          stride_kv, stride_il, stride_kv2, stride_i2l, qk_scale, offs_d, d_mask,
-                                         HAS_EXTRA, BLOCK_H, BLOCK_N, BLOCK_D, IEEE)
+                                         HAS_EXTRA, BLOCK_H, BLOCK_N, BLOCK_D, IEEE, 1)
             m_i, l_i, acc = _fold(m_i, l_i, acc, m_s, l_s, a_s)
-    elif HAS_EXTRA:
-        if sp == 0:
-            acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, 0, N, stride_kv,
-                                          qk_scale, offs_d, d_mask, BLOCK_N, IEEE)
-        # With WINDOW_ALONE split 0 is the first source only and split s > 0 holds columns of split s - 1.
-        lo = (sp - WINDOW_ALONE) * split
-        if lo >= 0:
-            acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv2_ptr, idx2_ptr + lq * stride_i2l, lo,
-                                          tl.minimum(lo + split, N2), stride_kv2, qk_scale, offs_d, d_mask,
-                                          BLOCK_N, IEEE)
     else:
-        lo = sp * split
-        acc, m_i, l_i = _attend_range(q, acc, m_i, l_i, kv_ptr, idx_ptr + lq * stride_il, lo,
-                                      tl.minimum(lo + split, N), stride_kv, qk_scale, offs_d, d_mask,
-                                      BLOCK_N, IEEE)
+        acc, m_i, l_i = _split_state(q, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, lq, sp, N, N2, split, stride_kv,
+                                     stride_il, stride_kv2, stride_i2l, qk_scale, offs_d, d_mask, HAS_EXTRA, BLOCK_H,
+                                     BLOCK_N, BLOCK_D, IEEE, WINDOW_ALONE)
     if FUSED:
         sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * LOG2E_C
         out = _finalize(acc, m_i, l_i, sink2)
