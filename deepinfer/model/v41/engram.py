@@ -18,7 +18,7 @@ from torch import nn
 
 from deepinfer.config.v41 import V41Config
 from deepinfer.model.linear import Linear
-from deepinfer.model.v41.engram_table import FP8Table
+from deepinfer.model.v41.engram_table import DenseTable, FP8Table
 from deepinfer.ops.table import REF, OpTable
 
 _SENTINEL = "\ue000"
@@ -157,8 +157,7 @@ class Engram(nn.Module):
         self.table_index = cfg.engram_layer_ids.index(layer)
         self.rows = cfg.engram_num_embeddings[self.table_index]
         self.hidden, self.streams, self.eps = h, n, cfg.rms_norm_eps
-        self.embed = nn.Module()
-        self.embed.weight = nn.Parameter(torch.empty(self.rows, cfg.engram_head_dim, dtype=dtype))
+        self.embed: DenseTable | FP8Table = DenseTable(self.rows, cfg.engram_head_dim, dtype)
         self.wkv = Linear(cfg.engram_hash_heads * cfg.engram_head_dim, h * (n + 1), dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(n, h, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(n, h, dtype=dtype))
@@ -168,10 +167,7 @@ class Engram(nn.Module):
         stream: a signed square root of the normalised key/stream dot product, through a sigmoid)."""
         if rows.device.type == "cpu" and bool(((rows < 0) | (rows >= self.rows)).any()):  # no sync on a device
             raise ValueError(f"engram rows must lie in [0, {self.rows})")
-        if isinstance(self.embed, FP8Table):  # the device build's codes (``engram_table.py``)
-            memory = self.embed.gather(rows, streams.dtype)
-        else:
-            memory = self.embed.weight[rows].flatten(-2).to(streams.dtype)
+        memory = self.embed.gather(rows, streams.dtype)  # dense, or the device build's codes (engram_table.py)
         key, value = self.wkv(memory).split((self.streams * self.hidden, self.hidden), dim=-1)
         key = key.float().unflatten(-1, (self.streams, self.hidden))
         x = streams.float()

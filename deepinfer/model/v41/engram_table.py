@@ -1,4 +1,5 @@
-"""An Engram table kept as stored on a device: e4m3 codes with one UE8M0 scale byte per row and 32 columns, its
+"""An Engram table's two forms, one ``gather(rows, dtype)`` each: ``DenseTable``, the plain model's dequantized
+tensor (the checkpoint's ``embed.weight`` name), and ``FP8Table``, the table kept as stored on a device: e4m3 codes with one UE8M0 scale byte per row and 32 columns, its
 rows gathered and dequantized by the op table's ``v41_engram_gather`` (one launch on CUDA). V4.1-Flash's tables
 are 384M rows x 256 per Engram layer: ~98 GB each as codes, twice that dequantized to bf16. A token reads 24
 rows, so the gather is cheap and the codes are what must fit. The rows it returns equal the plain model's
@@ -30,6 +31,18 @@ def scale_bytes(scale: torch.Tensor) -> torch.Tensor:
     if not bool((mantissa == 0.5).all()):
         raise ValueError("FP8Table.load: fp32 scales must be powers of two (UE8M0) to be held as their bytes")
     return exponent_to_ue8m0(exponent - 1).view(torch.uint8)
+
+
+class DenseTable(nn.Module):
+    """The table as one dense tensor, ``weight`` [rows, dim] (the plain model's, dequantized at load)."""
+
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype))
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """rows [..., K] -> the rows side by side, [..., K * dim] in ``dtype``."""
+        return self.weight[rows].flatten(-2).to(dtype)
 
 
 class FP8Table(nn.Module):
