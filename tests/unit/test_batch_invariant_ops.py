@@ -68,6 +68,13 @@ def test_invariant_tuning_fixes_every_batch_dependent_choice() -> None:
     assert KernelTuning(num_sms=16).invariant().k_segment(4096, 4096) == 4096  # 64 tiles already fill 32
     with pytest.raises(ValueError, match="one wgmma family"):
         KernelTuning(invariant_fp8_tiles=((64, (16, 64, 4, 4)), (None, (128, 128, 8, 3))))
+    # the bf16 linear's tiles: wgmma m64 over the weight rows in every bucket (at most one warpgroup per 64 rows)
+    assert t.invariant_linear_tile(1)[0] == 64 and t.invariant_linear_tile(10**6)[0] % 64 == 0
+    for bad in (((None, (32, 128, 4, 3)),), ((None, (64, 128, 8, 3)),), ((16, (64, 16, 4, 4)),)):
+        with pytest.raises(ValueError, match="invariant_linear_tiles"):
+            KernelTuning(invariant_linear_tiles=bad)
+    with pytest.raises(ValueError, match="attention_invariant_split"):
+        KernelTuning(attention_invariant_split=0)
 
 
 def test_engine_config_carries_the_mode_and_refuses_what_it_cannot_keep(monkeypatch) -> None:
