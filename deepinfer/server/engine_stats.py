@@ -53,14 +53,18 @@ _request_of = operator.attrgetter("request")
 
 
 def snapshot(engine) -> EngineStats:
-    """``engine``'s counters now (an ``LLMEngine``; the parallel one reports DP rank 0's scheduler, and every
-    rank's cache tiers as their last step's results carried them: ``executor/rank_tiers.py``)."""
-    sched, cache = engine.scheduler, engine.cache
+    """``engine``'s counters now (an ``LLMEngine``, or the parallel one: every DP rank's scheduler and cache,
+    summed, and every rank's cache tiers as their last step's results carried them: ``executor/rank_tiers.py``).
+    Cache usage is per pool the share of all DP ranks' blocks in use."""
+    schedulers = getattr(engine, "schedulers", None) or [engine.scheduler]
+    caches = [s.cache for s in schedulers]
     prefix = spec = None
     tiers: dict[int, TierStats] = {}
-    if getattr(sched, "prefix", None) is not None:
-        prefix = PrefixCounts(sched.prefix_queries, sched.prefix_hits,
-                              {p: bp.num_evictions for p, bp in cache.pools.items()}, dict(cache.num_cached_blocks()))
+    if getattr(schedulers[0], "prefix", None) is not None:
+        pools = list(caches[0].pools)
+        prefix = PrefixCounts(sum(s.prefix_queries for s in schedulers), sum(s.prefix_hits for s in schedulers),
+                              {p: sum(c.pools[p].num_evictions for c in caches) for p in pools},
+                              {p: sum(c.num_cached_blocks()[p] for c in caches) for p in pools})
     per_rank = getattr(engine, "rank_tier_stats", None)
     if per_rank is not None:
         tiers = {r: t for r, t in enumerate(per_rank) if t is not None}
@@ -69,11 +73,16 @@ def snapshot(engine) -> EngineStats:
     s = getattr(engine, "spec_stats", None)
     if s is not None and s.num_speculative_tokens:
         spec = SpecCounts(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))
+    if len(caches) == 1:
+        usage = dict(caches[0].usage())
+    else:
+        blocks = {p: sum(c.pools[p].num_blocks for c in caches) for p in caches[0].pools}
+        usage = {p: sum(c.pools[p].num_used for c in caches) / n if n else 0.0 for p, n in blocks.items()}
     return EngineStats(
         # Distinct request objects (identity-hashed, one per live request id), gathered in C: read every step.
-        running=len(set(map(_request_of, sched.running))),
-        waiting=len(set(map(_request_of, sched.waiting))),
-        cache_usage=dict(cache.usage()), prefix=prefix, tiers=tiers, spec=spec)
+        running=sum(len(set(map(_request_of, s.running))) for s in schedulers),
+        waiting=sum(len(set(map(_request_of, s.waiting))) for s in schedulers),
+        cache_usage=usage, prefix=prefix, tiers=tiers, spec=spec)
 
 
 def publish(metrics: ServerMetrics, stats: EngineStats) -> None:

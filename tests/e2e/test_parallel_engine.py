@@ -132,3 +132,34 @@ def test_the_warm_up_runs_on_every_data_parallel_rank_and_leaves_no_trace(single
     finally:
         engine.close()
         torch.set_num_threads(threads)
+
+
+def test_server_counters_cover_every_data_parallel_rank() -> None:
+    """What /metrics and the server's stats line read (``server/engine_stats.snapshot``) on DP2 + EP: the
+    running and waiting requests, cache usage and prefix counters of both DP ranks, not of rank 0 alone (two
+    requests, one on each rank)."""
+    from deepinfer.server.engine_stats import snapshot
+
+    engine = LLMEngine.from_engine_args(**dict(ARGS, num_cache_blocks=8), data_parallel_size=2,
+                                        enable_expert_parallel=True)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for i, ids in enumerate(_prompts()[:2]):
+            engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+        engine.step()
+        assert [len(s.running) + len(s.waiting) for s in engine.schedulers] == [1, 1]
+        stats = snapshot(engine)
+        assert (stats.running, stats.waiting) == (sum(len(s.running) for s in engine.schedulers),
+                                                  sum(len(s.waiting) for s in engine.schedulers))
+        assert stats.running + stats.waiting == 2
+        pools = engine.schedulers[0].cache.pools
+        for p in pools:
+            used = sum(s.cache.pools[p].num_used for s in engine.schedulers)
+            total = sum(s.cache.pools[p].num_blocks for s in engine.schedulers)
+            assert stats.cache_usage[p] == used / total
+        assert stats.prefix.queries == sum(s.prefix_queries for s in engine.schedulers) > 0
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert (snapshot(engine).running, snapshot(engine).waiting) == (0, 0)
+    finally:
+        engine.close()
