@@ -40,9 +40,9 @@ from deepinfer.server.completions import CompletionBuilder
 from deepinfer.server.errors import (ApiError, api_error_handler, bad_request, error_body, http_error_handler,
                                      internal_error_handler, not_found_model, parse_body, read_body)
 from deepinfer.server.metrics import RequestCounterMiddleware, ServerMetrics
-from deepinfer.server.stat_log import LOG_STATS_INTERVAL_S, StatLog
 from deepinfer.server.prompts import check_context, render_chat, resolve_completion_prompts
 from deepinfer.server.protocol import ChatBuilder, ChatCompletionRequest, CompletionRequest
+from deepinfer.server.stat_log import LOG_STATS_INTERVAL_S, StatLog
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEMO_MODEL_NAME = "deepinfer-demo"

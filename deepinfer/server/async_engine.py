@@ -27,8 +27,8 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput, merge_deltas
 from deepinfer.server.commands import Abort, Call, Command, EngineRequest, Reply, Submit
 from deepinfer.server.engine_stats import EngineStats, RequestTiming, observe, publish, snapshot
-from deepinfer.server.stat_log import StatLog
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.stat_log import StatLog
 
 log = logging.getLogger("deepinfer.server")
 

@@ -39,9 +39,9 @@ from deepinfer.server.core_messages import (MESSAGES, Abort, Answer, CallEngine,
                                             CoreReady, Drain, Shutdown, StepOutputs, Submit)
 from deepinfer.server.engine_process import run_engine_core
 from deepinfer.server.engine_stats import EngineStats, RequestTiming, observe, publish
-from deepinfer.server.stat_log import StatLog
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.output_wire import OutputAssembler
+from deepinfer.server.stat_log import StatLog
 from deepinfer.tokenizer import Tokenizer
 
 log = logging.getLogger("deepinfer.server")
