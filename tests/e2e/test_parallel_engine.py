@@ -140,6 +140,7 @@ def test_server_counters_cover_every_data_parallel_rank() -> None:
     requests, one on each rank)."""
     from deepinfer.server.engine_stats import snapshot
 
+    threads = torch.get_num_threads()  # a CPU world divides the cores among its ranks
     engine = LLMEngine.from_engine_args(**dict(ARGS, num_cache_blocks=8), data_parallel_size=2,
                                         enable_expert_parallel=True)
     try:
@@ -163,3 +164,4 @@ def test_server_counters_cover_every_data_parallel_rank() -> None:
         assert (snapshot(engine).running, snapshot(engine).waiting) == (0, 0)
     finally:
         engine.close()
+        torch.set_num_threads(threads)
