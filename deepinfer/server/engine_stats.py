@@ -56,8 +56,9 @@ def snapshot(engine) -> EngineStats:
     """``engine``'s counters now (an ``LLMEngine``, or the parallel one: every DP rank's scheduler and cache,
     summed, and every rank's cache tiers as their last step's results carried them: ``executor/rank_tiers.py``).
     Cache usage is per pool the share of all DP ranks' blocks in use."""
-    schedulers = getattr(engine, "schedulers", None) or [engine.scheduler]
-    caches = [s.cache for s in schedulers]
+    ranks = getattr(engine, "schedulers", None)  # the parallel engine's DP ranks
+    schedulers = ranks if ranks else [engine.scheduler]
+    caches = [s.cache for s in ranks] if ranks else [engine.cache]
     prefix = spec = None
     tiers: dict[int, TierStats] = {}
     if getattr(schedulers[0], "prefix", None) is not None:
