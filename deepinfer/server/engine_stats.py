@@ -62,10 +62,9 @@ def snapshot(engine) -> EngineStats:
     prefix = spec = None
     tiers: dict[int, TierStats] = {}
     if getattr(schedulers[0], "prefix", None) is not None:
-        pools = list(caches[0].pools)
         prefix = PrefixCounts(sum(s.prefix_queries for s in schedulers), sum(s.prefix_hits for s in schedulers),
-                              {p: sum(c.pools[p].num_evictions for c in caches) for p in pools},
-                              {p: sum(c.num_cached_blocks()[p] for c in caches) for p in pools})
+                              {p: sum(c.pools[p].num_evictions for c in caches) for p in caches[0].pools},
+                              {p: sum(c.pools[p].num_cached for c in caches) for p in caches[0].pools})
     per_rank = getattr(engine, "rank_tier_stats", None)
     if per_rank is not None:
         tiers = {r: t for r, t in enumerate(per_rank) if t is not None}

@@ -238,46 +238,6 @@ def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_d < D)[None, :])
 
 
-def _launch_invariant(q, kv, indices, kv2, idx2, sinks, scale, out, has_extra: bool, cfg: dict[str, int],
-                      tuning: KernelTuning) -> torch.Tensor:
-    """Batch-invariant launch (``tuning.batch_invariant``): splits of ``tuning.attention_invariant_split``
-    columns at fixed absolute columns (the window a split of its own), folded in split order (``_fold``). A
-    step with few queries (decode) runs every split as a program and folds them in ``_merge_kernel``; one with
-    many (prefill) folds them one after another inside each program. The same fold in the same order: the
-    same bits either way, whatever the batch, the padding width or the step's shape."""
-    L, H, D = q.shape
-    block_h, block_d = cfg["BLOCK_H"], max(16, triton.next_power_of_2(D))
-    width = idx2.shape[1] if has_extra else indices.shape[1]
-    fine = tuning.attention_invariant_split
-    num_splits = max(1, int(has_extra) + triton.cdiv(width, fine))
-    n_hg = triton.cdiv(H, block_h)
-    parallel = num_splits > 1 and L * n_hg < tuning.attention_fill_programs
-    if L == 0:
-        return out
-    if parallel:
-        mpart = torch.empty((L, H, num_splits), dtype=torch.float32, device=q.device)
-        lpart = torch.empty_like(mpart)
-        apart = torch.empty((L, H, num_splits, block_d), dtype=torch.float32, device=q.device)
-    else:
-        mpart = lpart = apart = out  # unused placeholders
-    _sparse_attn_kernel[(n_hg * L, num_splits if parallel else 1)](
-        q, kv, indices, kv2, idx2, sinks, out, mpart, lpart, apart,
-        H, indices.shape[1], idx2.shape[1] if has_extra else 0, D, float(scale) * LOG2E, fine,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), kv2.stride(0), idx2.stride(0),
-        out.stride(0), out.stride(1),
-        HAS_EXTRA=has_extra, FUSED=not parallel, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32 or _INTERPRET, INVARIANT=True, segs=1 if parallel else num_splits,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if parallel:
-        chunk_d = min(block_d, 128)
-        _merge_kernel[(n_hg * L, block_d // chunk_d)](
-            mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
-            BLOCK_H=block_h, BLOCK_D=block_d, CHUNK_D=chunk_d, SP=8, INVARIANT=True, num_warps=4,
-        )
-    return out
-
-
 def config(dtype: torch.dtype, d: int) -> dict[str, int]:
     """Tiles by (dtype, D) only -- never by batch or length, which would change the reduction order.
 
@@ -331,24 +291,59 @@ def sparse_attention_indexed(
     n, n2 = indices.shape[1], idx2.shape[1] if has_extra else 0
     cfg = config(q.dtype, D)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
-    split, window_alone = SPLIT, False
-    small = tuning.attention_small_split
-    # The small-batch split's merge order depends on how many queries the step has.
-    assert not (small and tuning.batch_invariant), "batch-invariant attention: its own fixed split only"
-    if small and L * triton.cdiv(H, block_h) < tuning.attention_fill_programs:
-        # At most ~8 splits of the last source (long HCA lists get wider splits), window apart.
-        width = n2 if has_extra else n
-        split = max(small, triton.next_power_of_2(triton.cdiv(width, 8)))
-        window_alone = has_extra and n > 0
-    num_splits = max(1, window_alone + triton.cdiv(n2 if has_extra else n, split))
+    n_hg = triton.cdiv(H, block_h)
+    width = n2 if has_extra else n  # the split axis: the last source
+    if tuning.batch_invariant:
+        # Splits of ``attention_invariant_split`` columns at fixed absolute columns, the window a split of its
+        # own, each from a fresh state and folded in order (``_fold``): as programs of their own (folded by the
+        # merge kernel) while the step has few queries (decode), else one after another inside each program.
+        # The same fold in the same order, so the same bits whatever the batch, the padding or the step's shape.
+        assert not tuning.attention_small_split, "batch-invariant attention: its own split only (invariant())"
+        split, window_alone = tuning.attention_invariant_split, has_extra
+        num_splits = max(1, int(has_extra) + triton.cdiv(width, split))
+        programs = num_splits if num_splits > 1 and L * n_hg < tuning.attention_fill_programs else 1
+    else:
+        split, window_alone = SPLIT, False
+        small = tuning.attention_small_split
+        if small and L * n_hg < tuning.attention_fill_programs:
+            # At most ~8 splits of the last source (long HCA lists get wider splits), window apart. The merge
+            # order then depends on how many queries the step has: never in the batch-invariant table.
+            split = max(small, triton.next_power_of_2(triton.cdiv(width, 8)))
+            window_alone = has_extra and n > 0
+        num_splits = programs = max(1, window_alone + triton.cdiv(width, split))
     block_d = max(16, triton.next_power_of_2(D))
     if out is None:
         out = torch.empty((L, H, D), dtype=q.dtype, device=q.device)
     assert out.shape == (L, H, D) and out.dtype == q.dtype and out.stride(2) == 1, "bad out tensor"
-    if tuning.batch_invariant:
-        return _launch_invariant(q, kv, indices, kv2, idx2, sinks, scale, out, has_extra, cfg, tuning)
     if L == 0:
         return out
+    fused = programs == 1
+    if fused:
+        mpart = lpart = apart = out  # unused placeholders
+    else:
+        mpart = torch.empty((L, H, num_splits), dtype=torch.float32, device=q.device)
+        lpart = torch.empty_like(mpart)
+        apart = torch.empty((L, H, num_splits, block_d), dtype=torch.float32, device=q.device)
+    _sparse_attn_kernel[(n_hg * L, programs)](
+        q, kv, indices, kv2, idx2, sinks, out, mpart, lpart, apart,
+        H, n, n2, D, float(scale) * LOG2E, split,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), kv2.stride(0), idx2.stride(0),
+        out.stride(0), out.stride(1),
+        HAS_EXTRA=has_extra, FUSED=fused, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32 or _INTERPRET, WINDOW_ALONE=int(window_alone),
+        INVARIANT=tuning.batch_invariant, segs=num_splits // programs,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not fused:
+        chunk_d = min(block_d, 128)
+        # The default merge issues every split's loads at once (one binary up to 8 splits); the invariant one
+        # folds them in a loop.
+        sp = 8 if tuning.batch_invariant else max(8, triton.next_power_of_2(num_splits))
+        _merge_kernel[(n_hg * L, block_d // chunk_d)](
+            mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
+            BLOCK_H=block_h, BLOCK_D=block_d, CHUNK_D=chunk_d, SP=sp, INVARIANT=tuning.batch_invariant, num_warps=4,
+        )
+    return out
     fused = num_splits == 1
     if fused:
         mpart = lpart = apart = out  # unused placeholders
