@@ -84,6 +84,24 @@ def evaluate(model_dir: str | os.PathLike[str] | None = None, max_files: int | N
     has_mtp = model.cfg.num_nextn_predict_layers > 0
     ours = run_deepinfer(model, windows, chunk=chunk, batch=batch)
     result = EvalResult(str(model_dir), n_files, len(windows), context, ours.summary())
+    cfg = model.cfg
+    native = None
+    if hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            result.notes.append("transformers is not installed: Hugging Face comparison skipped")
+        else:
+            native = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+                      for k, v in model.state_dict().items()}
+    del model  # the HF model and the acceptance engines load their own copies
+    if native is not None:
+        hf_model, block = load_hf(cfg, native, mtp=has_mtp)
+        del native
+        theirs = run_hf(hf_model, block, windows, batch=batch)
+        del hf_model, block
+        result.hf = theirs.summary()
+        result.ppl_rel_diff = abs(ours.ppl - theirs.ppl) / theirs.ppl
     if not has_mtp:
         result.notes.append("no MTP layer in this checkpoint: MTP metrics skipped")
     elif spec_ks:
@@ -92,20 +110,6 @@ def evaluate(model_dir: str | os.PathLike[str] | None = None, max_files: int | N
                                                       tokenizer_dir)
         result.acceptance_setup = (f"the engine's greedy generation, {len(prompts)} held-out prompts of <= "
                                    f"{spec_prompt_len} tokens x {spec_max_tokens} tokens")
-    if hf:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            result.notes.append("transformers is not installed: Hugging Face comparison skipped")
-            return result
-        cfg = model.cfg
-        native = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-                  for k, v in model.state_dict().items()}
-        del model
-        hf_model, block = load_hf(cfg, native, mtp=has_mtp)
-        theirs = run_hf(hf_model, block, windows, batch=batch)
-        result.hf = theirs.summary()
-        result.ppl_rel_diff = abs(ours.ppl - theirs.ppl) / theirs.ppl
     return result
 
 
