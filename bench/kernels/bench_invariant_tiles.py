@@ -6,8 +6,8 @@ One prefill chunk of --tokens tokens through V4-Flash-shaped layers (layers 2..,
 as in bench/layer_sweep.py) under ``DEEPINFER_BATCH_INVARIANT``'s table records every GEMM call (FP8, grouped
 FP8, bf16 linear/dense: inputs and weights). Each candidate tile for the bucket that --tokens falls in
 (``KernelTuning.invariant_decode_tiles``: the FP8 swap-AB kernel's (tokens, warps, stages);
-``invariant_linear_tiles``: the bf16 kernel's (weight rows, tokens, warps, stages); and fewer, longer K
-segments, ``fp8_split_target``) then replays those calls:
+``invariant_linear_tiles``: the bf16 kernel's (weight rows, tokens, warps, stages); fewer, longer K
+segments, ``fp8_split_target``; the swap-AB kernel on checkpoint-order weights) then replays those calls:
 device time per layer, and whether every output has the same bits as the table's tile (a candidate that
 changes a bit cannot be the invariant table's; the kernel tests then check rows alone against rows in
 batches). The default table's GEMMs (the weight-as-A FP8 kernel and cuBLAS) are the line to beat.
@@ -30,10 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.layer_sweep import FLASH, build, from_layer, random_cache  # noqa: E402
 from deepinfer.model.device import use_op_table  # noqa: E402
+from deepinfer.ops import fp8_layout  # noqa: E402
 from deepinfer.ops.table import triton_ops  # noqa: E402
 from deepinfer.ops.tuning import KernelTuning  # noqa: E402
 
-FP8_TILES = [(128, 4, 3), (128, 4, 4), (128, 4, 2), (256, 8, 3), (128, 8, 3)]
+FP8_TILES = [(128, 4, 3), (128, 4, 4), (256, 4, 3), (256, 8, 3), (256, 8, 4), (128, 8, 3)]
 LINEAR_TILES = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3)]
 # Fewer, longer K segments (``fp8_split_target``, which the invariant table's ``k_segment`` reads): other bits by
 # design (another fixed order), timed to see what the segments cost at this M.
@@ -62,9 +63,16 @@ def record(model, table, tokens: int) -> list[tuple[str, tuple, dict]]:
     return calls
 
 
-def replay(table, calls, kinds: tuple[str, ...]) -> tuple[float, list[torch.Tensor]]:
-    """(ms for the calls of these kinds, their outputs)."""
-    mine = [(getattr(table, n), a, kw) for n, a, kw in calls if n in kinds]
+def replay(table, calls, kinds: tuple[str, ...], recorded_order: str) -> tuple[float, list[torch.Tensor]]:
+    """(ms for the calls of these kinds, their outputs). FP8 weights (recorded in ``recorded_order``) are handed to
+    ``table`` in its own K order (``ops/fp8_layout.py``)."""
+    def own(name, args):
+        if not name.startswith("fp8_") or table.fp8_k_order == recorded_order:
+            return args
+        w = fp8_layout.arrange(fp8_layout.checkpoint(args[1], recorded_order), table.fp8_k_order)
+        return (args[0], w, *args[2:])
+
+    mine = [(getattr(table, n), own(n, a), kw) for n, a, kw in calls if n in kinds]
     outs = [fn(*a, **kw) for fn, a, kw in mine]
     ms = do_bench(lambda: [fn(*a, **kw) for fn, a, kw in mine], warmup=5, rep=40)
     return ms, outs
@@ -83,8 +91,8 @@ def main() -> None:
     rows = []
     for kinds, field, tiles in ((("fp8_linear", "fp8_linear_grouped"), "invariant_decode_tiles", FP8_TILES),
                                 (("linear", "dense"), "invariant_linear_tiles", LINEAR_TILES)):
-        default_ms, _ = replay(triton_ops(base), calls, kinds)
-        ref_ms, ref = replay(triton_ops(inv), calls, kinds)
+        default_ms, _ = replay(triton_ops(base), calls, kinds, inv.fp8_k_order)
+        ref_ms, ref = replay(triton_ops(inv), calls, kinds, inv.fp8_k_order)
         current = getattr(inv, field)
         bucket = next(b for b, _ in current if b is None or args.tokens <= b)
         print(f"== {field} (bucket {bucket}): default table {default_ms / args.layers * 1e3:.0f} us/layer, "
@@ -92,10 +100,12 @@ def main() -> None:
         rows.append(dict(field=field, tile="default table", us_per_layer=default_ms / args.layers * 1e3))
         candidates = [(tile, {field: tuple((b, tile if b == bucket else t) for b, t in current)}) for tile in tiles]
         candidates += [(("split_target", t), dict(fp8_split_target=t)) for t in SPLIT_TARGETS]
+        if field == "invariant_decode_tiles":  # the swap-AB kernel on checkpoint-order weights (x permuted)
+            candidates.append((("checkpoint_order",), dict(invariant_fp8_kernel_order=False)))
         for tile, fields in candidates:
             tuned = dataclasses.replace(inv, **fields)
             try:
-                ms, outs = replay(triton_ops(tuned), calls, kinds)
+                ms, outs = replay(triton_ops(tuned), calls, kinds, inv.fp8_k_order)
             except Exception as e:  # a tile that does not compile or fit: reported, not fatal
                 print(f"  {tile}: failed ({type(e).__name__}: {str(e)[:80]})")
                 continue

@@ -30,16 +30,22 @@ from deepinfer.model.linear import flat_grouped
 from deepinfer.model.moe import MoE
 from deepinfer.model.quant import FP4_GROUP, QuantizedWeight, scale_to_float
 from deepinfer.model.shard import Shard
+from deepinfer.ops import fp8_layout
 from deepinfer.ops.table import OpTable
 
 
 class FP8Linear(nn.Module):
+    """e4m3 codes [N, K] with their K columns as ``ops.fp8_k_order`` stores them (``k_order``: ``ops/fp8_layout.py``;
+    ``use_op_table`` re-arranges them for a table that stores them otherwise) and fp32 128x128 block scales."""
+
+    k_order: str
+
     def __init__(self, qw: QuantizedWeight, ops: OpTable) -> None:
         super().__init__()
         assert qw.format == "fp8" and qw.block == (128, 128), f"FP8Linear needs 128x128 blocks, got {qw.block}"
-        self.register_buffer("weight_fp8", qw.data.contiguous())
+        self.register_buffer("weight_fp8", fp8_layout.arrange(qw.data.contiguous(), ops.fp8_k_order))
         self.register_buffer("weight_scale", scale_to_float(qw.scale).float().contiguous())
-        self.ops = ops
+        self.ops, self.k_order = ops, ops.fp8_k_order
         self.refresh()
 
     @classmethod
@@ -52,7 +58,7 @@ class FP8Linear(nn.Module):
                                                       device=device))
         out.register_buffer("weight_scale", torch.empty(-(-out_features // 128), -(-in_features // 128),
                                                         dtype=torch.float32, device=device))
-        out.ops, out.pow2_scales = ops, True
+        out.ops, out.pow2_scales, out.k_order = ops, True, ops.fp8_k_order
         return out
 
     @property
@@ -60,12 +66,13 @@ class FP8Linear(nn.Module):
         return self.weight_fp8.shape[0]
 
     def load(self, data: torch.Tensor, scale: torch.Tensor) -> None:
-        """Weight loader: e4m3 codes and their stored 128x128 block scales (of this module's rows, when
-        sharded) into the buffers; the scales are decoded to fp32 multipliers once, here."""
+        """Weight loader: e4m3 codes (checkpoint order) and their stored 128x128 block scales (of this module's
+        rows, when sharded) into the buffers, the codes in ``k_order``; the scales are decoded to fp32 multipliers
+        once, here."""
         if tuple(data.shape) != tuple(self.weight_fp8.shape) or tuple(scale.shape) != tuple(self.weight_scale.shape):
             raise ValueError(f"FP8Linear.load: codes {tuple(data.shape)} / scales {tuple(scale.shape)} do not fit "
                              f"{tuple(self.weight_fp8.shape)} / {tuple(self.weight_scale.shape)}")
-        self.weight_fp8.copy_(data)
+        self.weight_fp8.copy_(fp8_layout.arrange(data, self.k_order))
         self.weight_scale.copy_(scale_to_float(scale.to(self.weight_scale.device)))
 
     def refresh(self) -> None:
@@ -83,7 +90,9 @@ class FP8Linear(nn.Module):
         nn.Module.__init__(out)
         out.register_buffer("weight_fp8", torch.cat([p.weight_fp8 for p in parts]))
         out.register_buffer("weight_scale", torch.cat([p.weight_scale for p in parts]))
-        out.ops, out.pow2_scales = parts[0].ops, all(p.pow2_scales for p in parts)
+        if len({p.k_order for p in parts}) != 1:
+            raise ValueError(f"cannot stack FP8 weights in different K orders: {sorted({p.k_order for p in parts})}")
+        out.ops, out.pow2_scales, out.k_order = parts[0].ops, all(p.pow2_scales for p in parts), parts[0].k_order
         row = 0
         for p in parts:
             n = p.weight_fp8.shape[0]
@@ -114,7 +123,8 @@ class FP8Linear(nn.Module):
                 w, s = self.weight_fp8[i * r : (i + 1) * r], self.weight_scale[i * r // 128 : (i + 1) * r // 128]
                 outs.append(self.ops.fp8_linear(x[i].contiguous(), w, s, pow2_scales=self.pow2_scales))
             else:  # group rows straddle a scale block: dequantize this group's rows (small models only)
-                w = self.weight_fp8[i * r : (i + 1) * r].float() * self.weight_scale.repeat_interleave(128, 0)[
+                codes = fp8_layout.checkpoint(self.weight_fp8[i * r : (i + 1) * r], self.k_order)
+                w = codes.float() * self.weight_scale.repeat_interleave(128, 0)[
                     i * r : (i + 1) * r].repeat_interleave(128, 1)[:, : x.shape[-1]]
                 outs.append(self.ops.dense(x[i].float(), w).to(x.dtype))
         return torch.stack(outs)
@@ -347,9 +357,29 @@ def finish_transform(model: DeepseekV4, ops: OpTable, overlap: bool | None | Bra
 
 def use_op_table(model: nn.Module, ops: OpTable) -> nn.Module:
     """Point every module that calls the op table at ``ops`` (the reference model's modules default to
-    ``REF``): what the device transform does, and alone what the CPU's batch-invariant mode needs."""
+    ``REF``): what the device transform does, and alone what the CPU's batch-invariant mode needs. FP8 weights
+    stored in another K order than ``ops`` reads are re-arranged in place (``_rearrange_fp8``)."""
+    _rearrange_fp8(model, ops.fp8_k_order)
     for module in model.modules():
         if hasattr(module, "ops"):
             module.ops = ops
     model.ops = ops
     return model
+
+
+def _rearrange_fp8(model: nn.Module, order: str) -> None:
+    """Every ``FP8Linear`` of ``model`` to K order ``order``, in place. Stacked projections' parts are row views of
+    their stack's buffer (and may appear as modules of their own): the layout is per row, so each byte range is
+    re-arranged once, by the largest module holding it, and every module over it takes the new order."""
+    todo = sorted((m for m in model.modules() if isinstance(m, FP8Linear) and m.k_order != order),
+                  key=lambda m: -m.weight_fp8.numel())
+    done: list[tuple[int, int]] = []
+    for m in todo:
+        w = m.weight_fp8
+        start = w.data_ptr()
+        end = start + w.numel() * w.element_size()
+        if not any(a <= start and end <= b for a, b in done):
+            assert w.is_contiguous(), "FP8 codes are contiguous row ranges"
+            w.copy_(fp8_layout.arrange(fp8_layout.checkpoint(w, m.k_order), order))
+            done.append((start, end))
+        m.k_order = order

@@ -57,6 +57,9 @@ Structured outputs' grammar masks, in place before the draw (``ops/ref/token_mas
 
 Weight layout, applied once when the model is prepared (not per call):
 
+  fp8_k_order: "checkpoint" or "kernel" (a field): how FP8 dense weights' K columns are stored, which every FP8
+      entry of the table reads (``ops/fp8_layout.arrange``; "kernel" in the batch-invariant Triton table: each
+      128-column block in the swap-AB kernel's register order, so that kernel sums K in natural order)
   fp4_expert_layout(codes int8 [E,N,K/2], scales [E,N,K/32]) -> (codes, scales) in the layout
       moe_experts_fp4 reads (the same tensors for ``REF``; for Triton, tile-major with each 32-bit word's
       bits pre-placed for decoding, int32 words: ``ops/triton/fp4_codes.expert_layout``)
@@ -171,6 +174,8 @@ class OpTable:
     v41_engram_gather: Callable = ref_engram.gather_rows
     # Every entry computes a row the same way whatever the batch and the step's shape (README: modes).
     batch_invariant: bool = False
+    # How the FP8 entries read dense weights' K columns (``ops/fp8_layout.py``): the model stores them so.
+    fp8_k_order: str = "checkpoint"
 
 
 def _checkpoint_layout(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,7 +267,8 @@ def triton_ops(tuning: KernelTuning | None = None) -> OpTable:
                    v41_swiglu=tri_swiglu.swiglu_v41, v41_qdq=tri_cache_rows.qdq,
                    v41_engram_hash=tri_engram.hash_rows, v41_engram_gather=tri_engram.gather_rows,
                    v41_rope=tri_rope_v41.apply_rope, v41_attend_lists=partial(tri_lists.attend_lists, tuning=tuning),
-                   v41_compress_pool=tri_pool_v41.pool, v41_index_select=tri_index_v41.select_entries)
+                   v41_compress_pool=tri_pool_v41.pool, v41_index_select=tri_index_v41.select_entries,
+                   fp8_k_order=tuning.fp8_k_order)
     if not tuning.batch_invariant:
         return table
     # Batch-invariant (``tuning.invariant()``): the tuning already fixes the FP8 GEMMs' K segments and

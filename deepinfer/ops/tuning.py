@@ -72,6 +72,11 @@ class KernelTuning:
     # the default's speed where the MMA kernel cost up to 1.5x; bench/results/batch_invariant_cuda.md). False: the
     # MMA kernel for every M (what other scales always take).
     invariant_fp8_swap_ab: bool = True
+    # The batch-invariant table stores FP8 weights of whole 128-column blocks with each block's columns in the
+    # swap-AB kernel's register order (``ops/fp8_layout.py``), so that kernel reads activations as they are and sums
+    # K in natural order (x no longer goes through registers to be permuted: prefill at the weight-as-A kernel's
+    # speed). Every path of that table reads the weights in this layout (the MMA kernel permutes x to match).
+    invariant_fp8_kernel_order: bool = True
     # Its token tiles: each warpgroup runs the wgmma m64 instruction over the tile's 64 weight rows (a second
     # warpgroup takes half the tokens); the token count is the instruction's N side, which does not change bits.
     invariant_decode_tiles: tuple[tuple[int | None, DecodeTile], ...] = (
@@ -102,6 +107,11 @@ class KernelTuning:
                 bn % 64 or warps % 4 or warps > 4 * (bn // 64) for _, (bn, _, warps, _) in self.invariant_linear_tiles):
             raise ValueError("invariant_linear_tiles: weight rows a multiple of 64, warps a multiple of 4 and at "
                              "most 4 per 64 rows (wgmma m64 over the weight rows), the last bucket None")
+
+    @property
+    def fp8_k_order(self) -> str:
+        """How the table built with this tuning stores FP8 weights' K columns (``ops/fp8_layout.ORDERS``)."""
+        return "kernel" if self.batch_invariant and self.invariant_fp8_kernel_order else "checkpoint"
 
     @property
     def split_target(self) -> int:

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from deepinfer.model.quant import quant_fp8_block, ue8m0_to_float
+from deepinfer.ops import fp8_layout
 from deepinfer.ops.ref.fp8_linear import fp8_linear as ref_fp8_linear
+from deepinfer.ops.ref.fp8_linear import fp8_linear_grouped as ref_fp8_grouped
 from deepinfer.ops.tuning import H200
 from tests.gpu.conftest import INTERPRET, rel_err
 from tests.unit.test_batch_invariant_ops import _rows_invariant
@@ -30,9 +32,10 @@ from tests.unit.test_batch_invariant_ops import _rows_invariant
 SIZES = (2, 7, 16, 17, 40) if INTERPRET else (2, 7, 16, 63, 64, 65, 130, 256, 257, 600, 2048)
 
 
-# The batch-invariant table's FP8 kernels for power-of-two scales: "swap_ab" (the swap-AB kernel for every M,
-# the default) and "mma" (the MMA kernel for every M, what other scales take).
-FP8_KERNELS = ["mma", "swap_ab"]
+# The batch-invariant table's FP8 kernels for power-of-two scales: "swap_ab" (the swap-AB kernel for every M on
+# weights in its K order, the default), "swap_ab_checkpoint" (the same on weights in checkpoint order, x permuted in
+# registers) and "mma" (the MMA kernel for every M, what other scales take; x permuted to the weights' order).
+FP8_KERNELS = ["mma", "swap_ab", "swap_ab_checkpoint"]
 
 
 def _tables(device: str, fp8: str | None = None):
@@ -44,7 +47,8 @@ def _tables(device: str, fp8: str | None = None):
     default = triton_ops(tuning)
     invariant = (tuning or default.tuning).invariant()
     if fp8 is not None:
-        invariant = dataclasses.replace(invariant, invariant_fp8_swap_ab=fp8 == "swap_ab")
+        invariant = dataclasses.replace(invariant, invariant_fp8_swap_ab=fp8.startswith("swap_ab"),
+                                        invariant_fp8_kernel_order=fp8 != "swap_ab_checkpoint")
     return default, triton_ops(invariant)
 
 
@@ -69,7 +73,9 @@ def test_fp8_linear_rows_are_invariant(n, k, fp8, device) -> None:
     _, table = _tables(device, fp8)
     assert table.batch_invariant and table.name == "triton-batch-invariant"
     w, s = _fp8_weight(n, k, n + k, device)
-    fn = lambda x: table.fp8_linear(x, w, s, pow2_scales=True)  # noqa: E731 (UE8M0: every fast path eligible)
+    assert table.fp8_k_order == ("checkpoint" if fp8 == "swap_ab_checkpoint" else "kernel")
+    laid = fp8_layout.arrange(w, table.fp8_k_order)  # as the model stores it for this table
+    fn = lambda x: table.fp8_linear(x, laid, s, pow2_scales=True)  # noqa: E731 (UE8M0: every fast path eligible)
     _rows_invariant(fn, _rows(k, device), SIZES)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
     assert rel_err(fn(x), ref_fp8_linear(x.float(), w, s)) <= 1e-2
@@ -81,8 +87,38 @@ def test_fp8_linear_grouped_rows_are_invariant(fp8, device) -> None:
     _, table = _tables(device, fp8)
     groups, r, k = (2, 128, 256) if INTERPRET else (8, 1024, 4096)  # V4-Flash wo_a: 8 groups of 1024 rows
     w, s = _fp8_weight(groups * r, k, 5, device)
-    _rows_invariant(lambda x: table.fp8_linear_grouped(x, w, s, groups, pow2_scales=True),
-                    _rows(groups * k, device), SIZES)
+    laid = fp8_layout.arrange(w, table.fp8_k_order)
+    fn = lambda x: table.fp8_linear_grouped(x, laid, s, groups, pow2_scales=True)  # noqa: E731
+    _rows_invariant(fn, _rows(groups * k, device), SIZES)
+    x = torch.randn(70, groups * k, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+    assert rel_err(fn(x), ref_fp8_grouped(x.float(), w, s, groups)) <= 1e-2
+
+
+@pytest.mark.interpret_ok
+def test_kernel_order_is_the_swap_ab_kernels_register_order(device) -> None:
+    """``ops/fp8_layout.kernel_order`` is the order in which the swap-AB kernel's register operand takes a block's
+    memory columns: the kernel's own map (``_logical_cols``, which it applies to x when the weight is in checkpoint
+    order) sends memory column m to logical column kernel_order[m]."""
+    global _logical_cols  # the kernel below resolves it among this module's globals when it compiles
+    import triton
+    import triton.language as tl
+
+    from deepinfer.ops.triton.fp8_linear import _logical_cols
+
+    @triton.jit
+    def cols(src, dst):
+        r = tl.arange(0, 16)[:, None]
+        c = tl.arange(0, 64)[None, :]
+        t = tl.join(tl.load(src + r * 128 + c), tl.load(src + r * 128 + 64 + c))
+        tl.store(dst + r * 128 + tl.arange(0, 128)[None, :], _logical_cols(t, 16))
+
+    src = torch.arange(128, dtype=torch.int32, device=device).repeat(16, 1)
+    dst = torch.empty_like(src)
+    cols[(1,)](src, dst)
+    order = torch.tensor(fp8_layout.kernel_order(), dtype=torch.int32, device=device)
+    want = torch.empty_like(order)
+    want[order.long()] = torch.arange(128, dtype=torch.int32, device=device)  # logical column j holds memory m
+    assert torch.equal(dst, want.repeat(16, 1))
 
 
 BF16_SHAPES = [(100, 200)] if INTERPRET else [(256, 4096), (2624, 4096), (1024, 4096), (129280, 4096), (4096, 256)]

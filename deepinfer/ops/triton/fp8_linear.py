@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.ops import lanes
+from deepinfer.ops import fp8_layout, lanes
 from deepinfer.ops.tuning import H200, KernelTuning
 
 SCALE_BLOCK = 128
@@ -211,17 +211,23 @@ def _memory_rows(t):
 
 
 @triton.jit
-def _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, k_start, k_end, BLOCK_M: tl.constexpr):
+def _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, k_start, k_end, BLOCK_M: tl.constexpr,
+                    NATURAL_K: tl.constexpr):
     """fp32 yᵀ [64, BLOCK_M] (rows in the MMA's order) summed from zero over K in [k_start, k_end), one 128-wide
-    block at a time, every block chained into the one accumulator (see ``_fp8_decode_kernel``)."""
+    block at a time, every block chained into the one accumulator (see ``_fp8_decode_kernel``). ``NATURAL_K``:
+    the weight's columns are stored in the kernel's logical order (``ops/fp8_layout.py``), so x is read as it is
+    (``x_ptrs`` then spans the 128 columns of a block)."""
     BLOCK_N: tl.constexpr = 64
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, 128):  # K % 128 == 0 (the launcher checks)
         k1 = k0 + 64
         w = tl.join(tl.load(w_ptrs + k0 // 4, mask=w_rows_ok, other=0), tl.load(w_ptrs + k1 // 4, mask=w_rows_ok,
                                                                                  other=0))
-        xt = tl.join(tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0),
-                     tl.load(x_ptrs + k1, mask=m_mask[:, None], other=0.0))
+        if NATURAL_K:
+            xl = tl.trans(tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0))
+        else:
+            xl = tl.trans(_logical_cols(tl.join(tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0),
+                                                tl.load(x_ptrs + k1, mask=m_mask[:, None], other=0.0)), BLOCK_M))
         s = tl.load(s_row + k0 // 128) * 1.329227995784916e36  # * 2^120
         bits = s.to(tl.uint32, bitcast=True) >> 16
         mul = tl.full([BLOCK_N, 16, 2], 0, tl.int32) + (bits | (bits << 16)).to(tl.int32, bitcast=True)
@@ -233,7 +239,6 @@ def _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, k_start, k_end, BL
         wb = tl.join(tl.join(lo01, lo23), tl.join(hi01, hi23))
         wb = tl.reshape(wb, [BLOCK_N, 4, 2, 2, 2, 2, 2])  # (row, a, b3, b2, half, b1, b0)
         wl = _row_order(tl.reshape(tl.permute(wb, (0, 4, 2, 3, 5, 1, 6)), [BLOCK_N, 128]))
-        xl = tl.trans(_logical_cols(xt, BLOCK_M))
         acc = tl.dot(wl, xl.to(tl.bfloat16), acc)
     return acc
 
@@ -243,7 +248,7 @@ def _fp8_decode_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
     M, N, K, k_per_split, group_rows,
     stride_xm, stride_wn, stride_sn, stride_ym, stride_pm, stride_psplit,
-    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, SEGS: tl.constexpr = 1,
+    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, SEGS: tl.constexpr = 1, NATURAL_K: tl.constexpr = False,
 ):
     """Swap-AB path for power-of-two scales: yᵀ tile [64, BM] = (w · s) [64, K] @ xᵀ [K, BM], split over K like
     ``_fp8_linear_kernel``. Program (n tile, K split, token tile); the default table takes it for small M (one
@@ -272,17 +277,17 @@ def _fp8_decode_kernel(
     words = tl.arange(0, 16)
     w_ptrs = w_ptr + offs_n[:, None] * (stride_wn // 4) + words[None, :]  # [64, 16] words: half a K block
     w_rows_ok = (offs_n < N)[:, None]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + col[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (tl.arange(0, 128) if NATURAL_K else col)[None, :]
     s_row = s_ptr + (pid_n * BLOCK_N // 128) * stride_sn  # 64 rows lie in one 128-row scale block
     if SEGS == 1:
         k_start = pid_k * k_per_split
         acc = _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, k_start,
-                              tl.minimum(k_start + k_per_split, K), BLOCK_M)
+                              tl.minimum(k_start + k_per_split, K), BLOCK_M, NATURAL_K)
     else:  # (no K split is launched with SEGS > 1)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for sg in range(SEGS):
             acc += _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, sg * k_per_split,
-                                   tl.minimum((sg + 1) * k_per_split, K), BLOCK_M)
+                                   tl.minimum((sg + 1) * k_per_split, K), BLOCK_M, NATURAL_K)
     # Rows back in memory order (a relabeling, no data movement), so that the stores are contiguous along N
     # (stored in the MMA's row order, the split-K partials were scattered 4-byte writes: 2-4x slower at M >= 8).
     acc = _memory_rows(acc)
@@ -399,9 +404,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: 
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     swap_ab_ok = (pow2_scales and x.dtype == torch.bfloat16 and not _INTERPRET and k % 128 == 0
                   and group_rows % 64 == 0)  # what the swap-AB kernel handles: never a function of M
+    # The table's weight layout (``ops/fp8_layout.py``): in kernel order, a weight's logical K column j is its
+    # checkpoint column j for the swap-AB kernel; any other kernel reads the columns as stored, x permuted to match.
+    natural_k = fp8_layout.laid_out(k, tuning.fp8_k_order)
+    assert tuning.batch_invariant or not natural_k, "only the batch-invariant table stores FP8 weights in kernel order"
     if tuning.batch_invariant:
         if swap_ab_ok and tuning.invariant_fp8_swap_ab:
-            return _launch_invariant_swap_ab(x, weight, scale, y, group_rows, tuning)
+            return _launch_invariant_swap_ab(x, weight, scale, y, group_rows, tuning, natural_k)
+        if natural_k:
+            x = fp8_layout.to_kernel_order(x)
         return _launch_invariant(x, weight, scale, y, group_rows, tuning)
     c = dict(tuning.fp8_wa_tile)
     bits = tuning.fp8_e4m3_by_bits
@@ -454,11 +465,12 @@ def _launch_invariant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 
 def _launch_invariant_swap_ab(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
-                              group_rows: int, tuning: KernelTuning) -> torch.Tensor:
+                              group_rows: int, tuning: KernelTuning, natural_k: bool) -> torch.Tensor:
     """Batch-invariant launch for power-of-two scales: the swap-AB kernel for every M (the decode path's
     speed at small M, where the MMA kernel cost up to 1.5x), K in ``tuning.k_segment(N, K)`` segments added in
     order. The token tile (the wgmma N side; each warpgroup runs the m64 instruction over the 64 weight rows for
-    every tile) and where the segments run follow M; neither changes a row's bits."""
+    every tile) and where the segments run follow M; neither changes a row's bits. ``natural_k``: the weight is
+    in kernel order (x read as it is; the kernel's speed at prefill-sized M)."""
     m = x.shape[0]
     n, k = weight.shape
     bm, warps, stages = tuning.invariant_decode_tile(m)
@@ -470,7 +482,7 @@ def _launch_invariant_swap_ab(x: torch.Tensor, weight: torch.Tensor, scale: torc
     _fp8_decode_kernel[(triton.cdiv(n, 64), split, triton.cdiv(m, bm))](
         x, weight.view(torch.int32), scale, y, part, _tickets(x.device), m, n, k, seg, group_rows,
         x.stride(0), weight.stride(0), scale.stride(0), y.stride(0), part.stride(-2), part.stride(0),
-        BLOCK_M=bm, SPLIT=split, SEGS=segs, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, SPLIT=split, SEGS=segs, NATURAL_K=natural_k, num_warps=warps, num_stages=stages,
     )
     return y
 
