@@ -118,25 +118,32 @@ def expert_kernels():
 
 def fp8_kernels():
     from deepinfer.ops.triton import fp8_linear as fp8
+    from deepinfer.ops.tuning import H200
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
            "ticket_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "group_rows": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "stride_pm": "i32",
            "stride_psplit": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-           "IEEE": "constexpr", "SPLIT": "constexpr", "BITS": "constexpr"}
+           "IEEE": "constexpr", "SPLIT": "constexpr", "BITS": "constexpr", "SEGS": "constexpr"}
     div = ("N", "K", "k_per_split", "group_rows", "stride_xm", "stride_wn", "stride_ym", "stride_pm", "stride_psplit")
     for bucket in (16, 64):
-        bm, bn, warps, stages = fp8.CONFIGS[bucket]
+        bm, bn, warps, stages = dict(H200.fp8_tiles)[bucket]
         for bits in (True, False):
             cvt = "" if bits else " cvt"  # cvt: the hardware e4m3 -> f16 -> bf16 conversion
             yield (f"fp8 linear m{bm} n{bn} w{warps} s{stages}{cvt}", fp8._fp8_linear_kernel, sig,
-                   {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "IEEE": False, "SPLIT": 4, "BITS": bits}, div,
-                   warps, stages, bn * 128)
+                   {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "IEEE": False, "SPLIT": 4, "BITS": bits,
+                    "SEGS": 1}, div, warps, stages, bn * 128)
     dec = {k: v for k, v in sig.items() if k not in ("BLOCK_N", "BLOCK_K", "IEEE", "BITS")}
     dec["w_ptr"] = "*i32"  # the codes as 32-bit words
+    dec["NATURAL_K"] = "constexpr"
     for bm, bn, warps, stages in DECODE_VARIANTS:
         yield (f"fp8 decode m{bm} n{bn} w{warps} s{stages}", fp8._fp8_decode_kernel, dec,
-               {"BLOCK_M": bm, "SPLIT": 4}, div, warps, stages, bn * 128)
+               {"BLOCK_M": bm, "SPLIT": 4, "SEGS": 1, "NATURAL_K": False}, div, warps, stages, bn * 128)
+    # The batch-invariant table's prefill tile, on checkpoint-order weights (x permuted in registers) and on
+    # weights in the kernel's K order (``ops/fp8_layout.py``: x copied as it is).
+    for natural in (False, True):
+        yield (f"fp8 decode m128 n64 w4 s3 {'kernel' if natural else 'checkpoint'} order", fp8._fp8_decode_kernel,
+               dec, {"BLOCK_M": 128, "SPLIT": 1, "SEGS": 1, "NATURAL_K": natural}, div, 4, 3, 64 * 128)
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) of the swap-AB decode kernel.

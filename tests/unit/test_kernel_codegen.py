@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles real kernels (the interpreter replaces triton.jit)", allow_module_level=True)
 
-from deepinfer.testing.sass import compile_sm90, expert_kernels, loop_mix  # noqa: E402
+from deepinfer.testing.sass import compile_sm90, expert_kernels, fp8_kernels, loop_mix  # noqa: E402
 
 
 def test_expert_decode_loops_use_wide_copies(tmp_path) -> None:
@@ -43,3 +43,18 @@ def test_expert_decode_loops_use_wide_copies(tmp_path) -> None:
     for label, n in counts.items():
         if label.endswith(" placed"):  # 8 integer ops per word of codes instead of 15: ~100 fewer per K step
             assert n < counts[label[: -len(" placed")]] - 80, f"{label}: {n} vs {counts[label[: -len(' placed')]]}"
+
+
+def test_fp8_prefill_tile_copies_activations_as_they_are_in_kernel_order(tmp_path) -> None:
+    """The batch-invariant FP8 kernel at 128 tokens: on weights in its K order (``ops/fp8_layout.py``) x goes from
+    global to shared memory by 16-byte async copies and nowhere else (no shared-memory stores in the loop, which
+    the checkpoint order needs to permute x), in fewer instructions per K step."""
+    mixes = {label: loop_mix(compile_sm90(fn, sig, consts, div, warps, stages), tmp_path)
+             for label, fn, sig, consts, div, warps, stages, _ in fp8_kernels() if label.endswith(" order")}
+    kernel, checkpoint = (next(m for lb, m in mixes.items() if lb.endswith(f" {o} order"))
+                          for o in ("kernel", "checkpoint"))
+    assert checkpoint.classes.get("STS", 0) > 0, f"checkpoint order: x no longer permuted in the loop? {checkpoint}"
+    assert not any(op.startswith("STS") for op in kernel.classes), f"kernel order: x stored in the loop: {kernel}"
+    assert kernel.classes.get("LDGSTS.E.BYPASS.128", 0) > 0 and kernel.classes.get("HGMMA.64", 0) > 0
+    assert not any(op.startswith(("LDL", "STL")) for op in kernel.classes), f"spills: {kernel.classes}"
+    assert kernel.instructions < checkpoint.instructions - 30, (kernel.instructions, checkpoint.instructions)

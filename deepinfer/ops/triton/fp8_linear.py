@@ -16,7 +16,9 @@ With power-of-two (UE8M0) scales, M <= 64 takes ``_fp8_decode_kernel`` instead: 
 MMA's register operand read in a permuted order that needs no layout shuffle, the scale folded into the
 conversion (half the instructions per K step; the decode layer's FP8 GEMMs 6-14% faster, bench/results run 48).
 The batch-invariant table can take that kernel for every M (``KernelTuning.invariant_fp8_swap_ab``: token tiles
-on a third grid axis, K in fixed segments).
+on a third grid axis, K in fixed segments), on weights it stores with each 128-column block in the kernel's
+permuted order (``ops/fp8_layout.py``): the kernel then reads x as it is and sums K in natural order, at prefill
+sizes too (4K prefill 1.14x -> 1.05x the default's time per layer, bench/results/batch_invariant_cuda.md).
 """
 
 from __future__ import annotations
@@ -263,7 +265,9 @@ def _fp8_decode_kernel(
     shared memory to registers 16 at a time and are converted in place (``_e4m3_words_to_bf16``, the scale
     folded into its multiply), with no layout shuffle between conversion and MMA (``loop_sass.py``: 244
     instructions per K step against 326 for the split-K MMA kernel at M <= 16, 255 against 425 at M <= 32);
-    all K blocks of a segment chain into one accumulator.
+    all K blocks of a segment chain into one accumulator. ``NATURAL_K``: the weight's columns are stored in that
+    order (``ops/fp8_layout.py``), so xᵀ is read as it is (copied straight into shared memory; permuting it went
+    through registers: 373 against 324 instructions per K step at 128 tokens).
     """
     BLOCK_N: tl.constexpr = 64
     pid_n = tl.program_id(0)
