@@ -1,7 +1,7 @@
 """Verify-step cost of MTP speculation on V4-Flash-shaped layers, and the effective TPOT it implies.
 
     python bench/spec_verify.py [--model deepinfer/assets/shapes/v4-flash] [--layers 2 6] [--batches 1 8 32 128]
-                                [--ks 0 1 2 3] [--acceptance 0.8] [--steps 24]
+                                [--ks 0 1 2 3] [--acceptance 0.8] [--steps 24] [--async-scheduling auto]
 
 Dummy weights (``load_format="dummy"``) in the checkpoint's native formats, the first --layers layers plus
 the MTP layer, on the engine's own path (CUDA graphs for plain and verify steps). Random weights accept no
@@ -10,8 +10,10 @@ verifies k drafts and runs the k-step MTP chain, which is what is timed: the mea
 decode steps with every sequence decoding, host included, one engine per (layers, k).
 
 Two layer counts give a per-layer slope and a fixed part (embedding, head, MTP, host); the table
-extrapolates both to the model's full depth. Effective TPOT = step time / expected tokens per step, where a
-per-draft acceptance a gives (1 - a^(k+1)) / (1 - a) tokens (each draft accepted independently with
+extrapolates both to the model's full depth. That holds only where the step is bound by the device at both
+counts: a step whose host work outlasts its device time at the smaller count hides part of the slope (then
+measure at more layers, or with --async-scheduling on, which overlaps the host's work with the device's).
+Effective TPOT = step time / expected tokens per step, where a per-draft acceptance a gives (1 - a^(k+1)) / (1 - a) tokens (each draft accepted independently with
 probability a, the usual model); the speedup is against k = 0 in the same run. Acceptance is an input here
 (the published figure for V4-Flash is ~0.8; the demo model's is measured by ``bench/spec_decode.py``).
 Writes ``spec_verify_{device}.{json,md}`` into --out.
@@ -30,6 +32,10 @@ from deepinfer import LLMEngine, SamplingParams
 from deepinfer.config.model import ModelConfig
 
 
+# --async-scheduling -> the engine argument (None: the engine's default for the configuration).
+ASYNC = {"auto": None, "on": True, "off": False}
+
+
 def expected_tokens(k: int, a: float) -> float:
     """Tokens one verify step emits on average: the accepted prefix of k drafts plus the target's token."""
     return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
@@ -46,7 +52,7 @@ def step_times(a, layers: int, k: int) -> dict[int, float]:
     engine = LLMEngine.from_engine_args(
         model=a.model, load_format="dummy", hf_overrides={"num_hidden_layers": layers}, device=a.device,
         load_progress=False, max_num_seqs=max(a.batches), max_model_len=4096, max_num_batched_tokens=8192,
-        block_size=256, speculative_config=spec, tokenizer=a.tokenizer,
+        block_size=256, speculative_config=spec, tokenizer=a.tokenizer, async_scheduling=ASYNC[a.async_scheduling],
         **({"cache_memory_gb": a.cache_gb} if a.cache_gb else {}))
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(100, 100 + a.prompt))}
@@ -88,6 +94,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens of each sequence")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--cache-gb", type=float, default=None)
+    ap.add_argument("--async-scheduling", choices=list(ASYNC), default="auto",
+                    help="the engine's async_scheduling for every k (auto: its default, which is off with speculation)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     if a.tokenizer is None:
@@ -117,7 +125,7 @@ def main() -> None:
     lines = [f"# MTP verify steps, {Path(a.model).name}-shaped dummy layers, {name}", "",
              f"`python bench/spec_verify.py --model {a.model} --layers {lo} {hi} --batches "
              f"{' '.join(map(str, a.batches))} --ks {' '.join(map(str, a.ks))} --acceptance {a.acceptance} "
-             f"--steps {a.steps}`", "",
+             f"--steps {a.steps} --async-scheduling {a.async_scheduling}`", "",
              f"Step times measured at {lo} and {hi} layers; full depth ({depth} layers) extrapolated from the "
              f"per-layer slope. Expected tokens per step at per-draft acceptance {a.acceptance}.", "",
              f"| batch | k | step ms ({lo} L) | step ms ({hi} L) | ms per layer | step ms ({depth} L) | tokens/step "
