@@ -15,7 +15,8 @@ counts: a step whose host work outlasts its device time at the smaller count hid
 measure at more layers, or with --async-scheduling on, which overlaps the host's work with the device's).
 Effective TPOT = step time / expected tokens per step, where a per-draft acceptance a gives
 (1 - a^(k+1)) / (1 - a) tokens (each draft accepted independently with probability a, the usual model); the
-speedup is against k = 0 in the same run. Acceptance is an input here (the published figure for V4-Flash is ~0.8; the demo model's is measured by ``bench/spec_decode.py``).
+speedup is against k = 0 in the same run. Acceptance is an input here (the published figure for V4-Flash is
+~0.8; the demo model's is measured by ``bench/spec_decode.py``).
 Writes ``spec_verify_{device}.{json,md}`` into --out.
 """
 
