@@ -2,6 +2,7 @@
 
     python bench/spec_verify.py [--model deepinfer/assets/shapes/v4-flash] [--layers 2 6] [--batches 1 8 32 128]
                                 [--ks 0 1 2 3] [--acceptance 0.8] [--steps 24] [--async-scheduling auto]
+                                [--draft-head auto]
 
 Dummy weights (``load_format="dummy"``) in the checkpoint's native formats, the first --layers layers plus
 the MTP layer, on the engine's own path (CUDA graphs for plain and verify steps). Random weights accept no
@@ -49,7 +50,7 @@ def _sync(device: str) -> None:
 
 def step_times(a, layers: int, k: int) -> dict[int, float]:
     """Mean step milliseconds per batch size for one engine (``layers`` layers, ``k`` drafts)."""
-    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    spec = {"method": "mtp", "num_speculative_tokens": k, "draft_head": a.draft_head} if k else None
     engine = LLMEngine.from_engine_args(
         model=a.model, load_format="dummy", hf_overrides={"num_hidden_layers": layers}, device=a.device,
         load_progress=False, max_num_seqs=max(a.batches), max_model_len=4096, max_num_batched_tokens=8192,
@@ -97,6 +98,8 @@ def main() -> None:
     ap.add_argument("--cache-gb", type=float, default=None)
     ap.add_argument("--async-scheduling", choices=list(ASYNC), default="auto",
                     help="the engine's async_scheduling for every k (auto: its default, which is off with speculation)")
+    ap.add_argument("--draft-head", choices=["auto", "model", "fp8"], default="auto",
+                    help="speculative_config.draft_head (auto: an FP8 copy of the LM head on CUDA)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     if a.tokenizer is None:
@@ -126,7 +129,7 @@ def main() -> None:
     lines = [f"# MTP verify steps, {Path(a.model).name}-shaped dummy layers, {name}", "",
              f"`python bench/spec_verify.py --model {a.model} --layers {lo} {hi} --batches "
              f"{' '.join(map(str, a.batches))} --ks {' '.join(map(str, a.ks))} --acceptance {a.acceptance} "
-             f"--steps {a.steps} --async-scheduling {a.async_scheduling}`", "",
+             f"--steps {a.steps} --async-scheduling {a.async_scheduling} --draft-head {a.draft_head}`", "",
              f"Step times measured at {lo} and {hi} layers; full depth ({depth} layers) extrapolated from the "
              f"per-layer slope. Expected tokens per step at per-draft acceptance {a.acceptance}.", "",
              f"| batch | k | step ms ({lo} L) | step ms ({hi} L) | ms per layer | step ms ({depth} L) | tokens/step "

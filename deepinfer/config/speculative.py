@@ -25,7 +25,12 @@ from deepinfer.config.json_object import json_object
 MTP, DSPARK = "mtp", "dspark"
 METHODS = (MTP, DSPARK)
 MAX_SPECULATIVE_TOKENS = {MTP: 4, DSPARK: 5}  # DSpark: the released drafter's block
-_FIELDS = ("method", "num_speculative_tokens")
+_FIELDS = ("method", "num_speculative_tokens", "draft_head")
+# The head the MTP chain's drafts are picked from (``model/draft_head.py``): "model" (the model's own LM head),
+# "fp8" (an FP8 copy of it, made at load: half the bytes each chained pass reads; drafts only decide how many
+# positions a step covers, never which tokens are emitted) or "auto" (fp8 on CUDA, where the head's bytes are a
+# chain pass's largest read; the model's head on the CPU, where an FP8 GEMM is slower).
+DRAFT_HEADS = ("auto", "model", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,7 @@ class SpeculativeConfig:
     # Per-request draft length 0..k from its recent acceptance (DEEPINFER_ENABLE_MTP_VARLEN=1); off: always
     # k, so which positions a step covers never depends on the past acceptance of other steps.
     varlen: bool = False
+    draft_head: str = "auto"  # one of DRAFT_HEADS (MTP only)
 
     @classmethod
     def parse(cls, value: Any, varlen: bool = False) -> "SpeculativeConfig | None":
@@ -50,7 +56,18 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= most:
             raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer in "
                              f"[1, {most}] for method {method!r}, got {k!r}")
-        return cls(method, k, bool(varlen))
+        head = value.get("draft_head", "auto")
+        if head not in DRAFT_HEADS:
+            raise ValueError(f"speculative_config.draft_head: {head!r} is not supported; allowed: "
+                             f"{', '.join(DRAFT_HEADS)}")
+        if head != "auto" and method != MTP:
+            raise ValueError(f"speculative_config.draft_head: only for method 'mtp' (DSpark drafts with its own "
+                             f"head), got {head!r} with method {method!r}")
+        return cls(method, k, bool(varlen), head)
+
+    def fp8_draft_head(self, device: str) -> bool:
+        """Whether the MTP chain picks its drafts from an FP8 copy of the LM head on ``device``."""
+        return self.method == MTP and (self.draft_head == "fp8" or (self.draft_head == "auto" and device == "cuda"))
 
     @property
     def length_by_rate(self) -> bool:

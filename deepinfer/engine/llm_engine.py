@@ -45,6 +45,7 @@ from deepinfer.kv.block_budget import cdiv
 from deepinfer.kv.offload import TierLink, move_blocks
 from deepinfer.model.loader import load_model
 from deepinfer.model.device import use_op_table
+from deepinfer.model.draft_head import attach_draft_head
 from deepinfer.ops.table import REF
 from deepinfer.ops.table import select as select_ops
 from deepinfer.runner.cuda_graphs import DecodeGraphs, default_sizes
@@ -78,6 +79,8 @@ class LLMEngine:
                                     load_format=config.load_format, seed=config.seed)
         if not cuda and ops is not REF:
             use_op_table(self.model, ops)
+        if config.speculative is not None and config.speculative.fp8_draft_head(config.device):
+            attach_draft_head(self.model, ops)  # before the cache takes what memory is left, and before graphs
         log.info("%s", mode_line(config, ops))
         self.cache, self.storage, self.facts = build_cache(config, self.model)
         mc, sc = config.model, config.scheduler

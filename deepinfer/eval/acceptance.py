@@ -10,9 +10,11 @@ from collections.abc import Sequence
 
 
 def acceptance_lengths(model_dir: str | os.PathLike[str], prompts: Sequence[Sequence[int]], ks: Sequence[int],
-                       max_tokens: int, device: str = "cpu", tokenizer_dir: str | None = None) -> dict[int, float]:
+                       max_tokens: int, device: str = "cpu", tokenizer_dir: str | None = None,
+                       draft_head: str = "auto") -> dict[int, float]:
     """{k: mean acceptance length} of greedy generation of ``max_tokens`` tokens (EOS ignored) from each prompt
-    (token ids), one engine per k with ``speculative_config={"method": "mtp", "num_speculative_tokens": k}``."""
+    (token ids), one engine per k with ``speculative_config={"method": "mtp", "num_speculative_tokens": k,
+    "draft_head": draft_head}`` (the engine's default head for the device unless asked)."""
     from deepinfer import LLM, SamplingParams
 
     if not prompts or max_tokens < 2:
@@ -21,7 +23,7 @@ def acceptance_lengths(model_dir: str | os.PathLike[str], prompts: Sequence[Sequ
     out: dict[int, float] = {}
     for k in ks:
         llm = LLM(str(model_dir), tokenizer=tokenizer_dir, device=device, load_progress=False,
-                  speculative_config={"method": "mtp", "num_speculative_tokens": k})
+                  speculative_config={"method": "mtp", "num_speculative_tokens": k, "draft_head": draft_head})
         try:
             llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
             length = llm.engine.spec_stats.mean_acceptance_length

@@ -27,6 +27,7 @@ from deepinfer.executor.tier_messages import TIER_ORDERS
 from deepinfer.kv.block_budget import cdiv
 from deepinfer.kv.offload import move_blocks
 from deepinfer.model.device import use_op_table
+from deepinfer.model.draft_head import attach_draft_head
 from deepinfer.model.loader import load_model
 from deepinfer.model.parallel.context import ContextShare
 from deepinfer.model.parallel.context_history import HistoryReplicas
@@ -63,6 +64,8 @@ class RankWorker:
             self._empty_step = functools.partial(empty_step, self.model) if needs_empty_steps(self.model) else None
         if not cuda and ops.batch_invariant:
             use_op_table(self.model, ops)
+        if config.speculative is not None and config.speculative.fp8_draft_head(config.device):
+            attach_draft_head(self.model, ops)  # the LM head is whole on every rank: so is its FP8 copy
         # Redundant expert slots before the cache is sized: they take their memory first.
         self.balancer = ExpertBalancer(self.model, config.eplb) if config.eplb is not None else None
         cache, self.storage, self.facts = build_cache(config, self.model)

@@ -98,6 +98,7 @@ class DeepseekV4(nn.Module):
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.head = Linear(h, cfg.vocab_size, bias=False, dtype=dtype)
+        self.draft_head: nn.Module | None = None  # the MTP drafts' head, when not ``head`` (model/draft_head.py)
         _hc_params(self, "hc_head", cfg.hc_mult, cfg.hc_mult * h, 1)
         self.mtp = nn.ModuleList(MTPBlock(cfg, dtype) for _ in range(cfg.num_nextn_predict_layers))
         self.ropes = RopeTables(cfg)
@@ -133,11 +134,12 @@ class DeepseekV4(nn.Module):
             streams = layer(streams, ctx, f"layers.{i}", self.ropes)
         return streams
 
-    def _head(self, streams: torch.Tensor, owner: nn.Module, norm: RMSNorm) -> torch.Tensor:
+    def _head(self, streams: torch.Tensor, owner: nn.Module, norm: RMSNorm, head: nn.Module | None = None
+              ) -> torch.Tensor:
         c = self.cfg
         x = self.ops.hc_head(streams, owner.hc_head_fn, owner.hc_head_base, owner.hc_head_scale, c.hc_eps,
                              c.rms_norm_eps)
-        return self.head(norm(x))
+        return (self.head if head is None else head)(norm(x))
 
     @torch.no_grad()
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
@@ -162,5 +164,7 @@ class DeepseekV4(nn.Module):
 
     @torch.no_grad()
     def mtp_logits(self, mtp_streams: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """The drafts' logits: through ``draft_head`` when the engine attached one (``model/draft_head.py``: an FP8
+        copy of the LM head), else the LM head."""
         mtp = self.mtp[depth]
-        return self._head(mtp_streams, mtp, mtp.norm)
+        return self._head(mtp_streams, mtp, mtp.norm, self.draft_head)

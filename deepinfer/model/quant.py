@@ -129,7 +129,7 @@ def quant_fp8_exponents(w: torch.Tensor, block: tuple[int, int] = (128, 128)) ->
     w = w.to(torch.float32)
     n, k = w.shape
     sn, sk = fp8_scale_shape((n, k), block)
-    padded = torch.zeros(sn * block[0], sk * block[1], dtype=torch.float32)
+    padded = torch.zeros(sn * block[0], sk * block[1], dtype=torch.float32, device=w.device)
     padded[:n, :k] = w
     amax = padded.abs().view(sn, block[0], sk, block[1]).amax(dim=(1, 3))
     exp = _pow2_exponent(amax, E4M3_MAX)

@@ -95,6 +95,7 @@ def test_config_errors_name_the_field(tiny_dir) -> None:
            ({"method": "mtp", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
            ({"method": "mtp", "num_speculative_tokens": 5}, "speculative_config.num_speculative_tokens"),
            ({"method": "mtp", "num_speculative_tokens": 2, "draft": 1}, "speculative_config.draft"),
+           ({"method": "mtp", "num_speculative_tokens": 2, "draft_head": "int4"}, "speculative_config.draft_head"),
            ("{not json", "speculative_config")]
     for value, field in bad:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -105,6 +106,9 @@ def test_config_errors_name_the_field(tiny_dir) -> None:
     cfg = EngineConfig.create(EngineArgs(model=str(tiny_dir),
                                          speculative_config='{"method": "mtp", "num_speculative_tokens": 3}'))
     assert cfg.speculative.num_speculative_tokens == 3 and cfg.speculative.varlen is False
+    # The drafts' head: an FP8 copy of the LM head on CUDA by default, the model's own on the CPU
+    assert cfg.speculative.draft_head == "auto" and not cfg.speculative.fp8_draft_head("cpu")
+    assert cfg.speculative.fp8_draft_head("cuda")
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +154,22 @@ def test_demo_greedy_identical(demo_reference, k) -> None:
     st = engine.spec_stats
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0
     assert st.mean_acceptance_length > 1.2  # the trained MTP layer is right about half the time
+
+
+def test_demo_outputs_identical_with_an_fp8_draft_head(demo_reference) -> None:
+    """Drafts picked from the FP8 copy of the LM head (``model/draft_head.py``, CUDA's default) change at most how
+    many drafts are accepted: greedy and seeded outputs are those without speculation, and the drafts still hit."""
+    from deepinfer.model.device import FP8Linear
+
+    prompts, greedy, ref = demo_reference
+    engine = _engine(None, 3, max_num_batched_tokens=16,
+                     speculative_config={"method": "mtp", "num_speculative_tokens": 3, "draft_head": "fp8"})
+    assert isinstance(engine.model.draft_head, FP8Linear)
+    assert _tokens(_drain(engine, prompts, greedy)) == ref
+    assert engine.spec_stats.mean_acceptance_length > 1.2
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = _tokens(_drain(_engine(max_num_batched_tokens=16), prompts, seeded))
+    assert _tokens(_drain(engine, prompts, seeded)) == plain
 
 
 def test_demo_sampled_outputs_identical_with_every_processor() -> None:
