@@ -38,7 +38,10 @@ def kernel_order() -> tuple[int, ...]:
 ORDERS = ("checkpoint", "kernel")  # an op table's ``fp8_k_order``
 
 
+@functools.lru_cache(maxsize=64)
 def _columns(k: int, device: torch.device, inverse: bool) -> torch.Tensor:
+    """Made once per (K, device): a kernel that permutes its activations (``ops/triton/fp8_linear.py``) reuses it
+    inside CUDA graphs, which cannot copy a new index tensor to the device (the warm-up before capture made it)."""
     order = torch.tensor(kernel_order(), dtype=torch.int64, device=device)
     if inverse:
         order = torch.argsort(order)
