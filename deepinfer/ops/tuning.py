@@ -74,8 +74,8 @@ class KernelTuning:
     invariant_fp8_swap_ab: bool = True
     # The batch-invariant table stores FP8 weights of whole 128-column blocks with each block's columns in the
     # swap-AB kernel's register order (``ops/fp8_layout.py``), so that kernel reads activations as they are and sums
-    # K in natural order (x no longer goes through registers to be permuted: prefill at the weight-as-A kernel's
-    # speed). Every path of that table reads the weights in this layout (the MMA kernel permutes x to match).
+    # K in natural order (x no longer goes through registers to be permuted: a 4K prefill layer 1.14x -> 1.05x the
+    # default table's time). Every path of that table reads the weights in this layout (the MMA kernel permutes x).
     invariant_fp8_kernel_order: bool = True
     # Its token tiles: each warpgroup runs the wgmma m64 instruction over the tile's 64 weight rows (a second
     # warpgroup takes half the tokens); the token count is the instruction's N side, which does not change bits.
