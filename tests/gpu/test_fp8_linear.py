@@ -207,17 +207,17 @@ def test_decode_split_k_repeats_bit_for_bit(device) -> None:
 
 
 def _convert_kernel():
-    """A one-program kernel applying ``_e4m3_to_bf16`` to 256 codes (built lazily: Triton is imported only
+    """A one-program kernel applying ``e4m3_to_bf16`` to 256 codes (built lazily: Triton is imported only
     where a test runs it)."""
-    global _e4m3_to_bf16  # the kernel below resolves it among this module's globals when it compiles
+    global e4m3_to_bf16  # the kernel below resolves it among this module's globals when it compiles
     import triton
     import triton.language as tl
 
-    from deepinfer.ops.triton.fp8_linear import _e4m3_to_bf16
+    from deepinfer.ops.triton.e4m3 import e4m3_to_bf16
 
     @triton.jit
     def convert(src, dst):
         offs = tl.arange(0, 256)
-        tl.store(dst + offs, _e4m3_to_bf16(tl.load(src + offs)).to(tl.float32))
+        tl.store(dst + offs, e4m3_to_bf16(tl.load(src + offs)).to(tl.float32))
 
     return convert

@@ -5,7 +5,7 @@ y[M, N] = x[M, K] @ (w_e4m3[N, K] * scale[n // 128, k // 128]).T with bf16/fp32 
 Why this shape: activations are not quantized (the reference path does not quantize them either), so
 each K-block of 128 is one MMA over bf16 operands (e4m3 -> bf16 is exact) followed by one multiply of the
 fp32 partial product by that block's scale — the DeepGEMM "promote per K-block" scheme. e4m3 -> bf16 is done
-by integer bit placement (``_e4m3_to_bf16``) rather than the hardware's e4m3 -> f16 -> bf16 on the
+by integer bit placement (``e4m3.e4m3_to_bf16``) rather than the hardware's e4m3 -> f16 -> bf16 on the
 quarter-rate conversion unit: a decode layer's FP8 GEMMs 11% faster at M=1, same bits (bench/results run 44).
 Decode (tiny M) is bound by the weight bytes, so small M uses narrow N tiles plus a split over K to put
 enough programs on the SMs (``KernelTuning``); the partial sums go to an fp32 buffer and the last split program of each tile
@@ -30,50 +30,12 @@ import triton
 import triton.language as tl
 
 from deepinfer.ops import fp8_layout, lanes
+from deepinfer.ops.triton.e4m3 import e4m3_words_to_bf16, halves, to_bf16
 from deepinfer.ops.tuning import H200, KernelTuning
 
 SCALE_BLOCK = 128
 # Triton's CPU interpreter mis-converts fp32 -> bf16 inside kernels, so interpreted runs use fp32 dots.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _e4m3_to_bf16(w):
-    """e4m3 -> bf16, exact, by bit placement on the integer pipes: the hardware conversion goes e4m3 -> f16
-    -> bf16 through the quarter-rate conversion unit (two conversions per weight), a large share of a decode
-    GEMV's time (the layer's decode GEMMs are 11% faster without it: bench/results run 44).
-
-    bf16 bits (sign << 15) | (exponent,mantissa << 4) are the e4m3 value times 2^-120 for every code (e4m3
-    subnormals become bf16 subnormals with the same mantissa), and one bf16 multiply by 2^120 restores it.
-    Four codes per 32-bit word; for each pair of bytes (0, 1) and (2, 3): one byte permute puts each byte in
-    the low byte of a 16-bit half and its sign, replicated (``prmt``'s sign mode), in the high byte; a shift
-    by 4 then brings sign, exponent and mantissa to their bf16 places at once, one mask (0x87F0 per half)
-    clears the rest, and a packed multiply rescales: 4 instructions per 2 weights (6 before the sign byte:
-    decode GEMMs ~6% faster, bench/results run 47).
-    """
-    return tl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
-
-
-def _e4m3_pair_asm(out: int, selector: str) -> str:
-    """PTX for one bf16 pair of ``_e4m3_to_bf16``: bytes (selector) of the input word -> output register."""
-    return f"prmt.b32 a, $2, 0, {selector}; shl.b32 a, a, 4; and.b32 a, a, 0x87F087F0; mul.rn.bf16x2 ${out}, a, k; "
-
-
-# Bytes 0 and 1 -> output register 0 (the first two weights), bytes 2 and 3 -> register 1; k = bf16 2^120 x 2.
-_E4M3_ASM = tl.constexpr("{ .reg .b32 a, k; mov.b32 k, 0x7B807B80; " + _e4m3_pair_asm(0, "0x9180")
-                         + _e4m3_pair_asm(1, "0xB3A2") + "}")
-# The same with k from the second input (one word in, two bf16 pairs out).
-_E4M3_MUL_ASM = tl.constexpr("{ .reg .b32 a, k; mov.b32 k, $3; " + _e4m3_pair_asm(0, "0x9180")
-                             + _e4m3_pair_asm(1, "0xB3A2") + "}")
-
-
-@triton.jit
-def _to_bf16(w, BITS: tl.constexpr):
-    """e4m3 -> bf16: by bit placement (``BITS``, the default) or the hardware conversion (benchmarks)."""
-    if BITS:
-        return _e4m3_to_bf16(w)
-    return w.to(tl.bfloat16)
 
 
 @triton.jit
@@ -126,7 +88,7 @@ def _fp8_k_range(x_ptr, w_ptr, s_ptr, offs_m, offs_n, m_mask, n_mask, K, k_start
         if IEEE:
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            part = tl.dot(x.to(tl.bfloat16), tl.trans(_to_bf16(w, BITS)))
+            part = tl.dot(x.to(tl.bfloat16), tl.trans(to_bf16(w, BITS)))
         # One scale per 128x128 weight block: BLOCK_K == 128 keeps one k-block per iteration.
         # (k0 broadcast before the compare: Triton's interpreter rejects a scalar-and-vector mask here.)
         s = tl.load(s_ptr + (offs_n // 128) * stride_sn + k0 // 128, mask=n_mask & (offs_n * 0 + k0 < K), other=0.0)
@@ -166,22 +128,6 @@ def _fp8_linear_kernel(
                                 stride_xm, stride_wn, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, BITS)
     _write_tile(acc, offs_m, offs_n, mn_mask, y_ptr, part_ptr, ticket_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k,
                 stride_ym, stride_pm, stride_psplit, SPLIT)
-
-
-@triton.jit
-def _e4m3_words_to_bf16(w, mul):
-    """int32 words of four e4m3 codes -> (bf16 pair of bytes 0 and 1, bf16 pair of bytes 2 and 3) as int32
-    bits: ``_e4m3_to_bf16`` with its final multiply by ``mul`` (bits of a bf16 pair: 2^120 times a power-of-two
-    block scale), so that the scale costs nothing."""
-    return tl.inline_asm_elementwise(_E4M3_MUL_ASM, "=r,=r,r,r", [w, mul], dtype=(tl.int32, tl.int32),
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _halves(p):
-    """int32 bits of a bf16 pair -> (low, high) bf16 (a register reinterpretation, no instruction)."""
-    return tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p], dtype=(tl.bfloat16, tl.bfloat16),
-                                     is_pure=True, pack=1)
 
 
 @triton.jit
@@ -233,9 +179,9 @@ def _decode_k_range(w_ptrs, w_rows_ok, x_ptrs, m_mask, s_row, k_start, k_end, BL
         s = tl.load(s_row + k0 // 128) * 1.329227995784916e36  # * 2^120
         bits = s.to(tl.uint32, bitcast=True) >> 16
         mul = tl.full([BLOCK_N, 16, 2], 0, tl.int32) + (bits | (bits << 16)).to(tl.int32, bitcast=True)
-        p01, p23 = _e4m3_words_to_bf16(w, mul)  # [64, 16, 2]: (row, word, half)
-        lo01, hi01 = _halves(p01)
-        lo23, hi23 = _halves(p23)
+        p01, p23 = e4m3_words_to_bf16(w, mul)  # [64, 16, 2]: (row, word, half)
+        lo01, hi01 = halves(p01)
+        lo23, hi23 = halves(p23)
         # (row, word, half, byte pair, byte in pair): the last join is innermost, so each register keeps
         # one converted pair, as the MMA operand wants it.
         wb = tl.join(tl.join(lo01, lo23), tl.join(hi01, hi23))
@@ -262,7 +208,7 @@ def _fp8_decode_kernel(
     loads (16-byte runs) are exactly its share of the MMA's operand: the K columns of a 128-wide block are
     taken in a fixed permuted order (``_logical_cols``; xᵀ's rows in the same order, so the dot is the same
     sum) and the tile's 64 rows in another (``_row_order``; the output rows follow). Bytes then go from
-    shared memory to registers 16 at a time and are converted in place (``_e4m3_words_to_bf16``, the scale
+    shared memory to registers 16 at a time and are converted in place (``e4m3_words_to_bf16``, the scale
     folded into its multiply), with no layout shuffle between conversion and MMA (``loop_sass.py``: 244
     instructions per K step against 326 for the split-K MMA kernel at M <= 16, 255 against 425 at M <= 32);
     all K blocks of a segment chain into one accumulator. ``NATURAL_K``: the weight's columns are stored in that
@@ -347,7 +293,7 @@ def _fp8_linear_wa_kernel(
         if IEEE:
             acc = tl.dot(w.to(tl.float32) * s[:, None], xt.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(_to_bf16(w, BITS) * s.to(tl.bfloat16)[:, None], xt.to(tl.bfloat16), acc)
+            acc = tl.dot(to_bf16(w, BITS) * s.to(tl.bfloat16)[:, None], xt.to(tl.bfloat16), acc)
     y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
 

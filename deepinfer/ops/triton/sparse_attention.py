@@ -344,30 +344,3 @@ def sparse_attention_indexed(
             BLOCK_H=block_h, BLOCK_D=block_d, CHUNK_D=chunk_d, SP=sp, INVARIANT=tuning.batch_invariant, num_warps=4,
         )
     return out
-    fused = num_splits == 1
-    if fused:
-        mpart = lpart = apart = out  # unused placeholders
-    else:
-        mpart = torch.empty((L, H, num_splits), dtype=torch.float32, device=q.device)
-        lpart = torch.empty_like(mpart)
-        apart = torch.empty((L, H, num_splits, block_d), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(H, block_h) * L, num_splits)
-    _sparse_attn_kernel[grid](
-        q, kv, indices, kv2, idx2, sinks, out, mpart, lpart, apart,
-        H, n, n2, D, float(scale) * LOG2E, split,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), kv2.stride(0), idx2.stride(0),
-        out.stride(0), out.stride(1),
-        HAS_EXTRA=has_extra, FUSED=fused, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32 or _INTERPRET, WINDOW_ALONE=int(window_alone),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if not fused:
-        chunk_d = min(block_d, 128)
-        _merge_kernel[(triton.cdiv(H, block_h) * L, block_d // chunk_d)](
-            mpart, lpart, apart, sinks, out, H, D, num_splits, out.stride(0), out.stride(1),
-            BLOCK_H=block_h, BLOCK_D=block_d, CHUNK_D=chunk_d,
-            SP=max(8, triton.next_power_of_2(num_splits)), num_warps=4,  # one binary up to 8 splits
-        )
-    return out
-
-
