@@ -48,6 +48,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def device_time(engine: LLMEngine, steps: int, top: int = 16) -> dict:
+    """Where ``steps`` engine steps spend the device's time (torch.profiler, CUDA activity only, graph replays
+    included kernel by kernel): per step, the time some kernel or copy runs (``busy_ms``: a step whose wall
+    time exceeds it waits on the host), their sum, and the ``top`` kernel names by time per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    busy, end, names = 0.0, float("-inf"), {}
+    for s, e, name in spans:
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+        names[name] = names.get(name, 0.0) + (e - s)
+    ranked = sorted(names.items(), key=lambda kv: -kv[1])[:top]
+    return {"busy_ms": busy / 1e3 / steps, "kernel_ms": sum(names.values()) / 1e3 / steps,
+            "top_us": {n[:80]: round(v / steps, 1) for n, v in ranked}}
+
+
 def step_times(a, layers: int, k: int) -> dict[int, float]:
     """Mean step milliseconds per batch size for one engine (``layers`` layers, ``k`` drafts)."""
     spec = {"method": "mtp", "num_speculative_tokens": k, "draft_head": a.draft_head} if k else None
@@ -74,6 +97,9 @@ def step_times(a, layers: int, k: int) -> dict[int, float]:
             engine.step()
         _sync(a.device)
         out[b] = 1e3 * (time.perf_counter() - t0) / a.steps
+        if a.profile:
+            print(json.dumps({"layers": layers, "k": k, "batch": b, "step_ms": out[b],
+                              **device_time(engine, a.profile)}), flush=True)
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
@@ -100,6 +126,9 @@ def main() -> None:
                     help="the engine's async_scheduling for every k (auto: its default, which is off with speculation)")
     ap.add_argument("--draft-head", choices=["auto", "model", "fp8"], default="auto",
                     help="speculative_config.draft_head (auto: an FP8 copy of the LM head on CUDA)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after timing, profile this many steps on the device: busy time per step against the "
+                         "wall time, and the kernels by time (CUDA only)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     if a.tokenizer is None:

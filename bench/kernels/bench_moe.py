@@ -146,8 +146,13 @@ def bench_tokens(n_tok: int, scale_fmt: str, wts: dict, peer_w: tuple | None, ro
 _DECODE_SWEEP = [dict(num_stages=3), dict(block_n1=64, num_stages=4), dict(block_n2=256),
                  dict(block_n2=256, num_stages=2), dict(one_launch=False, max_regs=None),
                  dict(one_launch=True, max_regs=168)]
+# A k = 3 verify step at batch 1 (4 tokens, ~23.5 experts hit: one m-block each, mostly padding columns).
+_VERIFY_SWEEP = [dict(num_stages=4), dict(num_stages=2), dict(max_regs=128), dict(num_warps=8, max_regs=None),
+                 dict(block_n1=64, num_stages=4), dict(block_n2=256, max_regs=None),
+                 dict(one_launch=False, max_regs=None)]
 SWEEP: dict[int, list[dict]] = {
     **{t: _DECODE_SWEEP for t in (1, 8, 32, 128)},
+    4: _VERIFY_SWEEP,
     512: [dict(layout="tiled"), dict(block_n2=128), dict(num_stages=3), dict(one_launch=True)],
     4096: [dict(layout="checkpoint"), dict(layout="tiled")],
 }
@@ -189,6 +194,42 @@ def sweep(wts: dict, rotate: int, only: list[int] | None = None) -> list[dict]:
     return rows
 
 
+def kernel_split(wts: dict, tokens: list[int], rotate: int, calls: int = 16) -> list[dict]:
+    """Per T, the op's kernels one by one (torch.profiler, eager calls on the model's layout), for the table's
+    pick and for it as two launches (``one_launch=False``): how the time divides between the gate/up GEMM,
+    the down GEMM, alignment and combine, and each GEMM's rate on its own bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s13, s2 = wts["e13"].view(torch.float8_e8m0fnu), wts["e2"].view(torch.float8_e8m0fnu)
+    weights = (*fp4_codes.expert_layout(wts["w13"], s13), *fp4_codes.expert_layout(wts["w2"], s2))
+    rows = []
+    for n_tok in tokens:
+        sets = [routing(n_tok, 1000 * n_tok + r) for r in range(rotate)]
+        hit = sum(torch.unique(ids).numel() for _, ids, _ in sets) / rotate
+        base = tri.pick_config(n_tok * K, E)
+        for cfg in {base, dataclasses.replace(base, one_launch=False)}:
+            def op(r: int, cfg=cfg) -> torch.Tensor:
+                x, ids, w = sets[r]
+                return tri.moe_experts_fp4_with_config(x, ids, w, *weights, LIMIT, cfg)
+            for r in range(rotate):
+                op(r)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for i in range(calls):
+                    op(i % rotate)
+                torch.cuda.synchronize()
+            per = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    per[e.name] = per.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / calls
+            rows.append({"T": n_tok, "experts_hit": hit, "config": vars(cfg),
+                         "gate_up_MB": hit * 2 * I * H * (0.5 + 1 / 32) / 1e6,
+                         "down_MB": hit * H * I * (0.5 + 1 / 32) / 1e6,
+                         "kernels_us": {n[:60]: round(v, 2) for n, v in sorted(per.items(), key=lambda kv: -kv[1])}})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def cfg_str(c: dict) -> str:
     regs = f" r{c['max_regs']}" if c.get("max_regs") else ""
     split = " split" if c.get("split_gate_up") else ""
@@ -208,6 +249,8 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-tokens", type=int, nargs="+", default=None, help="sweep only these T (default: all)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also split each T's op into its kernels (torch.profiler), one launch and two")
     ap.add_argument("--profile-run", action="store_true",
                     help="only call the op 3 times eagerly per T, UE8M0 scales, tile-major weights as the model stores them "
                          "(a target for ncu; see bench/results/README.md run 26)")
@@ -240,13 +283,14 @@ def main() -> None:
     sweep_rows = [] if args.no_sweep else sweep(wts, args.rotate, args.sweep_tokens)
     for r in sweep_rows:
         print(json.dumps(r), flush=True)
+    split_rows = kernel_split(wts, args.tokens, args.rotate) if args.kernels else []
     meta = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__,
             "triton": triton.__version__, "H": H, "I": I, "E": E, "k": K, "copy_bw_TBps": COPY_BW / 1e12,
             "wall_s": time.time() - t0}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "bench_moe.json").write_text(json.dumps(
-            {"meta": meta, "rows": rows, "sweep": sweep_rows}, indent=2))
+            {"meta": meta, "rows": rows, "sweep": sweep_rows, "kernels": split_rows}, indent=2))
 
     print(f"\n{meta['device']}, V4-Flash experts H={H} I={I} E={E} k={K}, bf16 x, floor at {COPY_BW / 1e12} TB/s\n")
     print("| T | scales | hit | MB | floor µs | graph µs | eager µs | align µs | TB/s | of floor | TFLOP/s "

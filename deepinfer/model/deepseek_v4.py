@@ -60,12 +60,20 @@ class Block(nn.Module):
         fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
         return self.ops.hc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def forward(self, streams: torch.Tensor, ctx: StepContext, key: str, ropes: RopeTables) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, ctx: StepContext, key: str, ropes: RopeTables,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows`` (None: all): the rows whose output is wanted, returned in that order; the FFN half runs
+        at those rows only (rows that only fill the attention cache need the attention half alone)."""
         collapsed, post, comb = self._pre("attn", streams)
         out = self.attn(self.attn_norm(collapsed), ctx, key, ropes)
         streams = self.ops.hc_post(streams, out, post, comb)
+        input_ids = ctx.input_ids
+        if rows is not None:
+            if not len(rows):
+                return streams[:0]
+            streams, input_ids = streams[rows], input_ids[rows]
         collapsed, post, comb = self._pre("ffn", streams)
-        out = self.ffn(self.ffn_norm(collapsed), ctx.input_ids)
+        out = self.ffn(self.ffn_norm(collapsed), input_ids)
         return self.ops.hc_post(streams, out, post, comb)
 
 
@@ -148,10 +156,14 @@ class DeepseekV4(nn.Module):
 
     @torch.no_grad()
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch | None,
-                    storage: KVStorage, depth: int = 0, index: StepIndex | None = None) -> torch.Tensor:
+                    storage: KVStorage, depth: int = 0, index: StepIndex | None = None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
         """Draft pass. ``streams`` [T, N, H]: target final streams at positions p (from ``batch``);
         ``next_ids`` [T]: token p+1. Returns the MTP block's output streams (feed them back for chained
-        drafts); ``mtp_logits`` turns them into logits for token p+2.
+        drafts); ``mtp_logits`` turns them into logits for token p+2. ``rows`` (None: all T): the rows whose
+        output is wanted, in that order; every row still writes its window-cache entry, but only these run
+        the block's FFN half (a verify step drafts from one row per sequence; an empty ``rows`` only fills
+        the window, as for prompt chunks).
 
         Conventions (as vLLM's V4 MTP): the RoPE/cache position is the target position p, and the token
         embedding is zeroed at p == 0.
@@ -160,7 +172,7 @@ class DeepseekV4(nn.Module):
         ctx = self.context(next_ids, batch, storage, index)
         emb = self.embed(next_ids).masked_fill((ctx.positions == 0).unsqueeze(-1), 0)
         z = mtp.h_proj(mtp.hnorm(streams)) + mtp.e_proj(mtp.enorm(emb)).unsqueeze(1)
-        return mtp(z, ctx, f"mtp.{depth}", self.ropes)
+        return mtp(z, ctx, f"mtp.{depth}", self.ropes, rows)
 
     @torch.no_grad()
     def mtp_logits(self, mtp_streams: torch.Tensor, depth: int = 0) -> torch.Tensor:

@@ -2,8 +2,8 @@
 tensors: what ``runner/mtp_graphs.py`` captures and what the eager path (CPU, GPU without graphs, steps no
 graph fits) calls, so the two compute the same bits by construction.
 
-  * ``rows_and_first_draft``: the MTP layer over every row of the step (filling its window), then the
-    head and the pick at each proposer's base row (its last emitted token, ``base_rows``: device values,
+  * ``rows_and_first_draft``: the MTP layer's attention half over every row of the step (filling its window),
+    its FFN half, the head and the pick at each proposer's base row (its last emitted token, ``base_rows``: device values,
     since they depend on the step's accepted drafts).
   * ``chain_step``: one chained pass over single rows (the previous pass's streams and drafts), head and
     pick included. Its step index is built on the host at the positions of full acceptance and moved back
@@ -34,9 +34,9 @@ def rows_and_first_draft(model: DeepseekV4, storage: KVStorage, streams: torch.T
                          index: StepIndex, base_rows: torch.Tensor, temperature: torch.Tensor,
                          seeds: torch.Tensor, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """MTP pass over the step's rows (target ``streams`` [T, hc, H], ``next_ids`` [T], the step's ``index``);
-    returns the MTP streams at ``base_rows`` [n, hc, H] and the drafts picked there [n]."""
-    out = model.mtp_forward(streams, next_ids, None, storage, index=index)
-    x = out[base_rows]
+    returns the MTP streams at ``base_rows`` [n, hc, H] and the drafts picked there [n]. The other rows only
+    fill the MTP layer's window, so the FFN half runs at the base rows alone."""
+    x = model.mtp_forward(streams, next_ids, None, storage, index=index, rows=base_rows)
     drafts = pick_drafts(model.mtp_logits(x), temperature, seeds, index.positions[base_rows] + 2, sampled)
     return x, drafts
 

@@ -14,7 +14,9 @@ runs it over all of the step's rows (prompt chunks too, so its window is filled 
 with token p + 1 being the next input, the step's draw at p, or the chunk's known next token; rows past a
 rejected draft write MTP rows past the rolled-back length, which later steps rewrite before reading. The
 first draft comes from the row of the last emitted token; the chain then feeds the MTP layer's own output
-streams back, one position further each time, for up to k drafts.
+streams back, one position further each time, for up to k drafts. A window row needs only the layer's
+attention half, so over the step's rows the FFN half (its MoE: 4 tokens of a k = 3 verify step hit ~4x
+the experts of one) runs at the proposers' base rows alone.
 
 Draft tokens are a free choice for correctness (the target decides every emitted token), so they are
 picked to agree with the coming draw as often as possible: greedy rows take the argmax; sampled rows take
@@ -140,12 +142,11 @@ class Readback:
 
 
 def mtp_passes(plan: StepPlan) -> int:
-    """How many MTP passes ``MTPDrafter.propose`` runs for ``plan``: none for an empty plan, else one over the
-    step's rows plus one chained pass per further draft of its most demanding proposer. Host-known, so a
-    parallel engine can have ranks with fewer passes join the others' expert-parallel collectives."""
-    if plan.empty:
-        return 0
-    return max((w.num_proposals for w in plan.work if w.num_samples), default=1) or 1
+    """How many MTP passes with an FFN half (the MoE, whose expert-parallel collectives every rank joins)
+    ``MTPDrafter.propose`` runs for ``plan``: one over the step's rows plus one chained pass per further
+    draft of its most demanding proposer; none when nobody drafts (the pass over the rows then only fills
+    the window). Host-known, so a parallel engine can have ranks with fewer passes join the others'."""
+    return max((w.num_proposals for w in plan.work if w.num_samples), default=0)
 
 
 class MTPDrafter:
@@ -216,8 +217,8 @@ class MTPDrafter:
         elif m:
             x, draft = rows_and_first_draft(self.model, self.storage, streams, next_ids, index, base_rows,
                                             temperature, seeds, sampled)
-        else:
-            self.model.mtp_forward(streams, next_ids, None, self.storage, index=index)
+        else:  # nothing to draft from: the rows only fill the MTP layer's window (no FFN half)
+            self.model.mtp_forward(streams, next_ids, None, self.storage, index=index, rows=next_ids[:0])
         if not m:
             return None
         width = int(counts.max())

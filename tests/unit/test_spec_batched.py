@@ -186,12 +186,32 @@ def test_chain_step_at_shifted_positions_equals_the_true_positions(tiny) -> None
     assert torch.equal(out, want)
     assert torch.equal(drafts, want_drafts)
 
-    # The pass over a step's rows: the head and pick at the base rows equal those of the full pass.
+    # The pass over a step's rows: every row writes the window entry the full pass writes; the FFN half runs at
+    # the base rows alone, so their streams equal the full pass's up to the matmuls' row-count rounding, and
+    # the head and pick read them.
     rows = build_slot_index(slots, true_pos, ones * 2, tables, storage, window)
     x2 = torch.randn(2 * n, model.cfg.hc_mult, model.cfg.hidden_size, generator=g)
     ids2 = torch.randint(3, model.cfg.vocab_size, (2 * n,), generator=g)
     base = torch.tensor([1, 2, 4])
+    before = {k: t.clone() for k, t in storage.tensors.items()}
     full = model.mtp_forward(x2, ids2, None, storage, index=rows)
+    written = {k: t.clone() for k, t in storage.tensors.items()}
+    assert any(not torch.equal(written[k], before[k]) for k in before)
+    for k, t in storage.tensors.items():
+        t.copy_(before[k])
     xb, db = rows_and_first_draft(model, storage, x2, ids2, rows, base, temps, seeds, sampled=True)
-    assert torch.equal(xb, full[base])
-    assert torch.equal(db, pick_drafts(model.mtp_logits(full[base]), temps, seeds, rows.positions[base] + 2, True))
+    assert all(torch.equal(storage.tensors[k], written[k]) for k in written)
+    torch.testing.assert_close(xb, full[base], rtol=1e-5, atol=1e-5)
+    assert torch.equal(db, pick_drafts(model.mtp_logits(xb), temps, seeds, rows.positions[base] + 2, True))
+    # No proposer (prompt chunks): an empty ``rows`` writes the same window entries and runs no FFN half.
+    for k, t in storage.tensors.items():
+        t.copy_(before[k])
+    ffn_rows = []
+    hook = model.mtp[0].ffn.register_forward_hook(lambda mod, args, out: ffn_rows.append(len(args[0])))
+    try:
+        assert model.mtp_forward(x2, ids2, None, storage, index=rows, rows=base[:0]).shape[0] == 0
+        rows_and_first_draft(model, storage, x2, ids2, rows, base, temps, seeds, sampled=True)
+    finally:
+        hook.remove()
+    assert ffn_rows == [len(base)]
+    assert all(torch.equal(storage.tensors[k], written[k]) for k in written)
