@@ -54,7 +54,7 @@ from deepinfer.runner.step_shift import StepShift
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling import TokenLogprobs
 from deepinfer.sampling.logprobs import LogprobTensors
-from deepinfer.sampling.sampler import draw
+from deepinfer.sampling.sampler import argmax_tokens, draw
 from deepinfer.sched.plan import StepPlan
 from deepinfer.structured.backend import StepMasks, words_of
 
@@ -323,7 +323,7 @@ class ModelRunner:
         if batch.plain_greedy(slots, positions):
             # Greedy rows with nothing to apply: the sampler would return this argmax (the conversion to
             # float32 is exact, so it is skipped too); a dozen fewer small launches per step.
-            tokens = torch.argmax(logits, dim=-1)
+            tokens = argmax_tokens(logits)
             return tokens, {"draws": _Draws(seq_ids, tuple(counts), (None,) * len(slots))}
         logits = logits.float()
         t = batch.sampling_tensors(slots, positions, history, shift)

@@ -21,6 +21,7 @@ import torch
 
 from deepinfer.sampling.params import GREEDY_TEMPERATURE_EPS
 from deepinfer.sampling.rng import SALT_TARGET, gumbel_noise
+from deepinfer.sampling.sampler import argmax_tokens
 
 FREE = -2  # target of a draw before a sequence's first draft-verifying one: always kept
 NO_DRAFT = -1  # target of the draw after the last draft (the target's own token) and of padding
@@ -32,7 +33,7 @@ def pick_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     ``GREEDY_TEMPERATURE_EPS``: greedy), ``seeds`` and ``positions`` (int64: the drafted token's position,
     the key of the target's noise there). ``sampled``: some row may be sampled (host knowledge); False skips
     the noise (a [n, V] hash, the bulk of the work) and every row takes its argmax."""
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = argmax_tokens(logits)
     if not sampled:
         return tokens
     hot = temperature >= GREEDY_TEMPERATURE_EPS
