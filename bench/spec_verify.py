@@ -48,7 +48,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def device_time(engine: LLMEngine, steps: int, top: int = 16) -> dict:
+def device_time(engine: LLMEngine, steps: int, top: int = 32) -> dict:
     """Where ``steps`` engine steps spend the device's time (torch.profiler, CUDA activity only, graph replays
     included kernel by kernel): per step, the time some kernel or copy runs (``busy_ms``: a step whose wall
     time exceeds it waits on the host), their sum, and the ``top`` kernel names by time per step."""

@@ -309,13 +309,16 @@ def auto_async_scheduling(device: str, speculative: SpeculativeConfig | None, pa
     """``async_scheduling=None``: whether the engine overlaps planning with the device's step. On a CUDA device,
     where the host's work per step (planning, inputs, applying tokens, outputs) runs while the device computes
     the step before (the same tokens as the synchronous loop, tested); bench/results/serve_demo.md measures it
-    against the synchronous loop. Off on the CPU, where host and "device" are one thread and nothing overlaps;
-    off with speculation (it has not yet measured faster there: bench/results/spec_decode_cuda.md), with
-    context parallelism and with cache tiers on several ranks (not supported: an explicit True is refused); off
-    for DeepSeek-V4.1 (``v41``), whose CUDA path has been checked on the GPU with the synchronous loop only (its
-    async loop is tested on the CPU: an explicit True runs it)."""
-    if device != "cuda" or speculative is not None or parallel.context_parallel_size > 1 or v41:
+    against the synchronous loop, bench/results/spec_verify_cuda.md with speculation (MTP, k = 3 on V4-Flash
+    layers: faster at batch 1, 8 and 32). Off on the CPU, where host and "device" are one thread and nothing
+    overlaps; with speculation on several devices, with context parallelism and with cache tiers on several
+    ranks (not supported: an explicit True is refused); off for DeepSeek-V4.1 (``v41``), whose CUDA path has
+    been checked on the GPU with the synchronous loop only (its async loop is tested on the CPU: an explicit
+    True runs it)."""
+    if device != "cuda" or parallel.context_parallel_size > 1 or v41:
         return False
+    if speculative is not None:
+        return parallel.is_single
     return parallel.is_single or not tiers
 
 

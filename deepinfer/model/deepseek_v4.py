@@ -112,17 +112,21 @@ class DeepseekV4(nn.Module):
         self.ropes = RopeTables(cfg)
 
     def context(self, input_ids: torch.Tensor, batch: ForwardBatch | None, storage: KVStorage,
-                index: StepIndex | None = None) -> StepContext:
-        """The step's row lists (from ``index``, or built from ``batch`` on the host) and RoPE tables."""
+                index: StepIndex | None = None, window_only: bool = False) -> StepContext:
+        """The step's row lists (from ``index``, or built from ``batch`` on the host) and RoPE tables;
+        ``window_only``: the pass runs sliding-window layers alone (the MTP block), so the compressed layers'
+        tables are not built (a dozen small launches per chained draft)."""
         if index is None:
             batch.check()
             index = build_step_index(batch, storage, self.cfg.sliding_window).to(input_ids.device)
         if len(input_ids) != len(index.positions):
             raise ValueError(f"input_ids: {len(input_ids)} tokens but the step index has {len(index.positions)}")
         positions = index.positions
-        rope = {t: self.ropes.cos_sin(t, positions, self.dtype) for t in ("main", "compress")}
+        tables = ("main",) if window_only else ("main", "compress")
+        rope = {t: self.ropes.cos_sin(t, positions, self.dtype) for t in tables}
         rows = index.rows(self.ops.step_rows)
-        emit_rope = {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype) for k, c in rows.compress.items()}
+        emit_rope = {} if window_only else {k: self.ropes.cos_sin("compress", c.emit_pos, self.dtype)
+                                            for k, c in rows.compress.items()}
         return StepContext(input_ids, positions, batch, storage, rope, rows, emit_rope)
 
     @torch.no_grad()
@@ -169,7 +173,7 @@ class DeepseekV4(nn.Module):
         embedding is zeroed at p == 0.
         """
         mtp = self.mtp[depth]
-        ctx = self.context(next_ids, batch, storage, index)
+        ctx = self.context(next_ids, batch, storage, index, window_only=True)  # the MTP block is SWA
         emb = self.embed(next_ids).masked_fill((ctx.positions == 0).unsqueeze(-1), 0)
         z = mtp.h_proj(mtp.hnorm(streams)) + mtp.e_proj(mtp.enorm(emb)).unsqueeze(1)
         return mtp(z, ctx, f"mtp.{depth}", self.ropes, rows)

@@ -2,9 +2,9 @@
 tensors: what ``runner/mtp_graphs.py`` captures and what the eager path (CPU, GPU without graphs, steps no
 graph fits) calls, so the two compute the same bits by construction.
 
-  * ``rows_and_first_draft``: the MTP layer's attention half over every row of the step (filling its window),
-    its FFN half, the head and the pick at each proposer's base row (its last emitted token, ``base_rows``: device values,
-    since they depend on the step's accepted drafts).
+  * ``rows_and_first_draft``: the MTP layer's attention half over every row of the step (filling its
+    window), its FFN half, the head and the pick at each proposer's base row (its last emitted token,
+    ``base_rows``: device values, since they depend on the step's accepted drafts).
   * ``chain_step``: one chained pass over single rows (the previous pass's streams and drafts), head and
     pick included. Its step index is built on the host at the positions of full acceptance and moved back
     by ``shift`` (accepted - drafts, <= 0) on the device, so the host never waits for the accepted counts.

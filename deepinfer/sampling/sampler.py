@@ -113,12 +113,14 @@ def draw(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, dim=-1)`` of [B, V]; on a GPU in two launches over many programs
-    (``ops/triton/argmax.py``: torch's one block per row takes ~37 µs for a 129K vocabulary), the same ids."""
+    """``torch.argmax(logits, dim=-1)`` of [B, V]; on a GPU, up to ``argmax.MAX_ROWS`` rows, in two launches over
+    many programs (``ops/triton/argmax.py``: torch's one block per row takes ~27 µs for a 129K vocabulary).
+    The same ids either way, so the choice by row count changes no token."""
     if logits.is_cuda:
-        from deepinfer.ops.triton.argmax import argmax_rows
+        from deepinfer.ops.triton import argmax
 
-        return argmax_rows(logits)
+        if logits.shape[0] <= argmax.MAX_ROWS:
+            return argmax.argmax_rows(logits)
     return torch.argmax(logits, dim=-1)
 
 

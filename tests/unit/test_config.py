@@ -117,7 +117,8 @@ def test_async_scheduling_default_follows_the_device_and_what_is_supported() -> 
     assert auto_async_scheduling("cuda", None, dp2, tiers=False)
     assert not auto_async_scheduling("cuda", None, dp2, tiers=True)  # tiers on several ranks: refused with async
     assert not auto_async_scheduling("cuda", None, cp2, tiers=False)  # context parallelism: refused with async
-    assert not auto_async_scheduling("cuda", mtp, one, tiers=False)  # not measured faster with speculation
+    assert auto_async_scheduling("cuda", mtp, one, tiers=False)  # measured faster with speculation too
+    assert not auto_async_scheduling("cuda", mtp, dp2, tiers=False)  # speculation on several devices: refused
     assert not auto_async_scheduling("cuda", None, one, tiers=False, v41=True)  # V4.1: GPU-checked in sync only
     assert not auto_async_scheduling("cpu", None, one, tiers=False)  # one thread: nothing to overlap
     # Unset resolves on the CPU to the synchronous loop; an explicit choice is kept (and checked).

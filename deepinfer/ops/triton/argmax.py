@@ -1,10 +1,10 @@
 """Greedy picks: ``torch.argmax(x, dim=-1)`` over a [B, V] row block in two launches with many programs.
 
-Why: torch's argmax reduces a row of a 129K vocabulary in one thread block, about 37 µs per call on an H200
-whatever the row count, where the 258 KB of a bf16 row take well under a microsecond to read. A greedy decode
-step calls it once, a speculative step once for the verified rows and once per draft of the MTP chain (k = 3:
-four calls, ~0.15 ms of a batch-1 step). Here each program reduces a slice of one row, a second launch reduces
-the slices (``gumbel_argmax.py``'s plan, without the noise).
+Why: torch's argmax reduces a row of a 129K vocabulary in one thread block: about 27 µs per call on an H200
+(graph replay, up to a hundred rows), where reading a 258 KB bf16 row takes well under a microsecond. A greedy
+decode step calls it once, a speculative step once for the verified rows and once per draft of the MTP chain
+(k = 3: four calls, 0.11-0.15 ms of a batch-1 step). Here each program reduces a slice of one row and a second
+launch reduces the slices (``gumbel_argmax.py``'s plan, without the noise): 4.5 µs for one row.
 
 The contract is torch's, to the bit: the index of the first maximum; NaN counts as the maximum (the first NaN
 wins); -0.0 equals +0.0. Values are compared as int32 keys that order like the floats: the float32 bits with
@@ -19,8 +19,12 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
-TARGET_PROGRAMS = 264  # two programs per SM of an H200: enough to fill it when the batch is small
-NONE = 2**31 - 1  # index of no element (larger than any)
+TARGET_PROGRAMS = 1056  # eight programs per SM of an H200: short loops at every batch (264: 38 µs at 128 rows)
+NONE = tl.constexpr(2**31 - 1)  # index of no element (larger than any)
+# Up to this many rows the slices beat torch's one block per row (H200, 129K bf16 vocabulary, graph replay:
+# 1 / 4 / 32 / 128 rows 4.5 / 4.7 / 9.4 / 25.5 µs vs 26.6 / 27.2 / 27.4 / 27.5); at 256 rows they lose (86.5
+# vs 46.7 µs: each program's loop waits on its loads). ``sampling.sampler.argmax_tokens`` goes by it.
+MAX_ROWS = 128
 
 
 @triton.jit
