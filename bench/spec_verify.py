@@ -119,6 +119,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--acceptance", type=float, default=0.8, help="per-draft acceptance for the projection")
+    ap.add_argument("--lengths", type=float, nargs="+", default=None, metavar="L",
+                    help="measured mean acceptance lengths for k = 1, 2, ... (e.g. the demo model's from deepinfer "
+                         "eval): the table adds the TPOT and speedup they give")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens of each sequence")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--cache-gb", type=float, default=None)
@@ -150,6 +153,11 @@ def main() -> None:
                          "per_layer_ms": (t[(hi, k)][b] - t[(lo, k)][b]) / (hi - lo), "full_step_ms": full[k],
                          "tokens_per_step": tokens, "tpot_ms": full[k] / tokens,
                          "speedup": (full[0] / 1.0) / (full[k] / tokens)})
+            if a.lengths:  # at measured acceptance lengths (k = 0: one token per step)
+                measured = 1.0 if k == 0 else a.lengths[k - 1] if k <= len(a.lengths) else None
+                rows[-1]["measured"] = None if measured is None else {
+                    "tokens_per_step": measured, "tpot_ms": full[k] / measured,
+                    "speedup": full[0] / (full[k] / measured)}
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,15 +166,20 @@ def main() -> None:
     lines = [f"# MTP verify steps, {Path(a.model).name}-shaped dummy layers, {name}", "",
              f"`python bench/spec_verify.py --model {a.model} --layers {lo} {hi} --batches "
              f"{' '.join(map(str, a.batches))} --ks {' '.join(map(str, a.ks))} --acceptance {a.acceptance} "
-             f"--steps {a.steps} --async-scheduling {a.async_scheduling} --draft-head {a.draft_head}`", "",
+             f"--steps {a.steps} --async-scheduling {a.async_scheduling} --draft-head {a.draft_head}"
+             + (f" --lengths {' '.join(map(str, a.lengths))}" if a.lengths else "") + "`", "",
              f"Step times measured at {lo} and {hi} layers; full depth ({depth} layers) extrapolated from the "
              f"per-layer slope. Expected tokens per step at per-draft acceptance {a.acceptance}.", "",
              f"| batch | k | step ms ({lo} L) | step ms ({hi} L) | ms per layer | step ms ({depth} L) | tokens/step "
-             "| TPOT ms | speedup vs k=0 |", "|---|---|---|---|---|---|---|---|---|"]
+             "| TPOT ms | speedup vs k=0 |" + (" measured tokens/step | TPOT ms | speedup |" if a.lengths else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if a.lengths else "")]
     for r in rows:
+        m = r.get("measured")
+        extra = "" if not a.lengths else " - | - | - |" if m is None else (
+            f" {m['tokens_per_step']:.2f} | {m['tpot_ms']:.2f} | {m['speedup']:.2f} |")
         lines.append(f"| {r['batch']} | {r['k']} | {r['step_ms'][lo]:.2f} | {r['step_ms'][hi]:.2f} | "
                      f"{r['per_layer_ms']:.3f} | {r['full_step_ms']:.2f} | {r['tokens_per_step']:.2f} | "
-                     f"{r['tpot_ms']:.2f} | {r['speedup']:.2f} |")
+                     f"{r['tpot_ms']:.2f} | {r['speedup']:.2f} |" + extra)
     (out / f"spec_verify_{a.device}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
