@@ -121,10 +121,11 @@ def test_kernel_order_is_the_swap_ab_kernels_register_order(device) -> None:
     assert torch.equal(dst, want.repeat(16, 1))
 
 
-BF16_SHAPES = [(100, 200)] if INTERPRET else [(256, 4096), (2624, 4096), (1024, 4096), (129280, 4096), (4096, 256)]
+BF16_SHAPES = [(256, 4096), (2624, 4096), (1024, 4096), (129280, 4096), (4096, 256)]
 
 
-@pytest.mark.interpret_ok
+# Not in the interpreter: its tl.dot is numpy's matmul, whose bits for a row depend on the tile's token count
+# (another BLAS path per shape), while the GPU's wgmma sums each output alone whatever the tile's N side.
 @pytest.mark.parametrize("n, k", BF16_SHAPES)
 def test_bf16_linear_and_dense_rows_are_invariant(n, k, device) -> None:
     """Router, side projections, LM head: ``linear`` and ``dense`` are the same kernel for every M."""
@@ -132,17 +133,16 @@ def test_bf16_linear_and_dense_rows_are_invariant(n, k, device) -> None:
     g = torch.Generator().manual_seed(n)
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(device, torch.bfloat16)
     sizes = SIZES if n < 100_000 else (2, 7, 64, 65, 257)
-    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    dtype = torch.bfloat16
     _rows_invariant(lambda x: table.linear(x, w.to(dtype)), _rows(k, device, dtype), sizes)
     x3 = torch.randn(3, 5, k, generator=g).to(device, dtype)  # leading dims flatten into rows
     assert torch.equal(table.dense(x3, w.to(dtype)), table.linear(x3.reshape(15, k), w.to(dtype)).view(3, 5, n))
     assert rel_err(table.dense(x3, w.to(dtype)).float(), x3.float() @ w.float().T) <= 1e-2
 
 
-@pytest.mark.interpret_ok
-def test_grouped_dense_rows_are_invariant(device) -> None:
+def test_grouped_dense_rows_are_invariant(device) -> None:  # not in the interpreter: see above
     _, table = _tables(device)
-    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    dtype = torch.bfloat16
     w = (torch.randn(2 * 96, 128, generator=torch.Generator().manual_seed(3)) * 0.1).to(device, dtype)
     _rows_invariant(lambda x: table.dense_grouped(x.transpose(0, 1), w).transpose(0, 1),
                     lambda m, g: (torch.randn(m, 2, 128, generator=g).to(device, dtype),), SIZES)

@@ -229,8 +229,10 @@ def _merge_kernel(mpart_ptr, lpart_ptr, apart_ptr, sink_ptr, out_ptr, H, D, num_
     acc = tl.zeros((BLOCK_H, CHUNK_D), dtype=tl.float32)
     for s in tl.static_range(SP):
         w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
-        a = tl.load(apart_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=h_mask[:, None] & (s < num_splits), other=0.0)
+        # The split test as a [BLOCK_H] block, not a scalar: Triton's interpreter rejects a scalar mask joined
+        # to a block one (the compiled code is the same).
+        live = h_mask & (offs_h * 0 + s < num_splits)
+        a = tl.load(apart_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :], mask=live[:, None], other=0.0)
         acc += a * w_s[:, None]
     sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * LOG2E_C
     out = _finalize(acc, m, l_i, sink2)
