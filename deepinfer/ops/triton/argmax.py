@@ -69,6 +69,16 @@ def _reduce(best_ptr, index_ptr, out_ptr, num_slices, SLICES: tl.constexpr):
     tl.store(out_ptr + row, tl.min(tl.where((best == top) & (where != NONE), where, NONE), axis=0).to(tl.int64))
 
 
+def slice_plan(rows: int, vocab: int, block: int, target_programs: int) -> tuple[int, int, int]:
+    """How a many-program row reduction (this file, ``gumbel_argmax.py``) cuts [rows, vocab]: (slices per row,
+    columns per slice: whole ``block``s, about ``target_programs`` programs in all; and a power of two that bounds
+    the slice count for every row count, so the reducing kernel compiles one variant per vocabulary size)."""
+    blocks = triton.cdiv(vocab, block)
+    num_slices = max(1, min(blocks, triton.cdiv(target_programs, rows)))
+    per_slice = triton.cdiv(blocks, num_slices) * block
+    return triton.cdiv(vocab, per_slice), per_slice, triton.next_power_of_2(min(blocks, target_programs))
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` for a 2-D floating ``x`` [B, V] (V >= 1): [B] int64, the same indices."""
     if x.dim() != 2 or not x.is_floating_point() or x.shape[1] == 0:
@@ -78,13 +88,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    blocks = triton.cdiv(vocab, BLOCK)
-    num_slices = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, rows)))
-    per_slice = triton.cdiv(blocks, num_slices) * BLOCK
-    num_slices = triton.cdiv(vocab, per_slice)
+    num_slices, per_slice, bound = slice_plan(rows, vocab, BLOCK, TARGET_PROGRAMS)
     best = torch.empty(rows, num_slices, dtype=torch.int32, device=x.device)
     index = torch.empty(rows, num_slices, dtype=torch.int32, device=x.device)
     _slices[(rows, num_slices)](x, x.stride(0), best, index, vocab, per_slice, num_slices, BLOCK=BLOCK)
-    # SLICES bounds every batch's slice count for this vocabulary: one variant per vocabulary size.
-    _reduce[(rows,)](best, index, out, num_slices, SLICES=triton.next_power_of_2(min(blocks, TARGET_PROGRAMS)))
+    _reduce[(rows,)](best, index, out, num_slices, SLICES=bound)
     return out

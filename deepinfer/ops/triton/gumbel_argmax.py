@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops.triton.argmax import slice_plan
 from deepinfer.sampling import rng
 from deepinfer.sampling.rng import Salt, _salt_rows
 
@@ -115,14 +116,10 @@ def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     if rows == 0:
         return out
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
-    blocks = triton.cdiv(vocab, BLOCK)
-    num_slices = max(1, min(blocks, triton.cdiv(TARGET_PROGRAMS, rows)))
-    per_slice = triton.cdiv(blocks, num_slices) * BLOCK
-    num_slices = triton.cdiv(vocab, per_slice)
+    num_slices, per_slice, bound = slice_plan(rows, vocab, BLOCK, TARGET_PROGRAMS)
     best = torch.empty(rows, num_slices, dtype=torch.float64, device=scores.device)
     index = torch.empty(rows, num_slices, dtype=torch.int32, device=scores.device)
     _slices[(rows, num_slices)](scores, scores.stride(0), _aligned(seeds), _aligned(positions), _aligned(salts),
                                 best, index, vocab, per_slice, num_slices, BLOCK=BLOCK)
-    # SLICES bounds every batch's slice count for this vocabulary: one variant per vocabulary size.
-    _reduce[(rows,)](best, index, out, num_slices, SLICES=triton.next_power_of_2(min(blocks, TARGET_PROGRAMS)))
+    _reduce[(rows,)](best, index, out, num_slices, SLICES=bound)
     return out
