@@ -119,7 +119,7 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     if logits.is_cuda:
         from deepinfer.ops.triton import argmax
 
-        if logits.shape[0] <= argmax.MAX_ROWS:
+        if logits.shape[0] <= argmax.MAX_ROWS and logits.dtype in argmax.DTYPES:
             return argmax.argmax_rows(logits)
     return torch.argmax(logits, dim=-1)
 

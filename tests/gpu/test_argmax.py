@@ -63,7 +63,9 @@ def test_model_vocabulary_matches_torch(device: str, rows: int) -> None:
 def test_bad_input_names_the_shape(device: str) -> None:
     from deepinfer.ops.triton.argmax import argmax_rows
 
-    with pytest.raises(ValueError, match="argmax_rows: x must be a \\[B, V\\] floating tensor"):
+    with pytest.raises(ValueError, match="argmax_rows: x must be a \\[B, V\\] tensor"):
         argmax_rows(torch.zeros(4, dtype=torch.float32, device=device))
+    with pytest.raises(ValueError, match="dtype one of bfloat16, float16, float32"):
+        argmax_rows(torch.zeros(2, 3, dtype=torch.float64, device=device))
     with pytest.raises(ValueError, match="V >= 1"):
         argmax_rows(torch.zeros(2, 0, device=device))

@@ -25,6 +25,8 @@ NONE = tl.constexpr(2**31 - 1)  # index of no element (larger than any)
 # 1 / 4 / 32 / 128 rows 4.5 / 4.7 / 9.4 / 25.5 µs vs 26.6 / 27.2 / 27.4 / 27.5); at 256 rows they lose (86.5
 # vs 46.7 µs: each program's loop waits on its loads). ``sampling.sampler.argmax_tokens`` goes by it.
 MAX_ROWS = 128
+# The keys are float32 bits: float64 would round (two values could tie or swap), so it stays with torch.
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
@@ -80,9 +82,10 @@ def slice_plan(rows: int, vocab: int, block: int, target_programs: int) -> tuple
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` for a 2-D floating ``x`` [B, V] (V >= 1): [B] int64, the same indices."""
-    if x.dim() != 2 or not x.is_floating_point() or x.shape[1] == 0:
-        raise ValueError(f"argmax_rows: x must be a [B, V] floating tensor with V >= 1, got {tuple(x.shape)} {x.dtype}")
+    """``torch.argmax(x, dim=-1)`` for a 2-D ``x`` [B, V] (V >= 1) in ``DTYPES``: [B] int64, the same indices."""
+    if x.dim() != 2 or x.dtype not in DTYPES or x.shape[1] == 0:
+        raise ValueError(f"argmax_rows: x must be a [B, V] tensor with V >= 1 and dtype one of bfloat16, float16, "
+                         f"float32, got {tuple(x.shape)} {x.dtype}")
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
